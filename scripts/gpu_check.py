@@ -1,0 +1,73 @@
+"""Everything the GPU must confirm, in one call; a short summary last.
+
+Builds every shipped kernel structure (in parallel), times a second process's load from the
+cache, runs the GPU tests (pytest -m gpu) and the benchmark. Output files go to $OUT (or
+./gpu-check-out). Usage: python scripts/gpu_check.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(os.environ.get("OUT") or ROOT / "gpu-check-out")
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
+LOAD_SNIPPET = (
+    "import time; t = time.perf_counter(); import torch, gemmfuse.sources as s; "
+    "from gemmfuse.kernelbench.registry import PROBLEMS; "
+    "s.extension_for(PROBLEMS[62].structures[0]); print(f'{time.perf_counter() - t:.2f}')"
+)
+
+
+def run(cmd: list[str], log: str) -> tuple[int, str]:
+    print("$", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    (OUT / log).write_text(text)
+    print(text[-6000:], flush=True)
+    return proc.returncode, text
+
+
+def main() -> int:
+    quick = "--quick" in sys.argv
+    OUT.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "src"))
+    from gemmfuse.kernelbench.registry import PROBLEMS
+    from gemmfuse.sources import extension_for
+
+    summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
+    structures = {repr(s.structure): s for p in PROBLEMS.values() for s in p.structures}
+    t = time.perf_counter()
+    with ThreadPoolExecutor(len(structures)) as pool:
+        list(pool.map(extension_for, structures.values()))
+    summary.append(f"build: {len(structures)} extensions in {time.perf_counter() - t:.1f} s")
+    _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
+    summary.append(f"second-process load from cache: {load.strip().splitlines()[-1]} s")
+
+    pytest = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+    if quick:
+        pytest += ["-x"]
+    rc_tests, text = run(pytest, "pytest.log")
+    counts = re.findall(r"=+ (.*(?:passed|failed|error|skipped).*) in [\d.]+s", text)
+    summary.append(f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
+
+    bench = [sys.executable, "-m", "gemmfuse", "bench", "--json", str(OUT / "bench.json")]
+    if quick:
+        bench += ["--seeds", "3", "--no-compile"]
+    rc_bench, text = run(bench, "bench.log")
+    table = [ln for ln in text.splitlines() if ln.startswith("|") or ln.startswith("gpu:")]
+    summary += [f"benchmark (rc {rc_bench}):", *table]
+    print("\n==== gpu-check summary ====\n" + "\n".join(summary))
+    return rc_tests or rc_bench
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from gemmfuse.cli import main
+
+sys.exit(main())

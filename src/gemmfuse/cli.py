@@ -1,0 +1,50 @@
+"""``python -m gemmfuse bench|export``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gemmfuse.kernelbench.registry import PROBLEMS, get_problem
+
+
+def _problem(text: str) -> int:
+    try:
+        return get_problem(text.strip()).number
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _problem_list(text: str) -> list[int]:
+    return [_problem(p) for p in text.split(",")]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gemmfuse", description="Fused GEMM epilogues.")
+    sub = p.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="check and time ModelNew against PyTorch (needs a GPU)")
+    bench.add_argument(
+        "--problems", type=_problem_list, default=sorted(PROBLEMS),
+        help="comma-separated KernelBench L2 numbers (default: all shipped)",
+    )  # fmt: skip
+    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    bench.add_argument("--seeds", type=int, default=10, help="correctness seeds (default 10)")
+    bench.add_argument("--iters", type=int, default=30, help="timed calls per median (>= 30)")
+    bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    export = sub.add_parser("export", help="print a standalone KernelBench ModelNew file")
+    export.add_argument("problem", type=_problem, help=f"one of {sorted(PROBLEMS)}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "export":
+        from gemmfuse.kernelbench.export import standalone_source
+
+        sys.stdout.write(standalone_source(args.problem))
+        return 0
+    if args.iters < 30 or args.seeds < 1:
+        parser().error("--iters must be >= 30 and --seeds >= 1")
+    from gemmfuse.bench import main as bench_main
+
+    return bench_main(args.problems, args.json, args.seeds, args.iters, not args.no_compile)

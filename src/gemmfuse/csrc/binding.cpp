@@ -1,0 +1,124 @@
+// Host side of one fused-linear extension: checks, allocation and launches on the current
+// stream. Python (gemmfuse/runtime.py) validates user input first and raises readable errors;
+// the checks here are the last line of defence against a malformed internal call.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "fused_args.h"
+
+namespace {
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "gemmfuse: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+void check_vector(const c10::optional<torch::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+                  t->numel() == n,
+              "gemmfuse: ", name, " must be a contiguous float32 CUDA tensor of ", n, " elements");
+}
+
+const float* ptr_or_null(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+}  // namespace
+
+// Splits rows of a float32 [rows, k] matrix (unit column stride) into fp16 hi/lo
+// [rows, k_padded] and the per-row inverse power-of-two scale.
+std::vector<torch::Tensor> split_rows(torch::Tensor x, int64_t k_padded) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "gemmfuse: split_rows needs a 2-D float32 CUDA tensor with unit column stride");
+  TORCH_CHECK(k_padded >= x.size(1) && k_padded % 32 == 0, "gemmfuse: bad k_padded");
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 31) && k_padded < (int64_t{1} << 31),
+              "gemmfuse: split_rows sizes must fit in 32 bits");
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto rows = x.size(0);
+  auto half_opts = x.options().dtype(torch::kFloat16);
+  auto hi = torch::empty({rows, k_padded}, half_opts);
+  auto lo = torch::empty({rows, k_padded}, half_opts);
+  auto inv_scale = torch::empty({rows}, x.options());
+  check_cuda(gemmfuse::launch_split_rows_f32(
+                 x.data_ptr<float>(), x.stride(0), static_cast<int>(rows), static_cast<int>(x.size(1)),
+                 static_cast<int>(k_padded), reinterpret_cast<__half*>(hi.data_ptr<at::Half>()),
+                 reinterpret_cast<__half*>(lo.data_ptr<at::Half>()), inv_scale.data_ptr<float>(),
+                 at::cuda::getCurrentCUDAStream()),
+             "split_rows launch");
+  return {hi, lo, inv_scale};
+}
+
+// x [M, K] float32 -> epilogue(x @ W^T + bias): [M, N], or [M] when the epilogue reduces
+// across channels. W arrives pre-split (split_rows) as w_hi, w_lo [N, k_padded], w_inv_scale [N].
+torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w_lo,
+                            torch::Tensor w_inv_scale, c10::optional<torch::Tensor> bias,
+                            c10::optional<torch::Tensor> gn_weight,
+                            c10::optional<torch::Tensor> gn_bias, std::vector<torch::Tensor> vec_params,
+                            std::vector<double> scalar_params, int64_t group_size, double eps,
+                            torch::Tensor row_counter) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+              "gemmfuse: x must be a 2-D float32 CUDA tensor");
+  const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
+  TORCH_CHECK(w_hi.scalar_type() == torch::kFloat16 && w_lo.sizes() == w_hi.sizes() &&
+                  w_hi.is_contiguous() && w_lo.is_contiguous() && w_hi.device() == x.device(),
+              "gemmfuse: malformed weight split");
+  TORCH_CHECK(x.size(1) <= k_padded && k_padded - x.size(1) < 32, "gemmfuse: x and weight K differ");
+  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31), "gemmfuse: sizes must fit in 32 bits");
+  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
+  TORCH_CHECK(vec_params.size() <= gemmfuse::kMaxParams && scalar_params.size() <= gemmfuse::kMaxParams,
+              "gemmfuse: too many epilogue parameters");
+  check_vector(w_inv_scale, N, "w_inv_scale");
+  check_vector(bias, N, "bias");
+  check_vector(gn_weight, N, "gn_weight");
+  check_vector(gn_bias, N, "gn_bias");
+  TORCH_CHECK(gn_weight.has_value() == gn_bias.has_value(), "gemmfuse: gn_weight and gn_bias go together");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+
+  x = x.stride(1) == 1 ? x : x.contiguous();
+  auto a = split_rows(x, k_padded);
+
+  gemmfuse::FusedArgs args{};
+  args.a_hi = reinterpret_cast<const __half*>(a[0].data_ptr<at::Half>());
+  args.a_lo = reinterpret_cast<const __half*>(a[1].data_ptr<at::Half>());
+  args.a_inv_scale = a[2].data_ptr<float>();
+  args.b_hi = reinterpret_cast<const __half*>(w_hi.data_ptr<at::Half>());
+  args.b_lo = reinterpret_cast<const __half*>(w_lo.data_ptr<at::Half>());
+  args.b_inv_scale = w_inv_scale.data_ptr<float>();
+  args.bias = ptr_or_null(bias);
+  args.gn_weight = ptr_or_null(gn_weight);
+  args.gn_bias = ptr_or_null(gn_bias);
+  for (size_t i = 0; i < vec_params.size(); ++i) {
+    check_vector(vec_params[i], N, "epilogue parameter");
+    args.params.vec[i] = vec_params[i].data_ptr<float>();
+  }
+  for (size_t i = 0; i < scalar_params.size(); ++i) args.params.scalar[i] = static_cast<float>(scalar_params[i]);
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(N);
+  args.k_padded = static_cast<int>(k_padded);
+  args.group_size = static_cast<int>(group_size);
+  args.eps = static_cast<float>(eps);
+
+  torch::Tensor result;
+  if (gemmfuse::fused_reduce_kind() == 0) {
+    result = torch::empty({M, N}, x.options());
+    args.out = result.data_ptr<float>();
+  } else {
+    const int64_t tile = gemmfuse::fused_tile();
+    const int64_t n_tiles = (N + tile - 1) / tile;
+    const int64_t m_tiles = (M + tile - 1) / tile;
+    TORCH_CHECK(row_counter.scalar_type() == torch::kInt32 && row_counter.is_cuda() &&
+                    row_counter.numel() >= m_tiles,
+                "gemmfuse: row_counter too small");
+    auto partial = torch::empty({n_tiles, M}, x.options());
+    result = torch::empty({M}, x.options());
+    args.row_partial = partial.data_ptr<float>();
+    args.row_out = result.data_ptr<float>();
+    args.row_counter = row_counter.data_ptr<int>();
+  }
+  check_cuda(gemmfuse::launch_fused(args, stream), "fused kernel launch");
+  return result;
+}
+
+int64_t tile_size() { return gemmfuse::fused_tile(); }

@@ -1,0 +1,231 @@
+"""Functional entry point: ``fused_linear`` and its dispatch.
+
+Paths, in the order they are tried:
+
+``fused``
+    One CUDA kernel (plus the activation's split pre-pass): split-fp16 tensor-core GEMM with the
+    whole epilogue in its epilogue. Needs a CUDA float32 2-D input on an sm_80+ GPU, no autograd,
+    and GroupNorm groups that fit an output tile (group size divides 128).
+``fused-gemm+torch``
+    The same accurate GEMM kernel with only the pre-GroupNorm ops fused, then the rest of the
+    chain in PyTorch: taken when the groups are wider than a tile or do not divide it.
+``torch``
+    The PyTorch reference (reference.py): CPU tensors, other dtypes, older GPUs, autograd.
+
+A CUDA call that cannot take ``fused`` emits a :class:`FallbackWarning` saying why.
+
+This module imports only torch and the standard library (plus the package's own standalone-safe
+modules): ``gemmfuse export`` inlines it into standalone files.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from gemmfuse.epilogue import Epilogue
+from gemmfuse.reference import apply_epilogue, linear_epilogue
+from gemmfuse.sources import extension_for
+
+K_ALIGN = 32  # kBlockK: operands are zero-padded in K to a multiple of it
+TILE = 128  # kBlockN in csrc/gemm_gn_sm80.cuh: a fused GroupNorm's group size must divide it
+
+
+class FallbackWarning(UserWarning):
+    """A CUDA call ran on a slower gemmfuse path than the fully fused kernel."""
+
+
+class SplitWeightCache:
+    """The fp16 hi/lo split of a weight, computed once and recomputed when the weight changes.
+
+    A change is any of: another tensor or storage (``.to()``, ``load_state_dict`` with
+    ``assign=True``, ``param.data = ...``), or an in-place write through the parameter itself
+    (optimizer steps, ``load_state_dict``), which bumps its version counter. The cache holds the
+    storage it was built from, so that address cannot be reused by a new weight unnoticed.
+    Writes through ``param.data`` bypass the version counter: call :meth:`clear` after them.
+    Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel.
+    """
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self._storage = None
+        self._key = None
+        self._split = None
+
+    def get(self, ext, weight: torch.Tensor, k_padded: int):
+        storage = weight.untyped_storage()
+        key = (
+            weight._version,
+            weight.storage_offset(),
+            tuple(weight.shape),
+            weight.stride(),
+            weight.dtype,
+            weight.device,
+            k_padded,
+        )
+        if self._storage is not storage or self._key != key:
+            w = weight.detach()
+            self._split = ext.split_rows(w if w.stride(1) == 1 else w.contiguous(), k_padded)
+            self._storage, self._key = storage, key
+        return self._split
+
+
+_ROW_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _row_counter(device: torch.device, m_tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the reducing kernel, one set per device and stream.
+
+    The kernel leaves them zero, and launches on one stream run in order, so a set is reused.
+    """
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counter = _ROW_COUNTERS.get(key)
+    if counter is None or counter.numel() < m_tiles:
+        counter = torch.zeros(max(m_tiles, 64), dtype=torch.int32, device=device)
+        _ROW_COUNTERS[key] = counter
+    return counter
+
+
+def _check_vector(t: torch.Tensor | None, name: str, n: int, like: torch.Tensor) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+    if t.device != like.device or t.dtype != like.dtype:
+        raise ValueError(
+            f"{name} must be {like.dtype} on {like.device} like the weight, "
+            f"got {t.dtype} on {t.device}"
+        )
+
+
+def validate(x, weight, bias, epilogue, gn_weight, gn_bias) -> None:
+    """Raises TypeError/ValueError naming the bad argument; accepts everything PyTorch would."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D torch.Tensor of shape (out_features, in_features)")
+    if not isinstance(epilogue, Epilogue):
+        raise TypeError(f"epilogue must be a gemmfuse.Epilogue, got {type(epilogue).__name__}")
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must have shape (batch, {k}) to match weight, got {tuple(x.shape)}")
+    if x.device != weight.device or x.dtype != weight.dtype:
+        raise ValueError(
+            f"x ({x.dtype} on {x.device}) and weight ({weight.dtype} on {weight.device}) "
+            "must share dtype and device"
+        )
+    _check_vector(bias, "bias", n, weight)
+    norm = epilogue.norm
+    if norm is None:
+        if gn_weight is not None or gn_bias is not None:
+            raise ValueError("gn_weight/gn_bias given but the epilogue has no GroupNorm")
+        return
+    if n % norm.num_groups:
+        raise ValueError(f"num_groups={norm.num_groups} must divide out_features={n}")
+    if norm.affine != (gn_weight is not None) or (gn_weight is None) != (gn_bias is None):
+        raise ValueError(
+            "gn_weight and gn_bias must both be given exactly when the GroupNorm is affine "
+            f"(affine={norm.affine})"
+        )
+    _check_vector(gn_weight, "gn_weight", n, weight)
+    _check_vector(gn_bias, "gn_bias", n, weight)
+
+
+def select_path(x, weight, epilogue: Epilogue, tensors=()) -> tuple[str, str]:
+    """(path, reason) for this call; reason says why a faster path was not taken."""
+    if x.device.type != "cuda":
+        return "torch", f"{x.device.type} tensors run the PyTorch reference path"
+    if x.dtype != torch.float32:
+        return "torch", f"{x.dtype} inputs run the PyTorch path (the fused kernels are float32)"
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "torch", "the fused kernels need compute capability 8.0 or newer"
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, *tensors)
+    ):
+        return "torch", "autograd is recording and the fused kernels have no backward"
+    n, m = weight.shape[0], x.shape[0]
+    if 0 in (m, n, x.shape[1]):
+        return "torch", "empty tensors run the PyTorch path"
+    if max(m, n) >= 2**31 or x.shape[1] >= 2**31 - K_ALIGN:
+        return "torch", "sizes beyond 32-bit indexing run the PyTorch path"
+    if epilogue.norm is not None:
+        group = n // epilogue.norm.num_groups
+        if TILE % group:
+            return "fused-gemm+torch", (
+                f"group size {group} does not divide the {TILE}-channel output tile, so "
+                "GroupNorm and what follows it run in PyTorch after the fused GEMM"
+            )
+    return "fused", ""
+
+
+def _launch(x, weight, bias, epilogue: Epilogue, gn_weight, gn_bias, cache) -> torch.Tensor:
+    ext = extension_for(epilogue)
+    k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
+    w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
+    m = x.shape[0]
+    if epilogue.reduce is not None:
+        counter = _row_counter(x.device, -(-m // TILE))
+    else:
+        counter = torch.empty(0, dtype=torch.int32, device=x.device)
+    group_size = weight.shape[0] // epilogue.norm.num_groups if epilogue.norm else 1
+    eps = epilogue.norm.eps if epilogue.norm else 0.0
+    out = ext.fused_forward(
+        x.detach(), w_hi, w_lo, w_inv,
+        None if bias is None else bias.detach(),
+        None if gn_weight is None else gn_weight.detach(),
+        None if gn_bias is None else gn_bias.detach(),
+        [], epilogue.scalars, group_size, eps, counter,
+    )  # fmt: skip
+    if epilogue.reduce is not None and epilogue.reduce.keepdim:
+        out = out.view(m, 1)
+    return out
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    epilogue: Epilogue,
+    gn_weight: torch.Tensor | None = None,
+    gn_bias: torch.Tensor | None = None,
+    *,
+    weight_cache: SplitWeightCache | None = None,
+) -> torch.Tensor:
+    """``epilogue(x @ weight.T + bias)``, as PyTorch computes it in float32, in one kernel.
+
+    Args:
+        x: (M, K) input.
+        weight, bias: the Linear's (N, K) weight and (N,) bias (or None).
+        epilogue: the chain after the GEMM (:class:`gemmfuse.Epilogue`).
+        gn_weight, gn_bias: the GroupNorm's affine parameters, when it is affine.
+        weight_cache: keeps the weight's fp16 split between calls; without one the weight is
+            split on every call (correct, slower).
+
+    Returns (M, N), or the reduction's (M,) / (M, 1).
+    """
+    return fused_linear_with_path(
+        x, weight, bias, epilogue, gn_weight, gn_bias, weight_cache=weight_cache
+    )[0]
+
+
+def fused_linear_with_path(
+    x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *, weight_cache=None
+) -> tuple[torch.Tensor, str]:
+    """:func:`fused_linear`, also returning the path taken ("fused", "fused-gemm+torch", "torch")."""
+    validate(x, weight, bias, epilogue, gn_weight, gn_bias)
+    path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias))
+    if path != "fused" and x.device.type == "cuda":
+        warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
+    if path == "torch":
+        return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias), path
+    cache = weight_cache if weight_cache is not None else SplitWeightCache()
+    if path == "fused-gemm+torch":
+        y = _launch(x, weight, bias, epilogue.up_to_norm(), None, None, cache)
+        rest = Epilogue(norm=epilogue.norm, post=epilogue.post, reduce=epilogue.reduce)
+        return apply_epilogue(y, rest, gn_weight, gn_bias), path
+    return _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache), path

@@ -1,0 +1,124 @@
+"""The fused kernels on the GPU: full-size problems, odd shapes, layouts, caching, export."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from gemmfuse import FallbackWarning
+from gemmfuse.bench import check
+from gemmfuse.kernelbench.export import standalone_source
+from gemmfuse.kernelbench.registry import get_problem
+from helpers import build_pair, max_abs_err, run_both, small_pair
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("number", [62, 75])
+def test_full_size_ten_seeds(number):
+    problem = get_problem(number)
+    module = problem.load()
+    ref, new = build_pair(problem, module.get_init_inputs())
+    result = check(problem, ref.to(CUDA), new.to(CUDA), module.get_inputs, 10, CUDA)
+    assert result.paths == ["fused"]
+    # allclose(eager, 1e-4) and error vs float64 <= eager's, on every seed
+    assert result.correct, result
+    assert result.max_err_gemmfuse <= result.max_err_eager
+
+
+# (group size, channels): tile-fitting groups take the fused path; others the fallback.
+GROUPS = [(1, 200, "fused"), (16, 592, "fused"), (64, 1024, "fused"),
+          (3, 300, "fused-gemm+torch"), (512, 1024, "fused-gemm+torch"),
+          (640, 640, "fused-gemm+torch")]  # fmt: skip
+
+
+@pytest.mark.parametrize("number", [62, 75])
+@pytest.mark.parametrize("m", [1, 3, 257])
+@pytest.mark.parametrize("k", [8, 1000, 8192])
+@pytest.mark.parametrize("group,n,path", GROUPS)
+def test_odd_shapes(number, m, k, group, n, path):
+    init = (k, n, n // group) + (((1, n, 1, 1),) if number == 75 else ())
+    ref, new = small_pair(number, seed=m + k + n, init=init)
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    x = torch.randn(m, k, device=CUDA)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        expect, exact, got = run_both(ref, new, x)
+    assert new.last_path == path
+    assert any(issubclass(w.category, FallbackWarning) for w in caught) == (path != "fused")
+    assert got.shape == expect.shape
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["row-strided", "transposed"])
+def test_non_contiguous_input(layout):
+    ref, new = small_pair(62, init=(512, 256, 16))
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    if layout == "row-strided":
+        x = torch.randn(100, 600, device=CUDA)[:, 13:525]
+    else:
+        x = torch.randn(512, 100, device=CUDA).t()
+    assert not x.is_contiguous()
+    expect, exact, got = run_both(ref, new, x)
+    assert new.last_path == "fused"
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+
+
+def test_weight_changes_are_seen():
+    ref, new = small_pair(62, init=(256, 256, 16))
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    x = torch.rand(64, 256, device=CUDA)
+    with torch.no_grad():
+        before = new(x)
+        new.fc.weight.mul_(-0.5)  # in place: bumps the version counter
+        ref.fc.weight.mul_(-0.5)
+        torch.testing.assert_close(new(x), ref(x), atol=1e-4, rtol=1e-4)
+        other, _ = small_pair(62, seed=7, init=(256, 256, 16))
+        new.load_state_dict(other.state_dict())
+        ref.load_state_dict(other.state_dict())
+        after = new(x)
+        torch.testing.assert_close(after, ref(x), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(before, after)
+
+
+def test_reduction_counters_survive_many_calls():
+    ref, new = small_pair(75, init=(256, 1024, 64, (1, 1024, 1, 1)))
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    for m in (300, 5, 129, 300):
+        x = torch.randn(m, 256, device=CUDA)
+        expect, _, got = run_both(ref, new, x)
+        torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_model_falls_back_with_warning():
+    ref, new = small_pair(62, init=(256, 256, 16))
+    ref, new = ref.to(CUDA, torch.bfloat16), new.to(CUDA, torch.bfloat16)
+    x = torch.rand(8, 256, device=CUDA, dtype=torch.bfloat16)
+    with pytest.warns(FallbackWarning, match="bfloat16"):
+        with torch.no_grad():
+            got = new(x)
+    assert new.last_path == "torch"
+    torch.testing.assert_close(got, ref(x).detach(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("number", [62, 75])
+def test_standalone_export_runs_fused(number):
+    namespace: dict = {}
+    exec(standalone_source(number), namespace)
+    problem = get_problem(number)
+    module = problem.load()
+    init = module.get_init_inputs()
+    torch.manual_seed(3)
+    ref = module.Model(*init).to(CUDA)
+    torch.manual_seed(3)
+    new = namespace["ModelNew"](*init).to(CUDA)
+    x = module.get_inputs()[0].to(CUDA)
+    expect, exact, got = run_both(ref, new, x)
+    assert new.last_path == "fused"
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+    assert max_abs_err(got, exact) <= max_abs_err(expect, exact)
