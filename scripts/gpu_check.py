@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT") or ROOT / "gpu-check-out")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
 LOAD_SNIPPET = (
-    "import time; t = time.perf_counter(); import torch, gemmfuse.sources as s; "
-    "from gemmfuse.kernelbench.registry import PROBLEMS; "
-    "s.extension_for(PROBLEMS[62].structures[0]); print(f'{time.perf_counter() - t:.2f}')"
+    "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+    "import gemmfuse.sources as s; from gemmfuse.kernelbench.registry import PROBLEMS; "
+    "s.extension_for(PROBLEMS[62].structures[0]); t2 = time.perf_counter(); "
+    "print(f'{t2 - t1:.2f} s after import torch ({t1 - t0:.2f} s)')"
 )
 
 
@@ -50,9 +51,20 @@ def main() -> int:
         list(pool.map(extension_for, structures.values()))
     summary.append(f"build: {len(structures)} extensions in {time.perf_counter() - t:.1f} s")
     _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
-    summary.append(f"second-process load from cache: {load.strip().splitlines()[-1]} s")
+    summary.append(f"second-process load from cache: {load.strip().splitlines()[-1]}")
 
-    pytest = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+    pytest = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests",
+        "-m",
+        "gpu",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+    ]
     if quick:
         pytest += ["-x"]
     rc_tests, text = run(pytest, "pytest.log")

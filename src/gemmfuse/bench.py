@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -87,7 +88,9 @@ def check(problem: Problem, ref, new, inputs_fn, seeds: int, device) -> Result:
             and bool(torch.allclose(got, expect, atol=ATOL, rtol=RTOL))
             and errs_new[-1] <= errs_eager[-1]
         )
-    return Result(problem.number, shape, seeds, correct, sorted(paths), max(errs_eager), max(errs_new))
+    return Result(
+        problem.number, shape, seeds, correct, sorted(paths), max(errs_eager), max(errs_new)
+    )
 
 
 def time_ms(fn, x, iters: int, warmup: int = 5) -> float:
@@ -109,8 +112,13 @@ def time_ms(fn, x, iters: int, warmup: int = 5) -> float:
 
 
 def git_commit() -> str:
+    """$GEMMFUSE_COMMIT (set where the tree travels without .git), else git's HEAD."""
+    if os.environ.get("GEMMFUSE_COMMIT"):
+        return os.environ["GEMMFUSE_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
@@ -138,7 +146,8 @@ def check_reference_path(numbers: list[int]) -> bool:
     for number in numbers:
         problem = get_problem(number)
         ref, new = build_pair(problem, list(problem.small_init))
-        result = check(problem, ref, new, lambda: [torch.rand(33, problem.small_init[0])], 3, "cpu")
+        k = problem.small_init[0]
+        result = check(problem, ref, new, lambda k=k: [torch.rand(33, k)], 3, "cpu")
         print(f"#{number}: reference path {'ok' if result.correct else 'WRONG'} on CPU")
         ok &= result.correct
     return ok

@@ -16,8 +16,8 @@ standalone files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

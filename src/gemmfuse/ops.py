@@ -127,6 +127,11 @@ def validate(x, weight, bias, epilogue, gn_weight, gn_bias) -> None:
         return
     if n % norm.num_groups:
         raise ValueError(f"num_groups={norm.num_groups} must divide out_features={n}")
+    if x.shape[0] * (n // norm.num_groups) == 1:  # F.group_norm refuses this too
+        raise ValueError(
+            f"GroupNorm needs more than 1 value per group, got x of shape {tuple(x.shape)} "
+            f"with {norm.num_groups} groups of {n} channels"
+        )
     if norm.affine != (gn_weight is not None) or (gn_weight is None) != (gn_bias is None):
         raise ValueError(
             "gn_weight and gn_bias must both be given exactly when the GroupNorm is affine "
@@ -216,7 +221,7 @@ def fused_linear(
 def fused_linear_with_path(
     x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *, weight_cache=None
 ) -> tuple[torch.Tensor, str]:
-    """:func:`fused_linear`, also returning the path taken ("fused", "fused-gemm+torch", "torch")."""
+    """:func:`fused_linear`, also returning the path taken: "fused", "fused-gemm+torch", "torch"."""
     validate(x, weight, bias, epilogue, gn_weight, gn_bias)
     path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias))
     if path != "fused" and x.device.type == "cuda":

@@ -8,7 +8,7 @@ standalone exports take. ``extension_for`` builds and caches the extension of a 
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -35,7 +35,7 @@ def _flatten(name: str, generated: str, seen: set[str]) -> list[str]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def extension_sources(structure: Epilogue) -> tuple[str, str]:
     """(C++ binding, CUDA translation unit) for an epilogue structure."""
     generated = cuda_epilogue(structure)

@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from gemmfuse import Epilogue, GroupNormSpec, fused_linear, fused_linear_with_path
+from gemmfuse.ops import SplitWeightCache, select_path
+
+EPI = Epilogue(norm=GroupNormSpec(4))
+
+
+def args(m=5, k=8, n=16):
+    return torch.randn(m, k), torch.randn(n, k), torch.randn(n), torch.ones(n), torch.zeros(n)
+
+
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (lambda a: {**a, "x": [1.0]}, TypeError, "x must be a torch.Tensor"),
+        (lambda a: {**a, "x": torch.randn(5, 9)}, ValueError, r"x must have shape \(batch, 8\)"),
+        (lambda a: {**a, "x": torch.randn(2, 5, 8)}, ValueError, "x must have shape"),
+        (lambda a: {**a, "weight": torch.randn(16)}, ValueError, "weight must be a 2-D"),
+        (lambda a: {**a, "x": a["x"].double()}, ValueError, "must share dtype and device"),
+        (lambda a: {**a, "bias": torch.randn(3)}, ValueError, r"bias must have shape \(16,\)"),
+        (lambda a: {**a, "epilogue": "gn"}, TypeError, "epilogue must be a gemmfuse.Epilogue"),
+        (lambda a: {**a, "gn_weight": None}, ValueError, "gn_weight and gn_bias"),
+        (lambda a: {**a, "gn_bias": torch.zeros(4)}, ValueError, r"gn_bias must have shape"),
+        (
+            lambda a: {**a, "epilogue": Epilogue(norm=GroupNormSpec(3))},
+            ValueError,
+            "num_groups=3 must divide out_features=16",
+        ),
+        (
+            lambda a: {**a, "epilogue": Epilogue()},
+            ValueError,
+            "the epilogue has no GroupNorm",
+        ),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(mutate, error, message):
+    x, w, b, gw, gb = args()
+    kwargs = mutate(
+        {"x": x, "weight": w, "bias": b, "epilogue": EPI, "gn_weight": gw, "gn_bias": gb}
+    )
+    with pytest.raises(error, match=message):
+        fused_linear(**kwargs)
+
+
+def test_one_value_per_group_raises_like_pytorch():
+    x, w, b, _, _ = args(m=1, n=4)
+    with pytest.raises(ValueError, match="more than 1 value per group"):
+        fused_linear(x, w, b, Epilogue(norm=GroupNormSpec(4, affine=False)))
+
+
+def test_cpu_takes_reference_path_without_warning(recwarn):
+    x, w, b, gw, gb = args()
+    out, path = fused_linear_with_path(x, w, b, EPI, gw, gb)
+    assert path == "torch" and out.shape == (5, 16)
+    assert not recwarn.list
+
+
+def test_select_path_reasons():
+    x, w, _, _, _ = args()
+    assert select_path(x, w, EPI) == ("torch", "cpu tensors run the PyTorch reference path")
+
+
+def test_weight_cache_tracks_changes():
+    calls = []
+
+    class FakeExt:
+        @staticmethod
+        def split_rows(w, k_padded):
+            calls.append(w.clone())
+            return (w, w, w)
+
+    cache = SplitWeightCache()
+    w = torch.randn(4, 8)
+    cache.get(FakeExt, w, 32)
+    cache.get(FakeExt, w, 32)
+    assert len(calls) == 1
+    w.mul_(2)  # in place: version bump
+    cache.get(FakeExt, w, 32)
+    assert len(calls) == 2 and torch.equal(calls[-1], w)
+    w2 = w.clone()  # same values, another storage
+    cache.get(FakeExt, w2, 32)
+    assert len(calls) == 3
+    cache.clear()
+    cache.get(FakeExt, w2, 32)
+    assert len(calls) == 4
