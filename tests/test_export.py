@@ -19,8 +19,8 @@ def test_export_is_self_contained(number):
             assert node.level == 0, "no relative imports"
             imported.add(node.module.split(".")[0])
     assert "gemmfuse" not in imported
-    stdlib = {"__future__", "dataclasses", "typing", "hashlib", "importlib", "os", "re",
-              "threading", "pathlib", "types", "warnings"}  # fmt: skip
+    stdlib = {"__future__", "collections", "dataclasses", "typing", "hashlib", "importlib",
+              "os", "re", "threading", "pathlib", "types", "warnings"}  # fmt: skip
     assert imported <= stdlib | {"torch"}, imported - stdlib
     assert "__file__" not in source
     assert "load_inline" in source and "mma.sync" in source  # CUDA inlined
