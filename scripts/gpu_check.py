@@ -37,6 +37,27 @@ def run(cmd: list[str], log: str) -> tuple[int, str]:
     return proc.returncode, text
 
 
+def sass_report(library: str) -> str:
+    """Counts the matrix and local-memory instructions of each kernel in a built library."""
+    proc = subprocess.run(["cuobjdump", "-sass", library], capture_output=True, text=True)
+    (OUT / "sass.txt").write_text(proc.stdout)
+    report, name = [], None
+    counts: dict[str, dict[str, int]] = {}
+    for line in proc.stdout.splitlines():
+        if "Function :" in line:
+            name = line.split("Function :")[1].strip()
+            counts[name] = {"HGMMA": 0, "HMMA": 0, "LDL": 0, "STL": 0}
+        elif name:
+            for op in counts[name]:
+                counts[name][op] += f" {op}" in line
+    for name, c in counts.items():
+        short = "sm90" if "sm90" in name else "sm80" if "gemm_gn" in name else name[:30]
+        report.append(f"{short}: " + " ".join(f"{k}={v}" for k, v in c.items()))
+    return (
+        "SASS: " + "; ".join(report) if report else f"SASS: cuobjdump failed ({proc.stderr[:200]})"
+    )
+
+
 def main() -> int:
     quick = "--quick" in sys.argv
     OUT.mkdir(parents=True, exist_ok=True)
@@ -48,8 +69,9 @@ def main() -> int:
     structures = {repr(s.structure): s for p in PROBLEMS.values() for s in p.structures}
     t = time.perf_counter()
     with ThreadPoolExecutor(len(structures)) as pool:
-        list(pool.map(extension_for, structures.values()))
+        modules = list(pool.map(extension_for, structures.values()))
     summary.append(f"build: {len(structures)} extensions in {time.perf_counter() - t:.1f} s")
+    summary.append(sass_report(modules[0].__file__))
     _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
     summary.append(f"second-process load from cache: {load.strip().splitlines()[-1]}")
 

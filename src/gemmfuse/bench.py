@@ -137,6 +137,10 @@ def run_problem(number: int, seeds: int, iters: int, compile_: bool) -> Result:
     if compile_:
         result.ms["compile"] = time_ms(torch.compile(ref), x, iters)
     result.ms["gemmfuse"] = time_ms(new, x, iters)
+    if torch.cuda.get_device_capability() == (9, 0):  # the portable kernel, for comparison
+        new.kernel = "portable"
+        result.ms["portable"] = time_ms(new, x, iters)
+        new.kernel = "auto"
     return result
 
 
@@ -156,9 +160,9 @@ def check_reference_path(numbers: list[int]) -> bool:
 def format_table(results: list[Result]) -> str:
     head = (
         "| problem | output | correct | path | max err eager | max err gemmfuse | eager ms "
-        "| compile ms | gemmfuse ms | vs eager | vs compile |"
+        "| compile ms | gemmfuse ms | vs eager | vs compile | portable kernel ms |"
     )
-    rows = [head, "|" + "---|" * 11]
+    rows = [head, "|" + "---|" * 12]
     for r in results:
         eager, comp, ours = r.ms.get("eager"), r.ms.get("compile"), r.ms.get("gemmfuse")
 
@@ -169,7 +173,8 @@ def format_table(results: list[Result]) -> str:
             f"| #{r.problem} | {r.shape} | {'yes' if r.correct else 'NO'} | {'/'.join(r.paths)} "
             f"| {r.max_err_eager:.2e} | {r.max_err_gemmfuse:.2e} | {fmt(eager)} | {fmt(comp)} "
             f"| {fmt(ours)} | {fmt(eager / ours if ours else None, '.2f')}x "
-            f"| {fmt(comp / ours if comp and ours else None, '.2f')}x |"
+            f"| {fmt(comp / ours if comp and ours else None, '.2f')}x "
+            f"| {fmt(r.ms.get('portable'))} |"
         )
     return "\n".join(rows)
 

@@ -5,7 +5,9 @@ Paths, in the order they are tried:
 ``fused``
     One CUDA kernel (plus the activation's split pre-pass): split-fp16 tensor-core GEMM with the
     whole epilogue in its epilogue. Needs a CUDA float32 2-D input on an sm_80+ GPU, no autograd,
-    and GroupNorm groups that fit an output tile (group size divides 128).
+    and GroupNorm groups that fit an output tile (group size divides 128). The kernel is the
+    Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async) elsewhere;
+    ``kernel="portable"`` / ``"hopper"`` forces one.
 ``fused-gemm+torch``
     The same accurate GEMM kernel with only the pre-GroupNorm ops fused, then the rest of the
     chain in PyTorch: taken when the groups are wider than a tile or do not divide it.
@@ -28,8 +30,9 @@ from gemmfuse.epilogue import Epilogue
 from gemmfuse.reference import apply_epilogue, linear_epilogue
 from gemmfuse.sources import extension_for
 
-K_ALIGN = 32  # kBlockK: operands are zero-padded in K to a multiple of it
-TILE = 128  # kBlockN in csrc/gemm_gn_sm80.cuh: a fused GroupNorm's group size must divide it
+K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
+TILE = 128  # kTile in csrc/tile_epilogue.cuh: a fused GroupNorm's group size must divide it
+KERNELS = {"auto": 0, "portable": 1, "hopper": 2}  # launch_fused's codes in csrc/fused_args.h
 
 
 class FallbackWarning(UserWarning):
@@ -168,7 +171,7 @@ def select_path(x, weight, epilogue: Epilogue, tensors=()) -> tuple[str, str]:
     return "fused", ""
 
 
-def _launch(x, weight, bias, epilogue: Epilogue, gn_weight, gn_bias, cache) -> torch.Tensor:
+def _launch(x, weight, bias, epilogue: Epilogue, gn_weight, gn_bias, cache, kernel) -> torch.Tensor:
     ext = extension_for(epilogue)
     k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
     w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
@@ -184,7 +187,7 @@ def _launch(x, weight, bias, epilogue: Epilogue, gn_weight, gn_bias, cache) -> t
         None if bias is None else bias.detach(),
         None if gn_weight is None else gn_weight.detach(),
         None if gn_bias is None else gn_bias.detach(),
-        [], epilogue.scalars, group_size, eps, counter,
+        [], epilogue.scalars, group_size, eps, counter, KERNELS[kernel],
     )  # fmt: skip
     if epilogue.reduce is not None and epilogue.reduce.keepdim:
         out = out.view(m, 1)
@@ -200,6 +203,7 @@ def fused_linear(
     gn_bias: torch.Tensor | None = None,
     *,
     weight_cache: SplitWeightCache | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """``epilogue(x @ weight.T + bias)``, as PyTorch computes it in float32, in one kernel.
 
@@ -210,27 +214,33 @@ def fused_linear(
         gn_weight, gn_bias: the GroupNorm's affine parameters, when it is affine.
         weight_cache: keeps the weight's fp16 split between calls; without one the weight is
             split on every call (correct, slower).
+        kernel: "auto" (by GPU), "portable" (sm_80+ mma.sync) or "hopper" (sm_90 wgmma).
 
     Returns (M, N), or the reduction's (M,) / (M, 1).
     """
     return fused_linear_with_path(
-        x, weight, bias, epilogue, gn_weight, gn_bias, weight_cache=weight_cache
+        x, weight, bias, epilogue, gn_weight, gn_bias, weight_cache=weight_cache, kernel=kernel
     )[0]
 
 
 def fused_linear_with_path(
-    x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *, weight_cache=None
+    x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *, weight_cache=None, kernel="auto"
 ) -> tuple[torch.Tensor, str]:
     """:func:`fused_linear`, also returning the path taken: "fused", "fused-gemm+torch", "torch"."""
     validate(x, weight, bias, epilogue, gn_weight, gn_bias)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias))
+    hopper = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) == (9, 0)
+    if path != "torch" and kernel == "hopper" and not hopper:
+        raise ValueError('kernel="hopper" needs an sm_90 GPU (H100/H200)')
     if path != "fused" and x.device.type == "cuda":
         warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
     if path == "torch":
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias), path
     cache = weight_cache if weight_cache is not None else SplitWeightCache()
     if path == "fused-gemm+torch":
-        y = _launch(x, weight, bias, epilogue.up_to_norm(), None, None, cache)
+        y = _launch(x, weight, bias, epilogue.up_to_norm(), None, None, cache, kernel)
         rest = Epilogue(norm=epilogue.norm, post=epilogue.post, reduce=epilogue.reduce)
         return apply_epilogue(y, rest, gn_weight, gn_bias), path
-    return _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache), path
+    return _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache, kernel), path

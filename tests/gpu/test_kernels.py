@@ -15,13 +15,23 @@ from gemmfuse.kernelbench.registry import get_problem
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
+# Both fused kernels run on the H100: the Hopper one by default, the portable one when forced.
+KERNELS = ["hopper", "portable"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    if request.param == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU")
+    return request.param
 
 
 @pytest.mark.parametrize("number", [62, 75])
-def test_full_size_ten_seeds(number):
+def test_full_size_ten_seeds(number, kernel):
     problem = get_problem(number)
     module = problem.load()
     ref, new = build_pair(problem, module.get_init_inputs())
+    new.kernel = kernel
     result = check(problem, ref.to(CUDA), new.to(CUDA), module.get_inputs, 10, CUDA)
     assert result.paths == ["fused"]
     # allclose(eager, 1e-4) and error vs float64 <= eager's, on every seed
@@ -39,10 +49,11 @@ GROUPS = [(1, 200, "fused"), (16, 592, "fused"), (64, 1024, "fused"),
 @pytest.mark.parametrize("m", [1, 3, 257])
 @pytest.mark.parametrize("k", [8, 1000, 8192])
 @pytest.mark.parametrize("group,n,path", GROUPS)
-def test_odd_shapes(number, m, k, group, n, path):
+def test_odd_shapes(number, m, k, group, n, path, kernel):
     init = (k, n, n // group) + (((1, n, 1, 1),) if number == 75 else ())
     ref, new = small_pair(number, seed=m + k + n, init=init)
     ref, new = ref.to(CUDA), new.to(CUDA)
+    new.kernel = kernel
     x = torch.randn(m, k, device=CUDA)
     if m * group == 1:  # one value per group: PyTorch refuses, and so must gemmfuse
         with pytest.raises(ValueError, match="more than 1 value"):
@@ -57,14 +68,19 @@ def test_odd_shapes(number, m, k, group, n, path):
     assert any(issubclass(w.category, FallbackWarning) for w in caught) == (path != "fused")
     assert got.shape == expect.shape
     assert not got.isnan().any()
-    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-4)
+    # Judged against float64, not against eager: a group of 3 nearly equal values makes
+    # GroupNorm amplify any GEMM rounding by up to 1/sqrt(eps) ~ 316, so eager fp32 and any
+    # other fp32-accurate GEMM can differ by more than 1e-4 while both are right to fp32
+    # precision. Bar: no further from float64 than eager fp32 is, or within 1e-4 of it.
+    err, err_eager = max_abs_err(got, exact), max_abs_err(expect, exact)
+    assert err <= max(err_eager, 1e-4), f"gemmfuse {err:.3e} vs eager {err_eager:.3e}"
 
 
 @pytest.mark.parametrize("layout", ["row-strided", "transposed"])
-def test_non_contiguous_input(layout):
+def test_non_contiguous_input(layout, kernel):
     ref, new = small_pair(62, init=(512, 256, 16))
     ref, new = ref.to(CUDA), new.to(CUDA)
+    new.kernel = kernel
     if layout == "row-strided":
         x = torch.randn(100, 600, device=CUDA)[:, 13:525]
     else:
@@ -92,9 +108,10 @@ def test_weight_changes_are_seen():
     assert not torch.allclose(before, after)
 
 
-def test_reduction_counters_survive_many_calls():
+def test_reduction_counters_survive_many_calls(kernel):
     ref, new = small_pair(75, init=(256, 1024, 64, (1, 1024, 1, 1)))
     ref, new = ref.to(CUDA), new.to(CUDA)
+    new.kernel = kernel
     for m in (300, 5, 129, 300):
         x = torch.randn(m, 256, device=CUDA)
         expect, _, got = run_both(ref, new, x)

@@ -31,7 +31,7 @@ const float* ptr_or_null(const c10::optional<torch::Tensor>& t) {
 std::vector<torch::Tensor> split_rows(torch::Tensor x, int64_t k_padded) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
               "gemmfuse: split_rows needs a 2-D float32 CUDA tensor with unit column stride");
-  TORCH_CHECK(k_padded >= x.size(1) && k_padded % 32 == 0, "gemmfuse: bad k_padded");
+  TORCH_CHECK(k_padded >= x.size(1) && k_padded % 64 == 0, "gemmfuse: bad k_padded");
   TORCH_CHECK(x.size(0) < (int64_t{1} << 31) && k_padded < (int64_t{1} << 31),
               "gemmfuse: split_rows sizes must fit in 32 bits");
   c10::cuda::CUDAGuard guard(x.device());
@@ -56,14 +56,14 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
                             c10::optional<torch::Tensor> gn_weight,
                             c10::optional<torch::Tensor> gn_bias, std::vector<torch::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
-                            torch::Tensor row_counter) {
+                            torch::Tensor row_counter, int64_t kernel) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
   const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
   TORCH_CHECK(w_hi.scalar_type() == torch::kFloat16 && w_lo.sizes() == w_hi.sizes() &&
                   w_hi.is_contiguous() && w_lo.is_contiguous() && w_hi.device() == x.device(),
               "gemmfuse: malformed weight split");
-  TORCH_CHECK(x.size(1) <= k_padded && k_padded - x.size(1) < 32, "gemmfuse: x and weight K differ");
+  TORCH_CHECK(x.size(1) <= k_padded && k_padded - x.size(1) < 64, "gemmfuse: x and weight K differ");
   TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31), "gemmfuse: sizes must fit in 32 bits");
   TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
   TORCH_CHECK(vec_params.size() <= gemmfuse::kMaxParams && scalar_params.size() <= gemmfuse::kMaxParams,
@@ -117,7 +117,8 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
     args.row_out = result.data_ptr<float>();
     args.row_counter = row_counter.data_ptr<int>();
   }
-  check_cuda(gemmfuse::launch_fused(args, stream), "fused kernel launch");
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
+  check_cuda(gemmfuse::launch_fused(args, static_cast<int>(kernel), stream), "fused kernel launch");
   return result;
 }
 

@@ -42,6 +42,8 @@ int fused_tile();  // side of the square output tile
 cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
                                   int k_padded, __half* hi, __half* lo, float* inv_scale,
                                   cudaStream_t stream);
-cudaError_t launch_fused(const FusedArgs& args, cudaStream_t stream);
+// kernel: 0 picks by device (Hopper's on sm_90, else the portable one), 1 the portable sm_80
+// kernel, 2 the Hopper kernel (sm_90 only).
+cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream);
 
 }  // namespace gemmfuse

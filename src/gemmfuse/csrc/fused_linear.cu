@@ -4,6 +4,7 @@
 #include "fused_args.h"
 #include "epilogue_generated.cuh"
 #include "gemm_gn_sm80.cuh"
+#include "gemm_gn_sm90.cuh"
 #include "split_rows.cuh"
 
 namespace gemmfuse {
@@ -17,7 +18,16 @@ cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, 
   return launch_split_rows(x, row_stride, rows, k, k_padded, hi, lo, inv_scale, stream);
 }
 
-cudaError_t launch_fused(const FusedArgs& args, cudaStream_t stream) {
+cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream) {
+  int device = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err != cudaSuccess) return err;
+  // build.py compiles for exactly this device, so on 9.0 the sm_90a kernel body is present.
+  const bool hopper = major == 9 && minor == 0;
+  if (kernel == 2 && !hopper) return cudaErrorInvalidDeviceFunction;
+  if (kernel == 2 || (kernel == 0 && hopper)) return sm90::launch<GeneratedEpilogue>(args, stream);
   return launch_fused_gemm_gn<GeneratedEpilogue>(args, stream);
 }
 

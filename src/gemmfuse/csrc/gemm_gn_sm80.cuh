@@ -10,12 +10,7 @@
 // reason DeepGEMM promotes its fp8 accumulators).
 //
 // Epilogue: the tile is undone from its power-of-two row scales, biased, passed through the
-// generated `pre` ops and staged in shared memory as fp32. GroupNorm statistics are then
-// computed per (row, group) with two passes over shared memory (groups never straddle tiles:
-// the host only takes this path when the group size divides kBlockN), followed by the affine
-// transform and the generated `post` ops. Finally the tile is either stored, or reduced across
-// its columns into one partial per row; the last block to finish a row band folds the partials
-// of all column tiles into the row's final value.
+// generated `pre` ops and staged in shared memory as fp32; tile_epilogue.cuh does the rest.
 //
 // `Epi` is generated from the Python epilogue description (epilogue.py); it provides
 //   static constexpr bool kNorm; static constexpr int kReduce;   (0 none, 1 min, 2 max, 3 sum)
@@ -28,16 +23,16 @@
 
 #include "fused_args.h"
 #include "mma_sm80.cuh"
+#include "tile_epilogue.cuh"
 
 namespace gemmfuse {
 
-constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 32;
+constexpr int kBlockM = kTile, kBlockN = kTile, kBlockK = 32;
 constexpr int kWarpsM = 2, kWarpsN = 4, kThreads = kWarpsM * kWarpsN * 32;
 constexpr int kWarpTileM = kBlockM / kWarpsM, kWarpTileN = kBlockN / kWarpsN;  // 64 x 32
 constexpr int kFragsM = kWarpTileM / 16, kFragsN = kWarpTileN / 8;            // 4 x 4
 constexpr int kTileHalfs = kBlockM * kBlockK;  // one operand tile (kBlockM == kBlockN)
 constexpr int kStageBytes = 4 * kTileHalfs * 2;  // a_hi, a_lo, b_hi, b_lo
-constexpr int kEpiStride = kBlockN + 1;          // +1 float: conflict-free column walks
 static_assert(kBlockM == kBlockN, "operand tiles share one size");
 static_assert(kBlockM * kEpiStride * 4 <= 3 * kStageBytes, "epilogue tile fits the pipeline");
 
@@ -62,13 +57,6 @@ __device__ __forceinline__ void load_tile(__half* dst, const __half* src, int ro
     const __half* g = src + static_cast<int64_t>(valid ? row0 + r : 0) * k_padded + k0 + chunk * 8;
     cp_async_16(dst + swizzle(r, chunk), g, valid);
   }
-}
-
-__device__ __forceinline__ float reduce_op(int kind, float a, float b) {
-  // NaN-propagating like torch.min / torch.max.
-  if (kind == 1) return (a < b || a != a) ? a : b;
-  if (kind == 2) return (a > b || a != a) ? a : b;
-  return a + b;
 }
 
 template <class Epi, int kStages>
@@ -188,84 +176,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
   }
   __syncthreads();
 
-  const int rows_here = min(kBlockM, args.M - tile_m);
-  const int cols_here = min(kBlockN, args.N - tile_n);
-
-  // ---- Epilogue 2: GroupNorm over each (row, group) of the tile, then post ops, in place.
-  if constexpr (Epi::kNorm) {
-    const int gs = args.group_size;
-    const int groups_here = cols_here / gs;  // N and kBlockN are multiples of gs
-    const float inv_gs = 1.f / static_cast<float>(gs);
-    for (int task = threadIdx.x; task < kBlockM * groups_here; task += kThreads) {
-      const int r = task % kBlockM;  // consecutive threads walk rows: distinct banks
-      if (r >= rows_here) continue;
-      const int c0 = (task / kBlockM) * gs;
-      float* v = tile + r * kEpiStride + c0;
-      float sum = 0.f;
-      for (int j = 0; j < gs; ++j) sum += v[j];
-      const float mean = sum * inv_gs;
-      float sq = 0.f;
-      for (int j = 0; j < gs; ++j) {
-        const float d = v[j] - mean;
-        sq += d * d;
-      }
-      const float rstd = 1.f / sqrtf(sq * inv_gs + args.eps);
-      for (int j = 0; j < gs; ++j) {
-        const int gcol = tile_n + c0 + j;
-        float y = (v[j] - mean) * rstd;
-        if (args.gn_weight != nullptr) y = y * __ldg(args.gn_weight + gcol) + __ldg(args.gn_bias + gcol);
-        v[j] = Epi::post(y, gcol, args.params);
-      }
-    }
-    __syncthreads();
-  }
-
-  // ---- Epilogue 3: store the tile, or reduce each row across channels.
-  if constexpr (Epi::kReduce == 0) {
-    for (int idx = threadIdx.x; idx < kBlockM * kBlockN; idx += kThreads) {
-      const int r = idx / kBlockN, c = idx % kBlockN;
-      if (r < rows_here && c < cols_here)
-        args.out[static_cast<int64_t>(tile_m + r) * args.N + tile_n + c] = tile[r * kEpiStride + c];
-    }
-  } else {
-    constexpr int kind = Epi::kReduce;
-    for (int r = warp; r < rows_here; r += kThreads / 32) {
-      float red = 0.f;
-      bool have = false;
-      for (int c = lane; c < cols_here; c += 32) {
-        const float v = tile[r * kEpiStride + c];
-        red = have ? reduce_op(kind, red, v) : v;
-        have = true;
-      }
-      for (int off = 16; off > 0; off >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, red, off);
-        const bool o_have = __shfl_xor_sync(0xffffffffu, have, off);
-        if (o_have) red = have ? reduce_op(kind, red, o) : o;
-        have = have || o_have;
-      }
-      if (lane == 0) args.row_partial[static_cast<int64_t>(blockIdx.y) * args.M + tile_m + r] = red;
-    }
-    // The last column tile of this row band to arrive folds all partials of its rows, in tile
-    // order, so the result does not depend on which block came last.
-    __shared__ bool is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int arrived = atomicAdd(args.row_counter + blockIdx.x, 1);
-      is_last = arrived == static_cast<int>(gridDim.y) - 1;
-    }
-    __syncthreads();
-    if (is_last) {
-      __threadfence();
-      for (int r = threadIdx.x; r < rows_here; r += kThreads) {
-        float red = __ldcg(args.row_partial + tile_m + r);
-        for (int tn = 1; tn < static_cast<int>(gridDim.y); ++tn)
-          red = reduce_op(kind, red, __ldcg(args.row_partial + static_cast<int64_t>(tn) * args.M + tile_m + r));
-        args.row_out[tile_m + r] = red;
-      }
-      if (threadIdx.x == 0) args.row_counter[blockIdx.x] = 0;  // ready for the next launch
-    }
-  }
+  const TileCoord coord{tile_m, tile_n, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
+                        static_cast<int>(gridDim.y)};
+  tile_epilogue<Epi, kThreads>(tile, args, coord, threadIdx.x, [] { __syncthreads(); });
 }
 
 template <class Epi>

@@ -3,7 +3,8 @@
 Each class takes its problem Model's constructor arguments and creates the same parameters, in
 the same order, with the same initialisers and names, so seeded construction gives identical
 weights and state_dicts load either way. Forward runs ``fused_linear``: one fused kernel on a
-CUDA float32 input, the PyTorch reference elsewhere. ``last_path`` records the path taken.
+CUDA float32 input, the PyTorch reference elsewhere. ``last_path`` records the path taken;
+setting ``kernel`` to "portable" or "hopper" forces that fused kernel.
 
 ``gemmfuse export`` copies these classes (renamed ``ModelNew``) into standalone files, so they
 use only torch and names from the standalone-safe modules.
@@ -27,6 +28,7 @@ class ModelNew62(nn.Module):
         self.gn = nn.GroupNorm(num_groups=num_groups, num_channels=hidden_size, eps=eps)
         self.leaky_relu = nn.LeakyReLU(negative_slope=negative_slope)
         self.weight_split = SplitWeightCache()
+        self.kernel = "auto"
         self.last_path = None
 
     def forward(self, x):
@@ -39,7 +41,7 @@ class ModelNew62(nn.Module):
         )
         out, self.last_path = fused_linear_with_path(
             x, self.fc.weight, self.fc.bias, epilogue, self.gn.weight, self.gn.bias,
-            weight_cache=self.weight_split,
+            weight_cache=self.weight_split, kernel=self.kernel,
         )  # fmt: skip
         return out
 
@@ -53,6 +55,7 @@ class ModelNew75(nn.Module):
         self.group_norm = nn.GroupNorm(num_groups, out_features)
         self.bias = nn.Parameter(torch.randn(bias_shape))
         self.weight_split = SplitWeightCache()
+        self.kernel = "auto"
         self.last_path = None
 
     def forward(self, x):
@@ -63,7 +66,7 @@ class ModelNew75(nn.Module):
         )
         row_min, self.last_path = fused_linear_with_path(
             x, self.gemm.weight, self.gemm.bias, epilogue, gn.weight, gn.bias,
-            weight_cache=self.weight_split,
+            weight_cache=self.weight_split, kernel=self.kernel,
         )  # fmt: skip
         # The finishing pass: PyTorch's own broadcast, (M, 1) + (1, C, 1, 1) -> (1, C, M, 1).
         return row_min + self.bias
