@@ -28,13 +28,20 @@ LOAD_SNIPPET = (
 )
 
 
-def run(cmd: list[str], log: str) -> tuple[int, str]:
+def run(cmd: list[str], log: str, timeout: float = 420) -> tuple[int, str]:
+    """Runs cmd, saving its output under OUT; a hang is killed and reported (rc 124)."""
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    text = proc.stdout + proc.stderr
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+        )
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc = 124
+        text = f"TIMEOUT after {timeout} s\n" + (exc.stdout or b"").decode(errors="replace")
     (OUT / log).write_text(text)
     print(text[-6000:], flush=True)
-    return proc.returncode, text
+    return rc, text
 
 
 def sass_report(library: str) -> str:
