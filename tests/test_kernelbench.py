@@ -1,8 +1,8 @@
 import pytest
 import torch
-from helpers import build_pair, small_pair
 
 from gemmfuse.kernelbench.registry import PROBLEMS, get_problem
+from helpers import build_pair, small_pair
 
 
 @pytest.mark.parametrize("number", sorted(PROBLEMS))

@@ -93,14 +93,19 @@ def check(problem: Problem, ref, new, inputs_fn, seeds: int, device) -> Result:
     )
 
 
-def time_ms(fn, x, iters: int, warmup: int = 5) -> float:
-    """Median ms of ``iters`` calls, each timed alone with CUDA events after an L2 flush."""
+def time_ms(fn, x, iters: int, warmup: int = 5, before=None) -> float:
+    """Median ms of ``iters`` calls, each timed alone with CUDA events after an L2 flush.
+
+    ``before``, if given, runs ahead of each call, outside the timed region.
+    """
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=x[0].device)
     with torch.no_grad():
         for _ in range(warmup):
             fn(*x)
         times = []
         for _ in range(iters):
+            if before is not None:
+                before()
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -137,11 +142,89 @@ def run_problem(number: int, seeds: int, iters: int, compile_: bool) -> Result:
     if compile_:
         result.ms["compile"] = time_ms(torch.compile(ref), x, iters)
     result.ms["gemmfuse"] = time_ms(new, x, iters)
+    # The weight split is cached; this is the time when the weights change before every call.
+    result.ms["weights_changed"] = time_ms(new, x, iters, before=new.weight_split.clear)
     if torch.cuda.get_device_capability() == (9, 0):  # the portable kernel, for comparison
         new.kernel = "portable"
         result.ms["portable"] = time_ms(new, x, iters)
         new.kernel = "auto"
     return result
+
+
+@dataclass
+class ModeResult:
+    problem: int
+    mode: str
+    max_err: float  # against float64 (fp32 data) or against eager in that dtype (bf16)
+    max_err_eager: float
+    allclose_1e4: bool
+    path: str
+    ms_eager: float
+    ms_gemmfuse: float
+
+
+def run_speed_modes(number: int, iters: int) -> list[ModeResult]:
+    """The opt-in modes: precision="tf32", and the model in bfloat16 (KernelBench's bf16 mode)."""
+    problem = get_problem(number)
+    module = problem.load()
+    device = torch.device("cuda")
+    ref, new = build_pair(problem, module.get_init_inputs())
+    ref, new = ref.to(device), new.to(device)
+    set_seed(7)
+    x = [t.to(device) for t in module.get_inputs()]
+    out = []
+    with torch.no_grad():
+        expect = ref(*x)
+        exact = copy.deepcopy(ref).double()(*[t.double() for t in x])
+        new.precision = "tf32"
+        got = new(*x)
+    out.append(
+        ModeResult(
+            number, 'precision="tf32"', max_abs_err(got, exact), max_abs_err(expect, exact),
+            bool(torch.allclose(got, expect, atol=ATOL, rtol=RTOL)), new.last_path,
+            time_ms(ref, x, iters), time_ms(new, x, iters),
+        )
+    )  # fmt: skip
+    new.precision = "fp32"
+    ref16, new16 = ref.to(dtype=torch.bfloat16), new.to(dtype=torch.bfloat16)
+    x16 = [t.to(torch.bfloat16) for t in x]
+    with torch.no_grad():
+        expect16, got16 = ref16(*x16), new16(*x16)
+    out.append(
+        ModeResult(
+            number, "bf16 model", max_abs_err(got16, exact), max_abs_err(expect16, exact),
+            bool(torch.allclose(got16.float(), expect16.float(), atol=1e-2, rtol=1e-2)),
+            new16.last_path, time_ms(ref16, x16, iters), time_ms(new16, x16, iters),
+        )
+    )  # fmt: skip
+    return out
+
+
+SWEEP_M = (1, 16, 128, 1024, 8192)
+SWEEP_NK = (1024, 4096, 8192)
+SWEEP_GROUP = (16, 64, 512)
+
+
+def run_sweep(iters: int) -> list[dict]:
+    """#62's chain over shapes: gemmfuse must never be slower than eager fp32."""
+    problem = get_problem(62)
+    device = torch.device("cuda")
+    rows = []
+    for nk in SWEEP_NK:
+        for group in SWEEP_GROUP:
+            ref, new = build_pair(problem, [nk, nk, nk // group])
+            ref, new = ref.to(device), new.to(device)
+            for m in SWEEP_M:
+                set_seed(m)
+                x = [torch.rand(m, nk, device=device)]
+                with torch.no_grad():
+                    ok = bool(torch.allclose(new(*x), ref(*x), atol=ATOL, rtol=RTOL))
+                eager, ours = time_ms(ref, x, iters), time_ms(new, x, iters)
+                rows.append(
+                    {"m": m, "nk": nk, "group": group, "path": new.last_path, "correct": ok,
+                     "eager_ms": eager, "gemmfuse_ms": ours}
+                )  # fmt: skip
+    return rows
 
 
 def check_reference_path(numbers: list[int]) -> bool:
@@ -157,33 +240,68 @@ def check_reference_path(numbers: list[int]) -> bool:
     return ok
 
 
+def _fmt(v, spec=".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def format_table(results: list[Result]) -> str:
     head = (
         "| problem | output | correct | path | max err eager | max err gemmfuse | eager ms "
-        "| compile ms | gemmfuse ms | vs eager | vs compile | portable kernel ms |"
+        "| compile ms | gemmfuse ms | vs eager | vs compile | weights changed ms "
+        "| portable kernel ms |"
     )
-    rows = [head, "|" + "---|" * 12]
+    rows = [head, "|" + "---|" * 13]
     for r in results:
         eager, comp, ours = r.ms.get("eager"), r.ms.get("compile"), r.ms.get("gemmfuse")
-
-        def fmt(v, spec=".3f"):
-            return "-" if v is None else format(v, spec)
-
         rows.append(
             f"| #{r.problem} | {r.shape} | {'yes' if r.correct else 'NO'} | {'/'.join(r.paths)} "
-            f"| {r.max_err_eager:.2e} | {r.max_err_gemmfuse:.2e} | {fmt(eager)} | {fmt(comp)} "
-            f"| {fmt(ours)} | {fmt(eager / ours if ours else None, '.2f')}x "
-            f"| {fmt(comp / ours if comp and ours else None, '.2f')}x "
-            f"| {fmt(r.ms.get('portable'))} |"
+            f"| {r.max_err_eager:.2e} | {r.max_err_gemmfuse:.2e} | {_fmt(eager)} | {_fmt(comp)} "
+            f"| {_fmt(ours)} | {_fmt(eager / ours if ours else None, '.2f')}x "
+            f"| {_fmt(comp / ours if comp and ours else None, '.2f')}x "
+            f"| {_fmt(r.ms.get('weights_changed'))} | {_fmt(r.ms.get('portable'))} |"
         )
     return "\n".join(rows)
 
 
-def main(numbers: list[int], json_path: str | None, seeds: int, iters: int, compile_: bool) -> int:
+def format_modes(modes: list[ModeResult]) -> str:
+    rows = [
+        "| problem | mode | path | max err | eager's max err | allclose | eager ms "
+        "| gemmfuse ms | vs eager |",
+        "|" + "---|" * 9,
+    ]
+    for r in modes:
+        rows.append(
+            f"| #{r.problem} | {r.mode} | {r.path} | {r.max_err:.2e} | {r.max_err_eager:.2e} "
+            f"| {'yes' if r.allclose_1e4 else 'no'} | {r.ms_eager:.3f} | {r.ms_gemmfuse:.3f} "
+            f"| {r.ms_eager / r.ms_gemmfuse:.2f}x |"
+        )
+    return "\n".join(rows)
+
+
+def format_sweep(rows: list[dict]) -> str:
+    out = [
+        "| M | N = K | group | path | correct | eager ms | gemmfuse ms | vs eager |",
+        "|" + "---|" * 8,
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['m']} | {r['nk']} | {r['group']} | {r['path']} "
+            f"| {'yes' if r['correct'] else 'NO'} | {r['eager_ms']:.3f} | {r['gemmfuse_ms']:.3f} "
+            f"| {r['eager_ms'] / r['gemmfuse_ms']:.2f}x |"
+        )
+    return "\n".join(out)
+
+
+def main(
+    numbers: list[int], json_path: str | None, seeds: int, iters: int, compile_: bool,
+    modes: bool = True, sweep: bool = False,
+) -> int:  # fmt: skip
     if not torch.cuda.is_available():
         print("no CUDA GPU: checking the reference path on small shapes only; no timing")
         return 0 if check_reference_path(numbers) else 1
     results = [run_problem(n, seeds, iters, compile_) for n in numbers]
+    mode_results = [m for n in numbers for m in run_speed_modes(n, iters)] if modes else []
+    sweep_rows = run_sweep(iters) if sweep else []
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -193,7 +311,16 @@ def main(numbers: list[int], json_path: str | None, seeds: int, iters: int, comp
     }
     print(" | ".join(f"{k}: {v}" for k, v in meta.items()))
     print(format_table(results))
+    if mode_results:
+        print(format_modes(mode_results))
+    if sweep_rows:
+        print(format_sweep(sweep_rows))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({**meta, "results": [asdict(r) for r in results]}, f, indent=2)
-    return 0 if all(r.correct for r in results) else 1
+            json.dump(
+                {**meta, "results": [asdict(r) for r in results],
+                 "modes": [asdict(m) for m in mode_results], "sweep": sweep_rows},
+                f, indent=2,
+            )  # fmt: skip
+    ok = all(r.correct for r in results) and all(r["correct"] for r in sweep_rows)
+    return 0 if ok else 1

@@ -31,6 +31,12 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--seeds", type=int, default=10, help="correctness seeds (default 10)")
     bench.add_argument("--iters", type=int, default=30, help="timed calls per median (>= 30)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    bench.add_argument(
+        "--no-modes", action="store_true", help='skip the precision="tf32" and bf16 rows'
+    )
+    bench.add_argument(
+        "--sweep", action="store_true", help="also time #62's chain over a grid of shapes"
+    )
     export = sub.add_parser("export", help="print a standalone KernelBench ModelNew file")
     export.add_argument("problem", type=_problem, help=f"one of {sorted(PROBLEMS)}")
     return p
@@ -47,4 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--iters must be >= 30 and --seeds >= 1")
     from gemmfuse.bench import main as bench_main
 
-    return bench_main(args.problems, args.json, args.seeds, args.iters, not args.no_compile)
+    return bench_main(
+        args.problems, args.json, args.seeds, args.iters, not args.no_compile,
+        modes=not args.no_modes, sweep=args.sweep,
+    )  # fmt: skip

@@ -33,6 +33,9 @@ from gemmfuse.sources import extension_for
 K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
 TILE = 128  # kTile in csrc/tile_epilogue.cuh: a fused GroupNorm's group size must divide it
 KERNELS = {"auto": 0, "portable": 1, "hopper": 2}  # launch_fused's codes in csrc/fused_args.h
+# "fp32": hi*hi + hi*lo + lo*hi, as accurate as PyTorch fp32. "tf32": hi*hi alone, operands with
+# 11 significant bits like TF32's, one third of the tensor-core work.
+PRECISIONS = {"fp32": True, "tf32": False}
 
 
 class FallbackWarning(UserWarning):
@@ -171,7 +174,7 @@ def select_path(x, weight, epilogue: Epilogue, tensors=()) -> tuple[str, str]:
     return "fused", ""
 
 
-def _launch(x, weight, bias, epilogue: Epilogue, gn_weight, gn_bias, cache, kernel) -> torch.Tensor:
+def _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache, kernel, precision):
     ext = extension_for(epilogue)
     k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
     w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
@@ -187,7 +190,7 @@ def _launch(x, weight, bias, epilogue: Epilogue, gn_weight, gn_bias, cache, kern
         None if bias is None else bias.detach(),
         None if gn_weight is None else gn_weight.detach(),
         None if gn_bias is None else gn_bias.detach(),
-        [], epilogue.scalars, group_size, eps, counter, KERNELS[kernel],
+        [], epilogue.scalars, group_size, eps, counter, KERNELS[kernel], PRECISIONS[precision],
     )  # fmt: skip
     if epilogue.reduce is not None and epilogue.reduce.keepdim:
         out = out.view(m, 1)
@@ -204,6 +207,7 @@ def fused_linear(
     *,
     weight_cache: SplitWeightCache | None = None,
     kernel: str = "auto",
+    precision: str = "fp32",
 ) -> torch.Tensor:
     """``epilogue(x @ weight.T + bias)``, as PyTorch computes it in float32, in one kernel.
 
@@ -215,21 +219,27 @@ def fused_linear(
         weight_cache: keeps the weight's fp16 split between calls; without one the weight is
             split on every call (correct, slower).
         kernel: "auto" (by GPU), "portable" (sm_80+ mma.sync) or "hopper" (sm_90 wgmma).
+        precision: "fp32" (default; PyTorch fp32's accuracy) or "tf32" (opt-in: one tensor-core
+            pass on 11-bit operands, about TF32's error, for speed). The PyTorch path is fp32.
 
     Returns (M, N), or the reduction's (M,) / (M, 1).
     """
     return fused_linear_with_path(
-        x, weight, bias, epilogue, gn_weight, gn_bias, weight_cache=weight_cache, kernel=kernel
-    )[0]
+        x, weight, bias, epilogue, gn_weight, gn_bias,
+        weight_cache=weight_cache, kernel=kernel, precision=precision,
+    )[0]  # fmt: skip
 
 
 def fused_linear_with_path(
-    x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *, weight_cache=None, kernel="auto"
-) -> tuple[torch.Tensor, str]:
+    x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *,
+    weight_cache=None, kernel="auto", precision="fp32",
+) -> tuple[torch.Tensor, str]:  # fmt: skip
     """:func:`fused_linear`, also returning the path taken: "fused", "fused-gemm+torch", "torch"."""
     validate(x, weight, bias, epilogue, gn_weight, gn_bias)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias))
     hopper = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) == (9, 0)
     if path != "torch" and kernel == "hopper" and not hopper:
@@ -240,7 +250,8 @@ def fused_linear_with_path(
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias), path
     cache = weight_cache if weight_cache is not None else SplitWeightCache()
     if path == "fused-gemm+torch":
-        y = _launch(x, weight, bias, epilogue.up_to_norm(), None, None, cache, kernel)
+        y = _launch(x, weight, bias, epilogue.up_to_norm(), None, None, cache, kernel, precision)
         rest = Epilogue(norm=epilogue.norm, post=epilogue.post, reduce=epilogue.reduce)
         return apply_epilogue(y, rest, gn_weight, gn_bias), path
-    return _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache, kernel), path
+    out = _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache, kernel, precision)
+    return out, path

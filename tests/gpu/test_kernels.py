@@ -6,12 +6,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import build_pair, max_abs_err, run_both, small_pair
 
 from gemmfuse import FallbackWarning
 from gemmfuse.bench import check
 from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.registry import get_problem
+from helpers import build_pair, max_abs_err, run_both, small_pair
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -56,7 +56,7 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
                             c10::optional<torch::Tensor> gn_weight,
                             c10::optional<torch::Tensor> gn_bias, std::vector<torch::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
-                            torch::Tensor row_counter, int64_t kernel) {
+                            torch::Tensor row_counter, int64_t kernel, bool split) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
   const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
@@ -98,6 +98,7 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
   args.N = static_cast<int>(N);
   args.k_padded = static_cast<int>(k_padded);
   args.group_size = static_cast<int>(group_size);
+  args.split = split ? 1 : 0;
   args.eps = static_cast<float>(eps);
 
   torch::Tensor result;

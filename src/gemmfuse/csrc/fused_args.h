@@ -32,6 +32,7 @@ struct FusedArgs {
   float* row_out;            // [M] when it reduces
   int* row_counter;          // [M tiles], zero on entry, left zero on exit
   int M, N, k_padded, group_size;
+  int split;                 // 1: hi*hi + hi*lo + lo*hi (fp32-accurate); 0: hi*hi alone (fast)
   float eps;
   EpilogueParams params;
 };

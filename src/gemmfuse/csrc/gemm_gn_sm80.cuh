@@ -3,7 +3,8 @@
 //
 // Main loop: a 128x128 output tile per block, 8 warps of 64x32, K in steps of 32 through a
 // cp.async pipeline of kStages shared-memory stages. Each 16-wide k-step issues three
-// mma.sync per fragment: hi*lo, lo*hi, then hi*hi (lo*lo is below fp32's rounding). The tensor
+// mma.sync per fragment: hi*lo, lo*hi, then hi*hi (lo*lo is below fp32's rounding); with
+// args.split == 0 (precision="tf32") only hi*hi. The tensor
 // cores add into their accumulator with truncation, which over thousands of steps biases an
 // fp32 GEMM; so the tensor-core accumulator only ever holds one 32-wide k-tile and is then
 // promoted into an fp32 register sum with round-to-nearest adds (Ootomo & Yokota 2022; the same
@@ -135,8 +136,10 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
         for (int j = 0; j < kFragsN; ++j) {
           const uint32_t* bhj = bh[j >> 1] + (j & 1) * 2;
           const uint32_t* blj = bl[j >> 1] + (j & 1) * 2;
-          mma_f16_16816(tc[i][j], ah, blj[0], blj[1]);
-          mma_f16_16816(tc[i][j], al, bhj[0], bhj[1]);
+          if (args.split) {
+            mma_f16_16816(tc[i][j], ah, blj[0], blj[1]);
+            mma_f16_16816(tc[i][j], al, bhj[0], bhj[1]);
+          }
           mma_f16_16816(tc[i][j], ah, bhj[0], bhj[1]);
         }
       }

@@ -1,5 +1,6 @@
 // The fused kernel of the Hopper path (sm_90a): the same split-fp16 scheme as
-// gemm_gn_sm80.cuh, on wgmma fed by TMA.
+// gemm_gn_sm80.cuh, on wgmma fed by TMA. With args.split == 0 (precision="tf32") only hi*hi is
+// issued and only the hi operands are loaded: one pass, 11-bit operands.
 //
 // A block computes a 128x128 output tile with three warpgroups. Warpgroup 0 is the producer:
 // one thread streams the four operand tiles of each 64-wide k-tile (x hi/lo, W hi/lo, 16 KB
@@ -159,13 +160,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
         mbar_wait(&empty_bar[s], ((kt / kStages) & 1) ^ 1);  // first round passes at once
-        mbar_expect_tx(&full_bar[s], kStageBytes);
+        mbar_expect_tx(&full_bar[s], args.split ? kStageBytes : kStageBytes / 2);
         unsigned char* st = smem + s * kStageBytes;
         const int k0 = kt * kBlockK;
         tma_load_2d(st, &tm_a_hi, k0, tile_m, &full_bar[s]);
-        tma_load_2d(st + kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
         tma_load_2d(st + 2 * kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
-        tma_load_2d(st + 3 * kOperandBytes, &tm_b_lo, k0, tile_n, &full_bar[s]);
+        if (args.split) {
+          tma_load_2d(st + kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
+          tma_load_2d(st + 3 * kOperandBytes, &tm_b_lo, k0, tile_n, &full_bar[s]);
+        }
       }
     }
     return;
@@ -188,9 +191,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       const uint32_t off = kk * 32;  // 16 fp16 along K within the swizzled row
-      wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_lo + off), kk > 0);
-      wgmma_m64n128k16_f16(tc, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
-      wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), 1);
+      if (args.split) {
+        wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_lo + off), kk > 0);
+        wgmma_m64n128k16_f16(tc, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
+      }
+      wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), args.split || kk > 0);
     }
     wgmma_commit();
     wgmma_wait_all();

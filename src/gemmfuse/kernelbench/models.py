@@ -4,7 +4,8 @@ Each class takes its problem Model's constructor arguments and creates the same 
 the same order, with the same initialisers and names, so seeded construction gives identical
 weights and state_dicts load either way. Forward runs ``fused_linear``: one fused kernel on a
 CUDA float32 input, the PyTorch reference elsewhere. ``last_path`` records the path taken;
-setting ``kernel`` to "portable" or "hopper" forces that fused kernel.
+setting ``kernel`` to "portable" or "hopper" forces that fused kernel, and ``precision`` to
+"tf32" opts into the one-pass speed mode (see ``fused_linear``).
 
 ``gemmfuse export`` copies these classes (renamed ``ModelNew``) into standalone files, so they
 use only torch and names from the standalone-safe modules.
@@ -29,6 +30,7 @@ class ModelNew62(nn.Module):
         self.leaky_relu = nn.LeakyReLU(negative_slope=negative_slope)
         self.weight_split = SplitWeightCache()
         self.kernel = "auto"
+        self.precision = "fp32"
         self.last_path = None
 
     def forward(self, x):
@@ -41,7 +43,7 @@ class ModelNew62(nn.Module):
         )
         out, self.last_path = fused_linear_with_path(
             x, self.fc.weight, self.fc.bias, epilogue, self.gn.weight, self.gn.bias,
-            weight_cache=self.weight_split, kernel=self.kernel,
+            weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
         )  # fmt: skip
         return out
 
@@ -56,6 +58,7 @@ class ModelNew75(nn.Module):
         self.bias = nn.Parameter(torch.randn(bias_shape))
         self.weight_split = SplitWeightCache()
         self.kernel = "auto"
+        self.precision = "fp32"
         self.last_path = None
 
     def forward(self, x):
@@ -66,7 +69,7 @@ class ModelNew75(nn.Module):
         )
         row_min, self.last_path = fused_linear_with_path(
             x, self.gemm.weight, self.gemm.bias, epilogue, gn.weight, gn.bias,
-            weight_cache=self.weight_split, kernel=self.kernel,
+            weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
         )  # fmt: skip
         # The finishing pass: PyTorch's own broadcast, (M, 1) + (1, C, 1, 1) -> (1, C, M, 1).
         return row_min + self.bias
