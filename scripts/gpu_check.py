@@ -2,7 +2,7 @@
 
 Builds every shipped kernel structure (in parallel), times a second process's load from the
 cache, runs the GPU tests (pytest -m gpu) and the benchmark. Output files go to $OUT (or
-./gpu-check-out). Usage: python scripts/gpu_check.py [--quick]
+./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep]
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def main() -> int:
     bench = [sys.executable, "-m", "gemmfuse", "bench", "--json", str(OUT / "bench.json")]
     if quick:
         bench += ["--seeds", "3", "--no-compile"]
+    if "--sweep" in sys.argv:
+        bench += ["--sweep"]
     rc_bench, text = run(bench, "bench.log")
     table = [ln for ln in text.splitlines() if ln.startswith("|") or ln.startswith("gpu:")]
     summary += [f"benchmark (rc {rc_bench}):", *table]
