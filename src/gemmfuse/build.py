@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 EXTENSION_FUNCTIONS = ["split_rows", "fused_forward", "tile_size"]
-_LOADED: dict[str, ModuleType] = {}
+_LOADED: dict[tuple, ModuleType] = {}
 _LOCK = threading.Lock()
 
 
@@ -51,8 +51,16 @@ def _compiler_errors(log: str, limit: int = 40) -> str:
 def load_extension(
     prefix: str, cpp_source: str, cuda_source: str, device: torch.device | int | None = None
 ) -> ModuleType:
-    """Builds (or finds in the cache) the extension for these sources and imports it."""
-    cuda_flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags(device)]
+    """Builds (or finds in the cache) the extension for these sources and imports it.
+
+    Called on every forward: a loaded extension is found by a dict lookup (the source strings
+    keep their hashes), so the sources are hashed with sha256 only once per process.
+    """
+    cuda_flags = ("-O3", "-std=c++17", "-lineinfo", *arch_flags(device))
+    key = (prefix, cpp_source, cuda_source, cuda_flags)
+    module = _LOADED.get(key)
+    if module is not None:
+        return module
     digest = hashlib.sha256(
         "\0".join(
             [cpp_source, cuda_source, *cuda_flags, torch.__version__, str(torch.version.cuda)]
@@ -60,18 +68,17 @@ def load_extension(
     ).hexdigest()[:16]
     name = f"{prefix}_{digest}"
     with _LOCK:
-        if name in _LOADED:
-            return _LOADED[name]
-        build_dir = cache_dir() / name
-        library = build_dir / f"{name}.so"
-        if library.exists():
-            spec = importlib.util.spec_from_file_location(name, library)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = _compile(name, build_dir, cpp_source, cuda_source, cuda_flags)
-        _LOADED[name] = module
-        return module
+        if key not in _LOADED:
+            build_dir = cache_dir() / name
+            library = build_dir / f"{name}.so"
+            if library.exists():
+                spec = importlib.util.spec_from_file_location(name, library)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            else:
+                module = _compile(name, build_dir, cpp_source, cuda_source, list(cuda_flags))
+            _LOADED[key] = module
+        return _LOADED[key]
 
 
 def _compile(name, build_dir, cpp_source, cuda_source, cuda_flags) -> ModuleType:
