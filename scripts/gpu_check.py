@@ -94,8 +94,6 @@ def main() -> int:
         "-p",
         "no:cacheprovider",
     ]
-    if quick:
-        pytest += ["-x"]
     rc_tests, text = run(pytest, "pytest.log")
     counts = re.findall(r"=+ (.*(?:passed|failed|error|skipped).*) in [\d.]+s", text)
     summary.append(f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
