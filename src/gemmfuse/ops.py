@@ -7,7 +7,8 @@ Paths, in the order they are tried:
     whole epilogue in its epilogue. Needs a CUDA float32 2-D input on an sm_80+ GPU, no autograd,
     and GroupNorm groups that fit an output tile (group size divides 128). The kernel is the
     Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async) elsewhere;
-    ``kernel="portable"`` / ``"hopper"`` forces one.
+    ``kernel="portable"`` / ``"hopper"`` forces one. With ``kernel="auto"``, problems with
+    M*N*K below ``MIN_FUSED_WORK`` run the PyTorch path, which is as fast there.
 ``fused-gemm+torch``
     The same accurate GEMM kernel with only the pre-GroupNorm ops fused, then the rest of the
     chain in PyTorch: taken when the groups are wider than a tile or do not divide it.
@@ -22,6 +23,7 @@ modules): ``gemmfuse export`` inlines it into standalone files.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -36,6 +38,15 @@ KERNELS = {"auto": 0, "portable": 1, "hopper": 2}  # launch_fused's codes in csr
 # "fp32": hi*hi + hi*lo + lo*hi, as accurate as PyTorch fp32. "tf32": hi*hi alone, operands with
 # 11 significant bits like TF32's, one third of the tensor-core work.
 PRECISIONS = {"fp32": True, "tf32": False}
+# Below this M*N*K, kernel="auto" runs the PyTorch path: the fused kernel's fixed cost (two
+# launches, a 128x128 tile for even one row) made it no faster than eager fp32 in the shape
+# sweep of docs/PERFORMANCE.md (H100: losses up to M*N*K = 1.1e9, wins from 8.6e9 on).
+MIN_FUSED_WORK = 4e9
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 class FallbackWarning(UserWarning):
@@ -147,23 +158,28 @@ def validate(x, weight, bias, epilogue, gn_weight, gn_bias) -> None:
     _check_vector(gn_bias, "gn_bias", n, weight)
 
 
-def select_path(x, weight, epilogue: Epilogue, tensors=()) -> tuple[str, str]:
+def select_path(x, weight, epilogue: Epilogue, tensors=(), kernel="auto") -> tuple[str, str]:
     """(path, reason) for this call; reason says why a faster path was not taken."""
     if x.device.type != "cuda":
         return "torch", f"{x.device.type} tensors run the PyTorch reference path"
     if x.dtype != torch.float32:
         return "torch", f"{x.dtype} inputs run the PyTorch path (the fused kernels are float32)"
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
+    if _capability(x.device.index) < (8, 0):
         return "torch", "the fused kernels need compute capability 8.0 or newer"
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, *tensors)
     ):
         return "torch", "autograd is recording and the fused kernels have no backward"
-    n, m = weight.shape[0], x.shape[0]
-    if 0 in (m, n, x.shape[1]):
+    (m, k), n = x.shape, weight.shape[0]
+    if 0 in (m, n, k):
         return "torch", "empty tensors run the PyTorch path"
-    if max(m, n) >= 2**31 or x.shape[1] >= 2**31 - K_ALIGN:
+    if max(m, n) >= 2**31 or k >= 2**31 - K_ALIGN:
         return "torch", "sizes beyond 32-bit indexing run the PyTorch path"
+    if kernel == "auto" and m * n * k < MIN_FUSED_WORK:
+        return "torch", (
+            f"M*N*K = {m * n * k:.2g} is below {MIN_FUSED_WORK:.0e}, where eager fp32 is as "
+            'fast as the fused kernel; pass kernel="hopper"/"portable" to force it'
+        )
     if epilogue.norm is not None:
         group = n // epilogue.norm.num_groups
         if TILE % group:
@@ -240,9 +256,8 @@ def fused_linear_with_path(
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias))
-    hopper = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) == (9, 0)
-    if path != "torch" and kernel == "hopper" and not hopper:
+    path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias), kernel)
+    if path != "torch" and kernel == "hopper" and _capability(x.device.index) != (9, 0):
         raise ValueError('kernel="hopper" needs an sm_90 GPU (H100/H200)')
     if path != "fused" and x.device.type == "cuda":
         warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)

@@ -91,9 +91,10 @@ def test_non_contiguous_input(layout, kernel):
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
 
 
-def test_weight_changes_are_seen():
+def test_weight_changes_are_seen(kernel):
     ref, new = small_pair(62, init=(256, 256, 16))
     ref, new = ref.to(CUDA), new.to(CUDA)
+    new.kernel = kernel
     x = torch.rand(64, 256, device=CUDA)
     with torch.no_grad():
         before = new(x)
@@ -105,7 +106,18 @@ def test_weight_changes_are_seen():
         ref.load_state_dict(other.state_dict())
         after = new(x)
         torch.testing.assert_close(after, ref(x), atol=1e-4, rtol=1e-4)
+    assert new.last_path == "fused"
     assert not torch.allclose(before, after)
+
+
+def test_small_problems_take_the_pytorch_path_under_auto():
+    ref, new = small_pair(62, init=(256, 256, 16))
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    x = torch.rand(64, 256, device=CUDA)
+    with pytest.warns(FallbackWarning, match="M\\*N\\*K"):
+        expect, _, got = run_both(ref, new, x)
+    assert new.last_path == "torch"
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)
 
 
 def test_reduction_counters_survive_many_calls(kernel):

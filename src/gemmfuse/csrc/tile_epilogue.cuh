@@ -2,7 +2,7 @@
 //
 // On entry `tile` holds kTile x kTile values of pre(x @ W^T + b) (row stride kTile + 1, so
 // walks down a column hit distinct banks). GroupNorm statistics are computed per (row, group)
-// with two passes over shared memory (the host only takes this path when the group size
+// with two passes over shared memory (a shifted mean, then the centred sum of squares) (the host only takes this path when the group size
 // divides kTile, so groups never straddle tiles), then the affine transform and the generated
 // `post` ops are applied in place. Finally the tile is stored, or reduced across its columns
 // into one partial per row; the last column tile of a row band to finish folds the partials of
@@ -48,9 +48,13 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       if (r >= rows_here) continue;
       const int c0 = (task / kTile) * gs;
       float* v = tile + r * kEpiStride + c0;
+      // Shifted by the group's first value: a group of equal values gets exactly that value as
+      // its mean (variance exactly 0, as PyTorch's Welford gives), and large common offsets
+      // do not cost the sum its precision.
+      const float shift = v[0];
       float sum = 0.f;
-      for (int j = 0; j < gs; ++j) sum += v[j];
-      const float mean = sum * inv_gs;
+      for (int j = 1; j < gs; ++j) sum += v[j] - shift;
+      const float mean = shift + sum * inv_gs;
       float sq = 0.f;
       for (int j = 0; j < gs; ++j) {
         const float d = v[j] - mean;
