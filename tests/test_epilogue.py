@@ -28,7 +28,7 @@ def test_scalars_in_generated_order():
         norm=GroupNormSpec(2),
         post=(Pointwise("leaky_relu", (0.1,)), Pointwise("add_scalar", (-1.0,))),
     )
-    assert epi.scalars == [3.0, 0.1, -1.0]
+    assert epi.scalars == (3.0, 0.1, -1.0)
     code = cuda_epilogue(epi)
     assert code.index("p.scalar[0]") < code.index("p.scalar[1]") < code.index("p.scalar[2]")
 

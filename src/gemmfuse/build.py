@@ -12,6 +12,7 @@ standalone files.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -36,11 +37,17 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "gemmfuse"
 
 
-def arch_flags(device: torch.device | int | None = None) -> list[str]:
+def arch_flags(device: torch.device | int | None = None) -> tuple[str, ...]:
     """nvcc flags for exactly this GPU; Hopper gets sm_90a so wgmma/setmaxnreg are available."""
-    major, minor = torch.cuda.get_device_capability(device)
+    index = device.index if isinstance(device, torch.device) else device
+    return _arch_flags(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _arch_flags(index: int) -> tuple[str, ...]:
+    major, minor = torch.cuda.get_device_capability(index)
     arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    return (f"-gencode=arch=compute_{arch},code=sm_{arch}",)
 
 
 def _compiler_errors(log: str, limit: int = 40) -> str:

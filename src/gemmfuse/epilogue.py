@@ -16,6 +16,7 @@ standalone files.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -106,12 +107,12 @@ class Epilogue:
                 f"an epilogue takes at most {MAX_PARAMS} scalars, got {len(self.scalars)}"
             )
 
-    @property
-    def scalars(self) -> list[float]:
+    @functools.cached_property
+    def scalars(self) -> tuple[float, ...]:
         """The run-time scalar arguments, in the order the generated code reads them."""
-        return [s for op in self.pre + self.post for s in op.scalars]
+        return tuple(s for op in self.pre + self.post for s in op.scalars)
 
-    @property
+    @functools.cached_property
     def structure(self) -> Epilogue:
         """This chain with every run-time value zeroed: what a compiled kernel depends on."""
 

@@ -90,22 +90,6 @@ class SplitWeightCache:
         return self._split
 
 
-_ROW_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _row_counter(device: torch.device, m_tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the reducing kernel, one set per device and stream.
-
-    The kernel leaves them zero, and launches on one stream run in order, so a set is reused.
-    """
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    counter = _ROW_COUNTERS.get(key)
-    if counter is None or counter.numel() < m_tiles:
-        counter = torch.zeros(max(m_tiles, 64), dtype=torch.int32, device=device)
-        _ROW_COUNTERS[key] = counter
-    return counter
-
-
 def _check_vector(t: torch.Tensor | None, name: str, n: int, like: torch.Tensor) -> None:
     if t is None:
         return
@@ -191,25 +175,18 @@ def select_path(x, weight, epilogue: Epilogue, tensors=(), kernel="auto") -> tup
 
 
 def _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache, kernel, precision):
+    # Runs once per forward: keep it lean (no autograd here, so no detach() either).
     ext = extension_for(epilogue)
     k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
     w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
-    m = x.shape[0]
-    if epilogue.reduce is not None:
-        counter = _row_counter(x.device, -(-m // TILE))
-    else:
-        counter = torch.empty(0, dtype=torch.int32, device=x.device)
-    group_size = weight.shape[0] // epilogue.norm.num_groups if epilogue.norm else 1
-    eps = epilogue.norm.eps if epilogue.norm else 0.0
+    norm = epilogue.norm
     out = ext.fused_forward(
-        x.detach(), w_hi, w_lo, w_inv,
-        None if bias is None else bias.detach(),
-        None if gn_weight is None else gn_weight.detach(),
-        None if gn_bias is None else gn_bias.detach(),
-        [], epilogue.scalars, group_size, eps, counter, KERNELS[kernel], PRECISIONS[precision],
+        x, w_hi, w_lo, w_inv, bias, gn_weight, gn_bias, [], epilogue.scalars,
+        weight.shape[0] // norm.num_groups if norm else 1, norm.eps if norm else 0.0,
+        KERNELS[kernel], PRECISIONS[precision],
     )  # fmt: skip
     if epilogue.reduce is not None and epilogue.reduce.keepdim:
-        out = out.view(m, 1)
+        out = out.view(x.shape[0], 1)
     return out
 
 

@@ -5,6 +5,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "fused_args.h"
 
 namespace {
@@ -22,6 +26,18 @@ void check_vector(const c10::optional<torch::Tensor>& t, int64_t n, const char* 
 
 const float* ptr_or_null(const c10::optional<torch::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+// Zeroed int32 arrival counters for the reducing epilogue, one set per device and stream: the
+// kernel leaves them zero, and launches on one stream run in order, so a set is reused.
+int* row_counters(const torch::Tensor& like, int64_t m_tiles, cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, torch::Tensor> counters;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& counter = counters[{like.get_device(), stream}];
+  if (!counter.defined() || counter.numel() < m_tiles)
+    counter = torch::zeros({std::max<int64_t>(m_tiles, 64)}, like.options().dtype(torch::kInt32));
+  return counter.data_ptr<int>();
 }
 
 }  // namespace
@@ -56,7 +72,7 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
                             c10::optional<torch::Tensor> gn_weight,
                             c10::optional<torch::Tensor> gn_bias, std::vector<torch::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
-                            torch::Tensor row_counter, int64_t kernel, bool split) {
+                            int64_t kernel, bool split) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
   const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
@@ -109,14 +125,11 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
     const int64_t tile = gemmfuse::fused_tile();
     const int64_t n_tiles = (N + tile - 1) / tile;
     const int64_t m_tiles = (M + tile - 1) / tile;
-    TORCH_CHECK(row_counter.scalar_type() == torch::kInt32 && row_counter.is_cuda() &&
-                    row_counter.numel() >= m_tiles,
-                "gemmfuse: row_counter too small");
     auto partial = torch::empty({n_tiles, M}, x.options());
     result = torch::empty({M}, x.options());
     args.row_partial = partial.data_ptr<float>();
     args.row_out = result.data_ptr<float>();
-    args.row_counter = row_counter.data_ptr<int>();
+    args.row_counter = row_counters(x, m_tiles, stream);
   }
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
   check_cuda(gemmfuse::launch_fused(args, static_cast<int>(kernel), stream), "fused kernel launch");

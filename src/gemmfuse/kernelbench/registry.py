@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from gemmfuse.epilogue import Epilogue, GroupNormSpec, Pointwise, Reduction
-from gemmfuse.kernelbench.models import ModelNew62, ModelNew75
+from gemmfuse.epilogue import Epilogue
+from gemmfuse.kernelbench.models import ModelNew62, ModelNew75, epilogue_62, epilogue_75
 
 
 @dataclass(frozen=True)
@@ -16,31 +17,41 @@ class Problem:
     name: str
     module: str  # under gemmfuse.kernelbench.problems
     model_new: type
-    # Every kernel structure ModelNew can launch: the fused chain, and the GEMM-only kernel of
-    # the fallback for groups that do not fit a tile. Exports embed exactly these.
-    structures: tuple[Epilogue, ...]
+    epilogue_fn: Callable[..., Epilogue]  # builds the chain ModelNew runs; exports carry it
+    epilogue_args: tuple  # any valid arguments of epilogue_fn (values do not matter)
     small_init: tuple  # constructor arguments of a CPU-sized instance
 
     def load(self) -> ModuleType:
         return importlib.import_module(f"gemmfuse.kernelbench.problems.{self.module}")
 
+    @property
+    def structures(self) -> tuple[Epilogue, ...]:
+        """Every kernel structure ModelNew can launch: the fused chain, and the GEMM-only kernel
+        of the fallback for groups that do not fit a tile. Exports embed exactly these."""
+        chain = self.epilogue_fn(*self.epilogue_args)
+        return (chain.structure, chain.up_to_norm().structure)
 
-_NORM = GroupNormSpec(1)
+
 PROBLEMS = {
     62: Problem(
-        62, "Matmul_GroupNorm_LeakyReLU_Sum", "p62_matmul_groupnorm_leakyrelu_sum", ModelNew62,
-        (
-            Epilogue(norm=_NORM, post=(Pointwise("leaky_relu", (0.0,)), Pointwise("add_self"))),
-            Epilogue(),
-        ),
-        (96, 64, 8),
+        number=62,
+        name="Matmul_GroupNorm_LeakyReLU_Sum",
+        module="p62_matmul_groupnorm_leakyrelu_sum",
+        model_new=ModelNew62,
+        epilogue_fn=epilogue_62,
+        epilogue_args=(8, 1e-5, True, 0.01),
+        small_init=(96, 64, 8),
     ),
     75: Problem(
-        75, "Gemm_GroupNorm_Min_BiasAdd", "p75_gemm_groupnorm_min_biasadd", ModelNew75,
-        (Epilogue(norm=_NORM, reduce=Reduction("min", keepdim=True)), Epilogue()),
-        (96, 64, 8, (1, 64, 1, 1)),
+        number=75,
+        name="Gemm_GroupNorm_Min_BiasAdd",
+        module="p75_gemm_groupnorm_min_biasadd",
+        model_new=ModelNew75,
+        epilogue_fn=epilogue_75,
+        epilogue_args=(8, 1e-5, True),
+        small_init=(96, 64, 8, (1, 64, 1, 1)),
     ),
-}  # fmt: skip
+}
 
 
 def get_problem(number: int | str) -> Problem:

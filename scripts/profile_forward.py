@@ -1,7 +1,8 @@
-"""Host-side cost of one ModelNew forward: CPU time per call on a tiny problem (GPU work
-negligible), eager for comparison, and a cProfile of gemmfuse's Python part.
+"""Where a ModelNew forward's time goes: host CPU time per call on a tiny problem (GPU work
+negligible) against eager's, a cProfile of gemmfuse's Python part, and the GPU time of each
+kernel of a full-size #62 forward (torch.profiler).
 
-Usage: python scripts/host_overhead.py
+Usage: python scripts/profile_forward.py
 """
 
 from __future__ import annotations
@@ -46,6 +47,24 @@ def main():
             new(x)
         prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+    problem = get_problem(62)
+    module = problem.load()
+    ref, new = build_pair(problem, module.get_init_inputs())
+    new = new.cuda()
+    x = module.get_inputs()[0].cuda()
+    for precision in ("fp32", "tf32"):
+        new.precision = precision
+        with torch.no_grad():
+            for _ in range(3):
+                new(x)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                for _ in range(10):
+                    new(x)
+                torch.cuda.synchronize()
+        print(f"#62 full size, precision={precision}, 10 calls:")
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=6))
 
 
 if __name__ == "__main__":
