@@ -127,7 +127,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], uint64_t de
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-template <class Epi>
+// kSplit: issue hi*lo + lo*hi + hi*hi (fp32-accurate) or hi*hi alone. A compile-time choice:
+// a run-time branch between wgmmas makes ptxas fence (and serialise) them.
+template <class Epi, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_gemm_gn_sm90_kernel(const __grid_constant__ CUtensorMap tm_a_hi,
                               const __grid_constant__ CUtensorMap tm_a_lo,
@@ -160,12 +162,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
         mbar_wait(&empty_bar[s], ((kt / kStages) & 1) ^ 1);  // first round passes at once
-        mbar_expect_tx(&full_bar[s], args.split ? kStageBytes : kStageBytes / 2);
+        mbar_expect_tx(&full_bar[s], kSplit ? kStageBytes : kStageBytes / 2);
         unsigned char* st = smem + s * kStageBytes;
         const int k0 = kt * kBlockK;
         tma_load_2d(st, &tm_a_hi, k0, tile_m, &full_bar[s]);
         tma_load_2d(st + 2 * kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
-        if (args.split) {
+        if constexpr (kSplit) {
           tma_load_2d(st + kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
           tma_load_2d(st + 3 * kOperandBytes, &tm_b_lo, k0, tile_n, &full_bar[s]);
         }
@@ -191,11 +193,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       const uint32_t off = kk * 32;  // 16 fp16 along K within the swizzled row
-      if (args.split) {
+      if constexpr (kSplit) {
         wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_lo + off), kk > 0);
         wgmma_m64n128k16_f16(tc, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
       }
-      wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), args.split || kk > 0);
+      wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), kSplit || kk > 0);
     }
     wgmma_commit();
     wgmma_wait_all();
@@ -268,7 +270,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   if ((err = encode_operand(&maps[3], args.b_lo, args.N, args.k_padded)) != cudaSuccess) return err;
   const dim3 grid((args.M + kTile - 1) / kTile, (args.N + kTile - 1) / kTile);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  auto kernel = fused_gemm_gn_sm90_kernel<Epi>;
+  auto kernel = args.split ? fused_gemm_gn_sm90_kernel<Epi, true> : fused_gemm_gn_sm90_kernel<Epi, false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], args);
