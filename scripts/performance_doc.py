@@ -10,7 +10,7 @@ import datetime
 import json
 from pathlib import Path
 
-from gemmfuse.bench import Result, format_table
+from gemmfuse.bench import ModeResult, Result, format_modes, format_sweep, format_table
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md"
 FLOP = 2 * 1024 * 8192 * 8192  # both problems: M=1024, K=N=8192
@@ -23,6 +23,8 @@ def main() -> None:
     args = parser.parse_args()
     data = json.loads(Path(args.bench_json).read_text())
     results = [Result(**r) for r in data["results"]]
+    modes = [ModeResult(**m) for m in data.get("modes", [])]
+    sweep = data.get("sweep", [])
     tflops = "\n".join(
         f"| #{r.problem} | {r.ms['gemmfuse']:.3f} | {FLOP / r.ms['gemmfuse'] / 1e9:.0f} "
         f"| {3 * FLOP / r.ms['gemmfuse'] / 1e9:.0f} |"
@@ -53,6 +55,26 @@ per multiply-add, so the tensor cores execute three times that.
 
 Floors for comparison (anchors.md): three 16-bit passes 0.42 ms at the datasheet's 989 TFLOP/s,
 0.52 ms at the measured 800; fp32 SIMT 2.05 ms.
+
+"weights changed" times every call after the weight changed (the cached fp16 split is rebuilt
+inside the timed call); "portable kernel" forces the sm_80 mma.sync kernel on the same GPU.
+
+## Opt-in speed modes
+
+`precision="tf32"`: one tensor-core pass on 11-bit operands. "bf16 model": the models converted
+with `.to(torch.bfloat16)` as KernelBench's bf16 mode does (tolerance 1e-2 there); errors are
+against the float64 reference of the fp32 model, allclose against eager in the same mode.
+
+{format_modes(modes) if modes else "(not run)"}
+
+## Shape sweep
+
+#62's chain (GroupNorm, LeakyReLU, x + x) at M x N=K with the given group size, inputs
+`torch.rand`, `kernel="auto"`: the `torch` rows are problems below the fused path's size
+threshold (ops.MIN_FUSED_WORK), which run the same PyTorch code as eager, so their ratio shows
+the timing noise and gemmfuse's host-side dispatch cost at that size.
+
+{format_sweep(sweep) if sweep else "(not run)"}
 """
     )
     print(f"wrote {DOC}")
