@@ -6,7 +6,8 @@ Paths, in the order they are tried:
     One CUDA kernel (plus the activation's split pre-pass): split-fp16 tensor-core GEMM with the
     whole epilogue in its epilogue. Needs a CUDA float32 2-D input on an sm_80+ GPU, no autograd,
     and GroupNorm groups that fit an output tile (group size divides 128). The kernel is the
-    Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async) elsewhere;
+    Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async) elsewhere.
+    bfloat16 models are fused on sm_90 too (one pass on their bf16 operands, fp32 epilogue);
     ``kernel="portable"`` / ``"hopper"`` forces one. With ``kernel="auto"``, problems with
     M*N*K below ``MIN_FUSED_WORK`` run the PyTorch path, which is as fast there.
 ``fused-gemm+torch``
@@ -146,10 +147,15 @@ def select_path(x, weight, epilogue: Epilogue, tensors=(), kernel="auto") -> tup
     """(path, reason) for this call; reason says why a faster path was not taken."""
     if x.device.type != "cuda":
         return "torch", f"{x.device.type} tensors run the PyTorch reference path"
-    if x.dtype != torch.float32:
-        return "torch", f"{x.dtype} inputs run the PyTorch path (the fused kernels are float32)"
     if _capability(x.device.index) < (8, 0):
         return "torch", "the fused kernels need compute capability 8.0 or newer"
+    if x.dtype == torch.bfloat16:
+        if _capability(x.device.index) != (9, 0) or kernel == "portable":
+            return "torch", "bfloat16 models are fused by the Hopper kernel only (sm_90)"
+        if x.shape[1] % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            return "torch", "bfloat16 rows must be 16-byte aligned (in_features a multiple of 8)"
+    elif x.dtype != torch.float32:
+        return "torch", f"{x.dtype} inputs run the PyTorch path (fused: float32, bfloat16)"
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, *tensors)
     ):
@@ -177,14 +183,21 @@ def select_path(x, weight, epilogue: Epilogue, tensors=(), kernel="auto") -> tup
 def _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache, kernel, precision):
     # Runs once per forward: keep it lean (no autograd here, so no detach() either).
     ext = extension_for(epilogue)
-    k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
-    w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
     norm = epilogue.norm
-    out = ext.fused_forward(
-        x, w_hi, w_lo, w_inv, bias, gn_weight, gn_bias, [], epilogue.scalars,
-        weight.shape[0] // norm.num_groups if norm else 1, norm.eps if norm else 0.0,
-        KERNELS[kernel], PRECISIONS[precision],
-    )  # fmt: skip
+    group_size = weight.shape[0] // norm.num_groups if norm else 1
+    eps = norm.eps if norm else 0.0
+    if x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
+        w = weight if weight.is_contiguous() else weight.contiguous()
+        out = ext.fused_forward_bf16(
+            x, w, bias, gn_weight, gn_bias, epilogue.scalars, group_size, eps
+        )
+    else:
+        k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
+        w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
+        out = ext.fused_forward(
+            x, w_hi, w_lo, w_inv, bias, gn_weight, gn_bias, [], epilogue.scalars,
+            group_size, eps, KERNELS[kernel], PRECISIONS[precision],
+        )  # fmt: skip
     if epilogue.reduce is not None and epilogue.reduce.keepdim:
         out = out.view(x.shape[0], 1)
     return out
@@ -213,7 +226,8 @@ def fused_linear(
             split on every call (correct, slower).
         kernel: "auto" (by GPU), "portable" (sm_80+ mma.sync) or "hopper" (sm_90 wgmma).
         precision: "fp32" (default; PyTorch fp32's accuracy) or "tf32" (opt-in: one tensor-core
-            pass on 11-bit operands, about TF32's error, for speed). The PyTorch path is fp32.
+            pass on 11-bit operands, about TF32's error, for speed). Applies to float32
+            inputs; a bfloat16 model (sm_90) always runs one pass on its own bf16 operands.
 
     Returns (M, N), or the reduction's (M,) / (M, 1).
     """

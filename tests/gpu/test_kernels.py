@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -130,15 +131,42 @@ def test_reduction_counters_survive_many_calls(kernel):
         torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_model_falls_back_with_warning():
-    ref, new = small_pair(62, init=(256, 256, 16))
+@pytest.mark.parametrize("number", [62, 75])
+@pytest.mark.parametrize(
+    "m,k,n,groups", [(1024, 8192, 8192, 512), (257, 1000, 592, 37), (3, 8, 256, 2)]
+)
+def test_bf16_model(number, m, k, n, groups):
+    """KernelBench's bf16 mode: Model and ModelNew converted with .to(bfloat16), tolerance 1e-2.
+    On sm_90 the Hopper kernel fuses it; elsewhere the PyTorch path runs, with a warning."""
+    init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
+    ref, new = small_pair(number, seed=m, init=init)
     ref, new = ref.to(CUDA, torch.bfloat16), new.to(CUDA, torch.bfloat16)
-    x = torch.rand(8, 256, device=CUDA, dtype=torch.bfloat16)
+    exact_model = copy.deepcopy(ref).double()  # the bf16 model's own values, in float64
+    new.kernel = "hopper" if torch.cuda.get_device_capability() == (9, 0) else "auto"
+    x = torch.rand(m, k, device=CUDA, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expect = ref(x)
+        exact = exact_model(x.double())
+        got = new(x)
+    assert got.dtype == torch.bfloat16 and got.shape == expect.shape
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert new.last_path == "fused"
+        # fp32 epilogue, one rounding at the end: never further from float64 than eager bf16
+        assert max_abs_err(got, exact) <= max_abs_err(expect, exact)
+    else:
+        assert new.last_path == "torch"
+    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_bf16_unaligned_rows_fall_back_with_warning():
+    ref, new = small_pair(62, init=(1001, 256, 16))
+    ref, new = ref.to(CUDA, torch.bfloat16), new.to(CUDA, torch.bfloat16)
+    x = torch.rand(300, 1001, device=CUDA, dtype=torch.bfloat16)
     with pytest.warns(FallbackWarning, match="bfloat16"):
         with torch.no_grad():
             got = new(x)
     assert new.last_path == "torch"
-    torch.testing.assert_close(got, ref(x).detach(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, ref(x).detach(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("number", [62, 75])

@@ -40,6 +40,31 @@ int* row_counters(const torch::Tensor& like, int64_t m_tiles, cudaStream_t strea
   return counter.data_ptr<int>();
 }
 
+// The epilogue's outputs: {out [M, N] in out_dtype, undefined}, or, when it reduces,
+// {the fp32 row result [M], the per-tile row partials}. Both must live until the launch.
+std::pair<torch::Tensor, torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args,
+                                                         const torch::Tensor& x,
+                                                         torch::ScalarType out_dtype,
+                                                         cudaStream_t stream) {
+  const int64_t M = args.M, N = args.N;
+  if (gemmfuse::fused_reduce_kind() == 0) {
+    auto out = torch::empty({M, N}, x.options().dtype(out_dtype));
+    if (out_dtype == torch::kBFloat16)
+      args.out_bf16 = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+    else
+      args.out = out.data_ptr<float>();
+    return {out, torch::Tensor()};
+  }
+  const int64_t tile = gemmfuse::fused_tile();
+  const int64_t n_tiles = (N + tile - 1) / tile, m_tiles = (M + tile - 1) / tile;
+  auto partial = torch::empty({n_tiles, M}, x.options().dtype(torch::kFloat32));
+  auto row_out = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  args.row_partial = partial.data_ptr<float>();
+  args.row_out = row_out.data_ptr<float>();
+  args.row_counter = row_counters(x, m_tiles, stream);
+  return {row_out, partial};
+}
+
 }  // namespace
 
 // Splits rows of a float32 [rows, k] matrix (unit column stride) into fp16 hi/lo
@@ -113,27 +138,69 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
   args.M = static_cast<int>(M);
   args.N = static_cast<int>(N);
   args.k_padded = static_cast<int>(k_padded);
+  args.k_cols = static_cast<int>(k_padded);  // the split pre-pass zero-pads to k_padded
+  args.a_row_stride = args.b_row_stride = k_padded;
   args.group_size = static_cast<int>(group_size);
   args.split = split ? 1 : 0;
   args.eps = static_cast<float>(eps);
 
-  torch::Tensor result;
-  if (gemmfuse::fused_reduce_kind() == 0) {
-    result = torch::empty({M, N}, x.options());
-    args.out = result.data_ptr<float>();
-  } else {
-    const int64_t tile = gemmfuse::fused_tile();
-    const int64_t n_tiles = (N + tile - 1) / tile;
-    const int64_t m_tiles = (M + tile - 1) / tile;
-    auto partial = torch::empty({n_tiles, M}, x.options());
-    result = torch::empty({M}, x.options());
-    args.row_partial = partial.data_ptr<float>();
-    args.row_out = result.data_ptr<float>();
-    args.row_counter = row_counters(x, m_tiles, stream);
-  }
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
+  const auto outputs = allocate_outputs(args, x, torch::kFloat32, stream);
   check_cuda(gemmfuse::launch_fused(args, static_cast<int>(kernel), stream), "fused kernel launch");
-  return result;
+  return outputs.first;
+}
+
+// A bfloat16 model on Hopper: x [M, K] and W [N, K] in bf16 go to the tensor cores as they are
+// (one pass, fp32 accumulation); the epilogue runs in fp32; the output is bf16 ([M, N], or [M]
+// when the epilogue reduces). K must be a multiple of 8 (16-byte rows for TMA).
+torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                                 c10::optional<torch::Tensor> gn_weight,
+                                 c10::optional<torch::Tensor> gn_bias,
+                                 std::vector<double> scalar_params, int64_t group_size, double eps) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "gemmfuse: x must be a 2-D bfloat16 CUDA tensor with unit column stride");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
+                  w.device() == x.device() && w.size(1) == x.size(1),
+              "gemmfuse: w must be a contiguous bfloat16 [N, K] tensor on x's device");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  TORCH_CHECK(K % 8 == 0 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "gemmfuse: bf16 rows must be 16-byte aligned (K a multiple of 8)");
+  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31) && K < (int64_t{1} << 30),
+              "gemmfuse: sizes must fit in 32 bits");
+  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
+  TORCH_CHECK(scalar_params.size() <= gemmfuse::kMaxParams, "gemmfuse: too many epilogue scalars");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto as_float = [](const c10::optional<torch::Tensor>& t) -> c10::optional<torch::Tensor> {
+    if (!t.has_value()) return c10::nullopt;
+    return t->to(torch::kFloat32).contiguous();
+  };
+  const auto bias_f = as_float(bias), gn_weight_f = as_float(gn_weight), gn_bias_f = as_float(gn_bias);
+  check_vector(bias_f, N, "bias");
+  check_vector(gn_weight_f, N, "gn_weight");
+  check_vector(gn_bias_f, N, "gn_bias");
+
+  gemmfuse::FusedArgs args{};
+  args.a_hi = reinterpret_cast<const __half*>(x.data_ptr());  // bf16 bits; the kernel knows
+  args.b_hi = reinterpret_cast<const __half*>(w.data_ptr());
+  args.bias = ptr_or_null(bias_f);
+  args.gn_weight = ptr_or_null(gn_weight_f);
+  args.gn_bias = ptr_or_null(gn_bias_f);
+  for (size_t i = 0; i < scalar_params.size(); ++i) args.params.scalar[i] = static_cast<float>(scalar_params[i]);
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(N);
+  args.k_padded = static_cast<int>((K + 63) / 64 * 64);
+  args.k_cols = static_cast<int>(K);
+  args.a_row_stride = x.stride(0);
+  args.b_row_stride = K;
+  args.group_size = static_cast<int>(group_size);
+  args.split = 0;
+  args.bf16 = 1;
+  args.eps = static_cast<float>(eps);
+  const auto outputs = allocate_outputs(args, x, torch::kBFloat16, stream);
+  check_cuda(gemmfuse::launch_fused(args, 2, stream), "fused bf16 kernel launch");
+  return outputs.second.defined() ? outputs.first.to(torch::kBFloat16) : outputs.first;
 }
 
 int64_t tile_size() { return gemmfuse::fused_tile(); }

@@ -2,6 +2,7 @@
 // kernels (fused_linear.cu).
 #pragma once
 #include <cstdint>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -18,21 +19,28 @@ struct EpilogueParams {
 };
 
 struct FusedArgs {
+  // fp32 models: x and W split into fp16 hi/lo [rows, k_padded] with per-row inverse scales.
+  // bf16 models (bf16 == 1, Hopper only): a_hi/b_hi are the bf16 x and W themselves, with
+  // k_cols valid columns and the given row strides; no lo parts, no scales (nullptr).
   const __half* a_hi;        // [M, k_padded]
   const __half* a_lo;
-  const float* a_inv_scale;  // [M]
+  const float* a_inv_scale;  // [M] or nullptr
   const __half* b_hi;        // [N, k_padded]
   const __half* b_lo;
-  const float* b_inv_scale;  // [N]
+  const float* b_inv_scale;  // [N] or nullptr
   const float* bias;         // [N] or nullptr
   const float* gn_weight;    // [N] or nullptr (GroupNorm without affine)
   const float* gn_bias;      // [N] or nullptr
-  float* out;                // [M, N] when the epilogue does not reduce
+  float* out;                // [M, N] when the epilogue does not reduce (fp32 models)
+  __nv_bfloat16* out_bf16;   // [M, N] when it does not reduce (bf16 models)
   float* row_partial;        // [N tiles, M] when it reduces
   float* row_out;            // [M] when it reduces
   int* row_counter;          // [M tiles], zero on entry, left zero on exit
   int M, N, k_padded, group_size;
+  int k_cols;                // valid K columns of the operands; TMA zero-fills up to k_padded
+  int64_t a_row_stride, b_row_stride;  // elements
   int split;                 // 1: hi*hi + hi*lo + lo*hi (fp32-accurate); 0: hi*hi alone (fast)
+  int bf16;                  // the operands are bfloat16 (a bf16 model)
   float eps;
   EpilogueParams params;
 };

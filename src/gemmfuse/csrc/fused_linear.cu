@@ -26,7 +26,8 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
   if (err != cudaSuccess) return err;
   // build.py compiles for exactly this device, so on 9.0 the sm_90a kernel body is present.
   const bool hopper = major == 9 && minor == 0;
-  if (kernel == 2 && !hopper) return cudaErrorInvalidDeviceFunction;
+  if ((kernel == 2 || args.bf16) && !hopper) return cudaErrorInvalidDeviceFunction;
+  if (args.bf16) return sm90::launch<GeneratedEpilogue>(args, stream);
   if (kernel == 2 || (kernel == 0 && hopper)) return sm90::launch<GeneratedEpilogue>(args, stream);
   return launch_fused_gemm_gn<GeneratedEpilogue>(args, stream);
 }

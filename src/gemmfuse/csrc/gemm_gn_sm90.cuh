@@ -1,6 +1,6 @@
 // The fused kernel of the Hopper path (sm_90a): the same split-fp16 scheme as
-// gemm_gn_sm80.cuh, on wgmma fed by TMA. With args.split == 0 (precision="tf32") only hi*hi is
-// issued and only the hi operands are loaded: one pass, 11-bit operands.
+// gemm_gn_sm80.cuh, on wgmma fed by TMA. Two one-pass variants share it: precision="tf32"
+// (hi*hi alone, only the hi operands loaded) and bf16 models (their own bf16 operands).
 //
 // A block computes a 128x128 output tile with three warpgroups. Warpgroup 0 is the producer:
 // one thread streams the four operand tiles of each 64-wide k-tile (x hi/lo, W hi/lo, 16 KB
@@ -80,8 +80,10 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most N committed wgmma groups of this warpgroup are still pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Pins the accumulator registers so the compiler cannot move their reads across a wait.
 __device__ __forceinline__ void fence_operands(float (&d)[64]) {
@@ -127,9 +129,57 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], uint64_t de
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-// kSplit: issue hi*lo + lo*hi + hi*hi (fp32-accurate) or hi*hi alone. A compile-time choice:
-// a run-time branch between wgmmas makes ptxas fence (and serialise) them.
-template <class Epi, bool kSplit>
+// The same with bfloat16 operands.
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a,
+                                                     uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, "
+      "%40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+        "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                 int scale_d) {
+  if constexpr (kBf16)
+    wgmma_m64n128k16_bf16(d, desc_a, desc_b, scale_d);
+  else
+    wgmma_m64n128k16_f16(d, desc_a, desc_b, scale_d);
+}
+
+// kSplit: issue hi*lo + lo*hi + hi*hi with promotion after every k-tile (fp32-accurate), or one
+// product per k-step accumulated across all of K in the tensor cores (precision="tf32" on the
+// fp16 hi parts, or a bf16 model's own operands when kBf16). Compile-time choices: a run-time
+// branch between wgmmas makes ptxas fence (and serialise) them.
+template <class Epi, bool kSplit, bool kBf16>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_gemm_gn_sm90_kernel(const __grid_constant__ CUtensorMap tm_a_hi,
                               const __grid_constant__ CUtensorMap tm_a_lo,
@@ -162,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
         mbar_wait(&empty_bar[s], ((kt / kStages) & 1) ^ 1);  // first round passes at once
-        mbar_expect_tx(&full_bar[s], kSplit ? kStageBytes : kStageBytes / 2);
+        mbar_expect_tx(&full_bar[s], kSplit ? 4 * kOperandBytes : 2 * kOperandBytes);
         unsigned char* st = smem + s * kStageBytes;
         const int k0 = kt * kBlockK;
         tma_load_2d(st, &tm_a_hi, k0, tile_m, &full_bar[s]);
@@ -178,33 +228,61 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int consumer = warpgroup - 1;  // owns tile rows [64 * consumer, 64 * consumer + 64)
-  float acc[64], tc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = tc[i] = 0.f;
-
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    const int s = kt % kStages;
-    mbar_wait(&full_bar[s], (kt / kStages) & 1);
+  auto operands = [&](int s, uint32_t& a_hi, uint32_t& a_lo, uint32_t& b_hi, uint32_t& b_lo) {
     const uint32_t st = smem_u32(smem + s * kStageBytes);
-    const uint32_t a_hi = st + consumer * 64 * 128, a_lo = a_hi + kOperandBytes;
-    const uint32_t b_hi = st + 2 * kOperandBytes, b_lo = b_hi + kOperandBytes;
-    fence_operands(tc);
-    wgmma_fence();
+    a_hi = st + consumer * 64 * 128;
+    a_lo = a_hi + kOperandBytes;
+    b_hi = st + 2 * kOperandBytes;
+    b_lo = b_hi + kOperandBytes;
+  };
+  float acc[64];
 #pragma unroll
-    for (int kk = 0; kk < kBlockK / 16; ++kk) {
-      const uint32_t off = kk * 32;  // 16 fp16 along K within the swizzled row
-      if constexpr (kSplit) {
-        wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_lo + off), kk > 0);
-        wgmma_m64n128k16_f16(tc, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+
+  if constexpr (kSplit) {
+    float tc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) tc[i] = 0.f;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int s = kt % kStages;
+      mbar_wait(&full_bar[s], (kt / kStages) & 1);
+      uint32_t a_hi, a_lo, b_hi, b_lo;
+      operands(s, a_hi, a_lo, b_hi, b_lo);
+      fence_operands(tc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        const uint32_t off = kk * 32;  // 16 fp16 along K within the swizzled row
+        wgmma_m64n128k16<false>(tc, smem_desc(a_hi + off), smem_desc(b_lo + off), kk > 0);
+        wgmma_m64n128k16<false>(tc, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
+        wgmma_m64n128k16<false>(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), 1);
       }
-      wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), kSplit || kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_operands(tc);
-    if (tid_wg == 0) mbar_arrive(&empty_bar[s]);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(tc);
+      if (tid_wg == 0) mbar_arrive(&empty_bar[s]);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] += tc[i];
+      for (int i = 0; i < 64; ++i) acc[i] += tc[i];
+    }
+  } else {
+    // One wgmma group in flight: a stage is freed once the group after it has been issued.
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int s = kt % kStages;
+      mbar_wait(&full_bar[s], (kt / kStages) & 1);
+      uint32_t a_hi, a_lo, b_hi, b_lo;
+      operands(s, a_hi, a_lo, b_hi, b_lo);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        const uint32_t off = kk * 32;
+        wgmma_m64n128k16<kBf16>(acc, smem_desc(a_hi + off), smem_desc(b_hi + off), kt > 0 || kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (kt > 0 && tid_wg == 0) mbar_arrive(&empty_bar[(kt - 1) % kStages]);
+    }
+    wgmma_wait<0>();
+    fence_operands(acc);
   }
 
   auto consumers_sync = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers * 128)); };
@@ -215,14 +293,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
-    const float a_inv = __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1));
+    const float a_inv =
+        args.a_inv_scale ? __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1)) : 1.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int c = j * 8 + 2 * (lane % 4) + e;
         const int gcol = min(tile_n + c, args.N - 1);
-        float v = acc[4 * j + 2 * half + e] * a_inv * __ldg(args.b_inv_scale + gcol);
+        float v = acc[4 * j + 2 * half + e] * a_inv;
+        if (args.b_inv_scale != nullptr) v *= __ldg(args.b_inv_scale + gcol);
         if (args.bias != nullptr) v += __ldg(args.bias + gcol);
         tile[r * kEpiStride + c] = Epi::pre(v, gcol, args.params);
       }
@@ -235,8 +315,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// A 2-D tensor map over a row-major fp16 [rows, k_padded] matrix, in kTile x kBlockK boxes.
-inline cudaError_t encode_operand(CUtensorMap* map, const __half* base, int rows, int k_padded) {
+// A 2-D tensor map over a row-major 16-bit [rows, k_cols] matrix (row stride in elements), in
+// kTile x kBlockK boxes; reads past k_cols or rows return zeros.
+inline cudaError_t encode_operand(CUtensorMap* map, const void* base, int rows, int k_cols,
+                                  int64_t row_stride, bool bf16) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status;
@@ -247,34 +329,53 @@ inline cudaError_t encode_operand(CUtensorMap* map, const __half* base, int rows
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   if (encode == nullptr) return cudaErrorSymbolNotFound;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_padded), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k_padded) * 2};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};
   const cuuint32_t box[2] = {kBlockK, kTile};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<__half*>(base),
-                              dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult res = encode(
+      map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <class Epi, bool kSplit, bool kBf16>
+cudaError_t launch_kernel(const CUtensorMap (&maps)[4], dim3 grid, const FusedArgs& args,
+                          cudaStream_t stream) {
+  auto kernel = fused_gemm_gn_sm90_kernel<Epi, kSplit, kBf16>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], args);
+  return cudaGetLastError();
 }
 
 template <class Epi>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
-  if (args.k_padded % kBlockK != 0) return cudaErrorInvalidValue;
+  if (args.k_padded % kBlockK != 0 || (args.bf16 && args.split)) return cudaErrorInvalidValue;
   CUtensorMap maps[4];
-  cudaError_t err;
-  if ((err = encode_operand(&maps[0], args.a_hi, args.M, args.k_padded)) != cudaSuccess) return err;
-  if ((err = encode_operand(&maps[1], args.a_lo, args.M, args.k_padded)) != cudaSuccess) return err;
-  if ((err = encode_operand(&maps[2], args.b_hi, args.N, args.k_padded)) != cudaSuccess) return err;
-  if ((err = encode_operand(&maps[3], args.b_lo, args.N, args.k_padded)) != cudaSuccess) return err;
+  const bool bf16 = args.bf16 != 0;
+  const struct {
+    const void* base;
+    int rows;
+    int64_t stride;
+  } operands[4] = {{args.a_hi, args.M, args.a_row_stride},
+                   {args.split ? args.a_lo : args.a_hi, args.M, args.a_row_stride},
+                   {args.b_hi, args.N, args.b_row_stride},
+                   {args.split ? args.b_lo : args.b_hi, args.N, args.b_row_stride}};
+  for (int i = 0; i < 4; ++i) {
+    const cudaError_t err = encode_operand(&maps[i], operands[i].base, operands[i].rows,
+                                           args.k_cols, operands[i].stride, bf16);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid((args.M + kTile - 1) / kTile, (args.N + kTile - 1) / kTile);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  auto kernel = args.split ? fused_gemm_gn_sm90_kernel<Epi, true> : fused_gemm_gn_sm90_kernel<Epi, false>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], args);
-  return cudaGetLastError();
+  if (bf16) return launch_kernel<Epi, false, true>(maps, grid, args, stream);
+  if (args.split) return launch_kernel<Epi, true, false>(maps, grid, args, stream);
+  return launch_kernel<Epi, false, false>(maps, grid, args, stream);
 }
 
 }  // namespace sm90

@@ -75,8 +75,13 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
   if constexpr (Epi::kReduce == 0) {
     for (int idx = tid; idx < kTile * kTile; idx += kThreads) {
       const int r = idx / kTile, c = idx % kTile;
-      if (r < rows_here && c < cols_here)
-        args.out[static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c] = tile[r * kEpiStride + c];
+      if (r < rows_here && c < cols_here) {
+        const int64_t at = static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c;
+        if (args.out_bf16 != nullptr)
+          args.out_bf16[at] = __float2bfloat16_rn(tile[r * kEpiStride + c]);
+        else
+          args.out[at] = tile[r * kEpiStride + c];
+      }
     }
   } else {
     constexpr int kind = Epi::kReduce;
