@@ -36,7 +36,7 @@ def test_scalars_in_generated_order():
 def test_generated_struct_flags():
     code = cuda_epilogue(chain())
     assert "kNorm = true" in code and "kReduce = 0" in code
-    assert "v = (v > 0.f ? v : v * p.scalar[0]);" in code and "v = (v + v);" in code
+    assert "(v > 0.f ? v : v * p.scalar[0])" in code and "(v + v)" in code
     code = cuda_epilogue(Epilogue(norm=GroupNormSpec(4), reduce=Reduction("min", True)))
     assert "kReduce = 1" in code
     assert "kNorm = false" in cuda_epilogue(Epilogue())

@@ -132,7 +132,7 @@ def _cuda_ops(ops: tuple[Pointwise, ...], first_scalar: int) -> tuple[list[str],
     for op in ops:
         d = POINTWISE[op.name]
         names = {f"s{i}": f"p.scalar[{s + i}]" for i in range(d.n_scalars)}
-        lines.append(f"    v = {d.cuda.format(v='v', **names)};")
+        lines.append(f"    v = round_like_model({d.cuda.format(v='v', **names)}, p);")
         s += d.n_scalars
     return lines, s
 

@@ -197,6 +197,7 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
   args.group_size = static_cast<int>(group_size);
   args.split = 0;
   args.bf16 = 1;
+  args.params.round_bf16 = 1;
   args.eps = static_cast<float>(eps);
   const auto outputs = allocate_outputs(args, x, torch::kBFloat16, stream);
   check_cuda(gemmfuse::launch_fused(args, 2, stream), "fused bf16 kernel launch");

@@ -16,7 +16,16 @@ constexpr int kMaxParams = 8;
 struct EpilogueParams {
   const float* vec[kMaxParams];
   float scalar[kMaxParams];
+  // A bf16 model: round to bf16 wherever PyTorch's bf16 ops would (after the Linear, the
+  // GroupNorm and each pointwise op), so the result matches eager bf16, not just fp32 math.
+  int round_bf16;
 };
+
+#ifdef __CUDACC__
+__device__ __forceinline__ float round_like_model(float v, const EpilogueParams& p) {
+  return p.round_bf16 ? __bfloat162float(__float2bfloat16_rn(v)) : v;
+}
+#endif
 
 struct FusedArgs {
   // fp32 models: x and W split into fp16 hi/lo [rows, k_padded] with per-row inverse scales.

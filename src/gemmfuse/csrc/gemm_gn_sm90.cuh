@@ -4,8 +4,8 @@
 //
 // A block computes a 128x128 output tile with three warpgroups. Warpgroup 0 is the producer:
 // one thread streams the four operand tiles of each 64-wide k-tile (x hi/lo, W hi/lo, 16 KB
-// each, 128-byte swizzled) into a kStages-deep shared-memory ring with cp.async.bulk.tensor,
-// completing on a "full" mbarrier per stage. Warpgroups 1 and 2 each own 64 rows of the tile:
+// each, 128-byte swizzled) into a 3-stage shared-memory ring with cp.async.bulk.tensor,
+// completing on a "full" mbarrier per stage (one-pass modes load two tiles into 6 stages). Warpgroups 1 and 2 each own 64 rows of the tile:
 // per k-tile they issue 12 wgmma.m64n128k16 (hi*lo, lo*hi, hi*hi for each 16-wide k step)
 // into a tensor-core accumulator that the first of them overwrites, wait for them, free the
 // stage through its "empty" mbarrier, and promote the k-tile's result into an fp32 register
@@ -26,13 +26,14 @@ namespace gemmfuse {
 namespace sm90 {
 
 constexpr int kBlockK = 64;                           // one 128-byte swizzle row of fp16
-constexpr int kStages = 3;
 constexpr int kOperandBytes = kTile * kBlockK * 2;    // 16 KB
-constexpr int kStageBytes = 4 * kOperandBytes;        // x hi, x lo, W hi, W lo
+// The ring of stages: 3 stages of x hi, W hi, x lo, W lo (split), or 6 of x, W (one pass).
+constexpr int kRingBytes = 3 * 4 * kOperandBytes;
+constexpr int kMaxStages = 6;
 constexpr int kConsumers = 2;                         // math warpgroups, 64 rows each
 constexpr int kThreads = 128 * (kConsumers + 1);
-constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align to 1024 B
-static_assert(kTile * kEpiStride * 4 <= kStages * kStageBytes, "epilogue tile fits the ring");
+constexpr int kSmemBytes = kRingBytes + 1024;         // + slack to align to 1024 B
+static_assert(kTile * kEpiStride * 4 <= kRingBytes, "epilogue tile fits the ring");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -189,8 +190,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  __shared__ __align__(8) uint64_t full_bar[kStages];
-  __shared__ __align__(8) uint64_t empty_bar[kStages];
+  constexpr int kStageBytes = (kSplit ? 4 : 2) * kOperandBytes;
+  constexpr int kStages = kRingBytes / kStageBytes;
+  static_assert(kStages <= kMaxStages, "barrier arrays hold every stage");
+  __shared__ __align__(8) uint64_t full_bar[kMaxStages];
+  __shared__ __align__(8) uint64_t empty_bar[kMaxStages];
 
   const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
   const int tile_m = blockIdx.x * kTile, tile_n = blockIdx.y * kTile;
@@ -212,13 +216,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
         mbar_wait(&empty_bar[s], ((kt / kStages) & 1) ^ 1);  // first round passes at once
-        mbar_expect_tx(&full_bar[s], kSplit ? 4 * kOperandBytes : 2 * kOperandBytes);
+        mbar_expect_tx(&full_bar[s], kStageBytes);
         unsigned char* st = smem + s * kStageBytes;
         const int k0 = kt * kBlockK;
         tma_load_2d(st, &tm_a_hi, k0, tile_m, &full_bar[s]);
-        tma_load_2d(st + 2 * kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
+        tma_load_2d(st + kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
         if constexpr (kSplit) {
-          tma_load_2d(st + kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
+          tma_load_2d(st + 2 * kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
           tma_load_2d(st + 3 * kOperandBytes, &tm_b_lo, k0, tile_n, &full_bar[s]);
         }
       }
@@ -230,10 +234,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = warpgroup - 1;  // owns tile rows [64 * consumer, 64 * consumer + 64)
   auto operands = [&](int s, uint32_t& a_hi, uint32_t& a_lo, uint32_t& b_hi, uint32_t& b_lo) {
     const uint32_t st = smem_u32(smem + s * kStageBytes);
-    a_hi = st + consumer * 64 * 128;
-    a_lo = a_hi + kOperandBytes;
-    b_hi = st + 2 * kOperandBytes;
-    b_lo = b_hi + kOperandBytes;
+    a_hi = st + consumer * 64 * 128;  // 64 rows of 128 bytes
+    b_hi = st + kOperandBytes;
+    a_lo = a_hi + 2 * kOperandBytes;
+    b_lo = b_hi + 2 * kOperandBytes;
   };
   float acc[64];
 #pragma unroll
@@ -304,6 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float v = acc[4 * j + 2 * half + e] * a_inv;
         if (args.b_inv_scale != nullptr) v *= __ldg(args.b_inv_scale + gcol);
         if (args.bias != nullptr) v += __ldg(args.bias + gcol);
+        v = round_like_model(v, args.params);
         tile[r * kEpiStride + c] = Epi::pre(v, gcol, args.params);
       }
     }

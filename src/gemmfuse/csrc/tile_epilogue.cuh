@@ -66,7 +66,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
         float y = (v[j] - mean) * rstd;
         if (args.gn_weight != nullptr)
           y = y * __ldg(args.gn_weight + gcol) + __ldg(args.gn_bias + gcol);
-        v[j] = Epi::post(y, gcol, args.params);
+        v[j] = Epi::post(round_like_model(y, args.params), gcol, args.params);
       }
     }
     sync();
