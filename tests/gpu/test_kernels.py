@@ -137,7 +137,7 @@ def test_reduction_counters_survive_many_calls(kernel):
 )
 def test_bf16_model(number, m, k, n, groups):
     """KernelBench's bf16 mode: Model and ModelNew converted with .to(bfloat16), tolerance 1e-2.
-    On sm_90 the Hopper kernel fuses it; elsewhere the PyTorch path runs, with a warning."""
+    On sm_90 the Hopper kernel fuses #62; #75's reduction, and other GPUs, run PyTorch."""
     init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
     ref, new = small_pair(number, seed=m, init=init)
     ref, new = ref.to(CUDA, torch.bfloat16), new.to(CUDA, torch.bfloat16)
@@ -149,7 +149,7 @@ def test_bf16_model(number, m, k, n, groups):
         exact = exact_model(x.double())
         got = new(x)
     assert got.dtype == torch.bfloat16 and got.shape == expect.shape
-    if torch.cuda.get_device_capability() == (9, 0):
+    if torch.cuda.get_device_capability() == (9, 0) and number == 62:
         assert new.last_path == "fused"
         # rounded to bf16 where eager rounds; fp32 in between: as accurate as eager bf16
         assert max_abs_err(got, exact) <= 2 * max_abs_err(expect, exact)

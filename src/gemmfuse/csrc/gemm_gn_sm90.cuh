@@ -27,7 +27,7 @@ namespace sm90 {
 
 constexpr int kBlockK = 64;                           // one 128-byte swizzle row of fp16
 constexpr int kOperandBytes = kTile * kBlockK * 2;    // 16 KB
-// The ring of stages: 3 stages of x hi, W hi, x lo, W lo (split), or 6 of x, W (one pass).
+// The ring of stages: 3 stages of x hi, x lo, W hi, W lo (split), or 6 of x, W (one pass).
 constexpr int kRingBytes = 3 * 4 * kOperandBytes;
 constexpr int kMaxStages = 6;
 constexpr int kConsumers = 2;                         // math warpgroups, 64 rows each
@@ -220,10 +220,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         unsigned char* st = smem + s * kStageBytes;
         const int k0 = kt * kBlockK;
         tma_load_2d(st, &tm_a_hi, k0, tile_m, &full_bar[s]);
-        tma_load_2d(st + kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
         if constexpr (kSplit) {
-          tma_load_2d(st + 2 * kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
+          tma_load_2d(st + kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
+          tma_load_2d(st + 2 * kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
           tma_load_2d(st + 3 * kOperandBytes, &tm_b_lo, k0, tile_n, &full_bar[s]);
+        } else {
+          tma_load_2d(st + kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
         }
       }
     }
@@ -234,10 +236,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = warpgroup - 1;  // owns tile rows [64 * consumer, 64 * consumer + 64)
   auto operands = [&](int s, uint32_t& a_hi, uint32_t& a_lo, uint32_t& b_hi, uint32_t& b_lo) {
     const uint32_t st = smem_u32(smem + s * kStageBytes);
-    a_hi = st + consumer * 64 * 128;  // 64 rows of 128 bytes
-    b_hi = st + kOperandBytes;
-    a_lo = a_hi + 2 * kOperandBytes;
-    b_lo = b_hi + 2 * kOperandBytes;
+    // A stage holds x hi, x lo, W hi, W lo (split) or x, W (one pass), 16 KB each.
+    a_hi = st + consumer * 64 * 128;  // this warpgroup's 64 rows of 128 bytes
+    a_lo = a_hi + kOperandBytes;
+    b_hi = st + (kSplit ? 2 : 1) * kOperandBytes;
+    b_lo = b_hi + kOperandBytes;
   };
   float acc[64];
 #pragma unroll
