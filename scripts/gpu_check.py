@@ -103,7 +103,7 @@ def main() -> int:
         bench += ["--seeds", "3", "--no-compile"]
     if "--sweep" in sys.argv:
         bench += ["--sweep"]
-    rc_bench, text = run(bench, "bench.log")
+    rc_bench, text = run(bench, "bench.log", timeout=450)
     table = [ln for ln in text.splitlines() if ln.startswith("|") or ln.startswith("gpu:")]
     summary += [f"benchmark (rc {rc_bench}):", *table]
     print("\n==== gpu-check summary ====\n" + "\n".join(summary))
