@@ -95,7 +95,7 @@ def main() -> int:
         "no:cacheprovider",
     ]
     rc_tests, text = run(pytest, "pytest.log")
-    counts = re.findall(r"=+ (.*(?:passed|failed|error|skipped).*) in [\d.]+s", text)
+    counts = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M)
     summary.append(f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
 
     bench = [sys.executable, "-m", "gemmfuse", "bench", "--json", str(OUT / "bench.json")]
