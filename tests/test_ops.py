@@ -85,3 +85,16 @@ def test_weight_cache_tracks_changes():
     cache.clear()
     cache.get(FakeExt, w2, 32)
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"kernel": "fastest"}, "kernel must be one of"),
+        ({"precision": "fp16"}, "precision must be"),
+    ],
+)
+def test_bad_kernel_or_precision_raises(kwargs, message):
+    x, w, b, gw, gb = args()
+    with pytest.raises(ValueError, match=message):
+        fused_linear(x, w, b, EPI, gw, gb, **kwargs)

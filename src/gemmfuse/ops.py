@@ -14,7 +14,8 @@ Paths, in the order they are tried:
     The same accurate GEMM kernel with only the pre-GroupNorm ops fused, then the rest of the
     chain in PyTorch: taken when the groups are wider than a tile or do not divide it.
 ``torch``
-    The PyTorch reference (reference.py): CPU tensors, other dtypes, older GPUs, autograd.
+    The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or with a
+    reduction), older GPUs, autograd, and under ``kernel="auto"`` problems too small to gain.
 
 A CUDA call that cannot take ``fused`` emits a :class:`FallbackWarning` saying why.
 
@@ -219,7 +220,7 @@ def fused_linear(
     kernel: str = "auto",
     precision: str = "fp32",
 ) -> torch.Tensor:
-    """``epilogue(x @ weight.T + bias)``, as PyTorch computes it in float32, in one kernel.
+    """``epilogue(x @ weight.T + bias)`` as PyTorch computes it, in one fused kernel where it can.
 
     Args:
         x: (M, K) input.

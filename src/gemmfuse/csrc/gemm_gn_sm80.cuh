@@ -170,10 +170,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
         for (int e = 0; e < 2; ++e) {
           const int c = warp_n * kWarpTileN + j * 8 + 2 * t + e;
           const int gcol = min(tile_n + c, args.N - 1);
-          float v = acc[i][j][half * 2 + e] * a_inv * __ldg(args.b_inv_scale + gcol);
-          if (args.bias != nullptr) v += __ldg(args.bias + gcol);
-          v = round_like_model(v, args.params);
-          tile[r * kEpiStride + c] = Epi::pre(v, gcol, args.params);
+          tile[r * kEpiStride + c] = epilogue_input<Epi>(acc[i][j][half * 2 + e], a_inv, gcol, args);
         }
       }
     }

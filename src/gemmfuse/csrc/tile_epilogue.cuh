@@ -24,6 +24,17 @@ __device__ __forceinline__ float reduce_op(int kind, float a, float b) {
   return a + b;
 }
 
+// A GEMM result as the epilogue's input: unscaled (row and column powers of two), biased,
+// rounded where the model's dtype would round, and passed through the generated `pre` ops.
+template <class Epi>
+__device__ __forceinline__ float epilogue_input(float acc, float a_inv, int gcol,
+                                                const FusedArgs& args) {
+  float v = acc * a_inv;
+  if (args.b_inv_scale != nullptr) v *= __ldg(args.b_inv_scale + gcol);
+  if (args.bias != nullptr) v += __ldg(args.bias + gcol);
+  return Epi::pre(round_like_model(v, args.params), gcol, args.params);
+}
+
 // Where a tile sits: its origin and its index in the grid of tiles.
 struct TileCoord {
   int m0, n0;      // first row and column
