@@ -1,5 +1,5 @@
 // Host side of one fused-linear extension: checks, allocation and launches on the current
-// stream. Python (gemmfuse/runtime.py) validates user input first and raises readable errors;
+// stream. Python (gemmfuse/ops.py) validates user input first and raises readable errors;
 // the checks here are the last line of defence against a malformed internal call.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
