@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from gemmfuse.bench import build_pair, max_abs_err, poison_allocator  # noqa: F401
@@ -15,8 +17,6 @@ def small_pair(number: int, seed: int = 0, init=None):
 
 def run_both(ref, new, x):
     """(eager fp32, float64 reference, gemmfuse) outputs for input x; new's output poisoned."""
-    import copy
-
     with torch.no_grad():
         expect = ref(x)
         exact = copy.deepcopy(ref).double()(x.double())

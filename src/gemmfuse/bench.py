@@ -244,52 +244,62 @@ def _fmt(v, spec=".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def format_table(results: list[Result]) -> str:
-    head = (
-        "| problem | output | correct | path | max err eager | max err gemmfuse | eager ms "
-        "| compile ms | gemmfuse ms | vs eager | vs compile | weights changed ms "
-        "| portable kernel ms |"
-    )
-    rows = [head, "|" + "---|" * 13]
+    header = [
+        "problem", "output", "correct", "path", "max err eager", "max err gemmfuse", "eager ms",
+        "compile ms", "gemmfuse ms", "vs eager", "vs compile", "weights changed ms",
+        "portable kernel ms",
+    ]  # fmt: skip
+    rows = []
     for r in results:
         eager, comp, ours = r.ms.get("eager"), r.ms.get("compile"), r.ms.get("gemmfuse")
         rows.append(
-            f"| #{r.problem} | {r.shape} | {'yes' if r.correct else 'NO'} | {'/'.join(r.paths)} "
-            f"| {r.max_err_eager:.2e} | {r.max_err_gemmfuse:.2e} | {_fmt(eager)} | {_fmt(comp)} "
-            f"| {_fmt(ours)} | {_fmt(eager / ours if ours else None, '.2f')}x "
-            f"| {_fmt(comp / ours if comp and ours else None, '.2f')}x "
-            f"| {_fmt(r.ms.get('weights_changed'))} | {_fmt(r.ms.get('portable'))} |"
-        )
-    return "\n".join(rows)
+            [
+                f"#{r.problem}", r.shape, "yes" if r.correct else "NO", "/".join(r.paths),
+                f"{r.max_err_eager:.2e}", f"{r.max_err_gemmfuse:.2e}", _fmt(eager), _fmt(comp),
+                _fmt(ours), f"{_fmt(eager / ours if ours else None, '.2f')}x",
+                f"{_fmt(comp / ours if comp and ours else None, '.2f')}x",
+                _fmt(r.ms.get("weights_changed")), _fmt(r.ms.get("portable")),
+            ]
+        )  # fmt: skip
+    return _markdown(header, rows)
 
 
 def format_modes(modes: list[ModeResult]) -> str:
+    header = [
+        "problem", "mode", "path", "max err", "eager's max err", "allclose", "eager ms",
+        "gemmfuse ms", "vs eager",
+    ]  # fmt: skip
     rows = [
-        "| problem | mode | path | max err | eager's max err | allclose | eager ms "
-        "| gemmfuse ms | vs eager |",
-        "|" + "---|" * 9,
-    ]
-    for r in modes:
-        rows.append(
-            f"| #{r.problem} | {r.mode} | {r.path} | {r.max_err:.2e} | {r.max_err_eager:.2e} "
-            f"| {'yes' if r.allclose_1e4 else 'no'} | {r.ms_eager:.3f} | {r.ms_gemmfuse:.3f} "
-            f"| {r.ms_eager / r.ms_gemmfuse:.2f}x |"
-        )
-    return "\n".join(rows)
+        [
+            f"#{r.problem}", r.mode, r.path, f"{r.max_err:.2e}", f"{r.max_err_eager:.2e}",
+            "yes" if r.allclose_1e4 else "no", f"{r.ms_eager:.3f}", f"{r.ms_gemmfuse:.3f}",
+            f"{r.ms_eager / r.ms_gemmfuse:.2f}x",
+        ]
+        for r in modes
+    ]  # fmt: skip
+    return _markdown(header, rows)
 
 
 def format_sweep(rows: list[dict]) -> str:
-    out = [
-        "| M | N = K | group | path | correct | eager ms | gemmfuse ms | vs eager |",
-        "|" + "---|" * 8,
-    ]
-    for r in rows:
-        out.append(
-            f"| {r['m']} | {r['nk']} | {r['group']} | {r['path']} "
-            f"| {'yes' if r['correct'] else 'NO'} | {r['eager_ms']:.3f} | {r['gemmfuse_ms']:.3f} "
-            f"| {r['eager_ms'] / r['gemmfuse_ms']:.2f}x |"
-        )
-    return "\n".join(out)
+    header = ["M", "N = K", "group", "path", "correct", "eager ms", "gemmfuse ms", "vs eager"]
+    return _markdown(
+        header,
+        [
+            [
+                str(r["m"]), str(r["nk"]), str(r["group"]), r["path"],
+                "yes" if r["correct"] else "NO", f"{r['eager_ms']:.3f}",
+                f"{r['gemmfuse_ms']:.3f}", f"{r['eager_ms'] / r['gemmfuse_ms']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )  # fmt: skip
 
 
 def main(
