@@ -24,9 +24,9 @@ def test_structure_ignores_run_time_values():
 
 def test_scalars_in_generated_order():
     epi = Epilogue(
-        pre=(Pointwise("mul_scalar", (3.0,)),),
+        pre=(Pointwise("mul", (3.0,)),),
         norm=GroupNormSpec(2),
-        post=(Pointwise("leaky_relu", (0.1,)), Pointwise("add_scalar", (-1.0,))),
+        post=(Pointwise("leaky_relu", (0.1,)), Pointwise("add", (-1.0,))),
     )
     assert epi.scalars == (3.0, 0.1, -1.0)
     code = cuda_epilogue(epi)
@@ -46,13 +46,13 @@ def test_generated_struct_flags():
     "make, message",
     [
         (lambda: Pointwise("nope"), "unknown pointwise op"),
-        (lambda: Pointwise("leaky_relu"), "takes 1 scalar"),
-        (lambda: Pointwise("relu", (1.0,)), "takes 0 scalar"),
+        (lambda: Pointwise("leaky_relu"), "takes 1 argument"),
+        (lambda: Pointwise("relu", (1.0,)), "takes 0 argument"),
         (lambda: GroupNormSpec(0), "num_groups"),
         (lambda: GroupNormSpec(2, eps=-1.0), "eps"),
         (lambda: Reduction("median"), "unknown reduction"),
         (lambda: Epilogue(post=(Pointwise("relu"),)), "post ops need a GroupNorm"),
-        (lambda: Epilogue(pre=(Pointwise("add_scalar", (1.0,)),) * 9), "at most 8 scalars"),
+        (lambda: Epilogue(pre=(Pointwise("add", (1.0,)),) * 9), "at most 8 float"),
     ],
 )
 def test_bad_descriptions_raise(make, message):
@@ -63,4 +63,4 @@ def test_bad_descriptions_raise(make, message):
 def test_every_op_has_both_meanings():
     for name, op in POINTWISE.items():
         assert "{v}" in op.cuda, name
-        assert all(f"{{s{i}}}" in op.cuda for i in range(op.n_scalars)), name
+        assert all(f"{{a{i}}}" in op.cuda for i in range(op.n_args)), name

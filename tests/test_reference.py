@@ -14,7 +14,7 @@ def test_matches_torch_modules(m, k, n, groups):
     nn.init.normal_(gn.bias, 0.0, 0.1)
     x = torch.randn(max(m, 2), k)
     epi = Epilogue(
-        pre=(Pointwise("mul_scalar", (0.5,)),),
+        pre=(Pointwise("mul", (0.5,)),),
         norm=GroupNormSpec(groups, 1e-3),
         post=(Pointwise("leaky_relu", (0.2,)), Pointwise("add_self")),
     )

@@ -1,14 +1,22 @@
 """What runs after the GEMM, described once.
 
-An :class:`Epilogue` is the chain applied to ``y = x @ W.T + b``::
+An :class:`Epilogue` is the chain applied to ``y = x @ W.T + b`` of shape (M, N)::
 
-    pre ops -> GroupNorm (optional) -> post ops -> reduction over channels (optional)
+    pre ops -> GroupNorm (optional) -> post ops -> reduction over channels (optional) -> tail ops
 
 Each pointwise op is defined once in ``POINTWISE`` with both meanings: the PyTorch function
 (reference.py evaluates chains with it) and the CUDA expression (``cuda_epilogue`` turns a chain
-into the ``GeneratedEpilogue`` struct the kernel is compiled with). Scalars such as a LeakyReLU
-slope are run-time kernel arguments, so one compiled kernel serves a chain's every scalar value:
-the build cache is keyed by ``Epilogue.structure``, which leaves the values out.
+into the ``GeneratedEpilogue`` struct the kernels are compiled with). An op's arguments are
+Python floats (a LeakyReLU slope, a multiplier) or :class:`Param` references to tensors passed
+with the call (``fused_linear(..., params=...)``). Both are run-time kernel arguments, so one
+compiled kernel serves every value of a chain: the build cache is keyed by
+``Epilogue.structure``, which zeroes the floats.
+
+In ``pre`` and ``post`` a tensor operand is per channel: it must broadcast against (M, N) along
+the channels only (shape (), (1,), (N,), (1, N)); the kernel reads it at the output column.
+``tail`` ops act on the reduction's (M,) or (M, 1) result with PyTorch's own broadcasting, any
+shape allowed (for instance #75's (M, 1) + (1, C, 1, 1) -> (1, C, M, 1)); they run in PyTorch
+after the kernel, on M values.
 
 This module imports only torch and the standard library: ``gemmfuse export`` inlines it into
 standalone files.
@@ -18,55 +26,136 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-MAX_PARAMS = 8  # kMaxParams in csrc/fused_args.h
+MAX_SCALARS = 8  # kMaxParams in csrc/fused_args.h: float arguments per chain
+MAX_TENSORS = 8  # kMaxParams: per-channel tensor arguments per chain (pre and post)
+
+_INV_SQRT2 = "0.70710678118654752440f"
+_SQRT_2_OVER_PI = "0.79788456080286535588f"
+
+
+@dataclass(frozen=True)
+class Param:
+    """A tensor argument of an op: ``params[index]`` of the call."""
+
+    index: int
+
+    def __post_init__(self):
+        if not isinstance(self.index, int) or self.index < 0:
+            raise ValueError(f"Param index must be an int >= 0, got {self.index!r}")
 
 
 @dataclass(frozen=True)
 class PointwiseDef:
-    """One pointwise op: its scalar count, the CUDA expression of ``v`` and the torch function.
+    """One pointwise op: its argument count, its CUDA expression and its torch function.
 
-    In ``cuda``, ``{v}`` is the input value and ``{s0}``, ``{s1}``... its scalars. Expressions
-    follow PyTorch's float32 CUDA arithmetic exactly (the same operations in the same order).
+    In ``cuda``, ``{v}`` is the input value and ``{a0}``, ``{a1}``... its arguments. Expressions
+    follow PyTorch's float32 CUDA kernels (the same operations in the same order). ``cuda_scalar``,
+    when given, replaces ``cuda`` for a float argument where PyTorch computes differently
+    (``x / s`` multiplies by the float reciprocal of ``s``). ``tensor_arg`` says whether the
+    argument may be a :class:`Param` (the binary arithmetic ops).
     """
 
-    n_scalars: int
+    n_args: int
     cuda: str
     torch: Callable[..., torch.Tensor]
+    tensor_arg: bool = False
+    cuda_scalar: str | None = None
 
 
 POINTWISE: dict[str, PointwiseDef] = {
-    "relu": PointwiseDef(0, "({v} > 0.f ? {v} : 0.f)", lambda v: F.relu(v)),
-    "leaky_relu": PointwiseDef(
-        1, "({v} > 0.f ? {v} : {v} * {s0})", lambda v, s: F.leaky_relu(v, s)
+    # binary arithmetic with a float or a tensor operand
+    "add": PointwiseDef(1, "({v} + {a0})", lambda v, a: v + a, True),
+    "sub": PointwiseDef(1, "({v} - {a0})", lambda v, a: v - a, True),
+    "rsub": PointwiseDef(1, "({a0} - {v})", lambda v, a: a - v, True),
+    "mul": PointwiseDef(1, "({v} * {a0})", lambda v, a: v * a, True),
+    "div": PointwiseDef(
+        1, "({v} / {a0})", lambda v, a: v / a, True, cuda_scalar="({v} * (1.f / {a0}))"
     ),
+    "rdiv": PointwiseDef(1, "({a0} / {v})", lambda v, a: a / v, True),
     "add_self": PointwiseDef(0, "({v} + {v})", lambda v: v + v),
-    "add_scalar": PointwiseDef(1, "({v} + {s0})", lambda v, s: v + s),
-    "mul_scalar": PointwiseDef(1, "({v} * {s0})", lambda v, s: v * s),
+    # activations
+    "relu": PointwiseDef(0, "(({v} > 0.f || {v} != {v}) ? {v} : 0.f)", F.relu),
+    "leaky_relu": PointwiseDef(1, "({v} > 0.f ? {v} : {v} * {a0})", F.leaky_relu),
+    "gelu": PointwiseDef(
+        0, f"({{v}} * 0.5f * (1.f + erff({{v}} * {_INV_SQRT2})))", lambda v: F.gelu(v)
+    ),
+    "gelu_tanh": PointwiseDef(
+        0,
+        f"(0.5f * {{v}} * (1.f + tanhf({_SQRT_2_OVER_PI} * "
+        "({v} + 0.044715f * ({v} * {v} * {v})))))",
+        lambda v: F.gelu(v, approximate="tanh"),
+    ),
+    "silu": PointwiseDef(0, "({v} / (1.f + expf(-{v})))", F.silu),
+    "mish": PointwiseDef(0, "({v} * tanhf(log1pf(expf({v}))))", F.mish),
+    "tanh": PointwiseDef(0, "tanhf({v})", torch.tanh),
+    "sigmoid": PointwiseDef(0, "(1.f / (1.f + expf(-{v})))", torch.sigmoid),
+    # hardtanh and clamp are one op in PyTorch (NaN passes through); +-inf marks an open bound
+    "hardtanh": PointwiseDef(2, "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))", F.hardtanh),
+    "clamp": PointwiseDef(2, "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))", torch.clamp),
+    "hardswish": PointwiseDef(
+        0, "({v} * fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))", F.hardswish
+    ),
+    "hardsigmoid": PointwiseDef(
+        0, "(fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))", F.hardsigmoid
+    ),
+    # softplus(beta, threshold): linear above threshold, as PyTorch
+    "softplus": PointwiseDef(
+        2, "({v} * {a0} > {a1} ? {v} : log1pf(expf({v} * {a0})) / {a0})", F.softplus
+    ),
+    "elu": PointwiseDef(1, "({v} <= 0.f ? expm1f({v}) * {a0} : {v})", lambda v, a: F.elu(v, a)),
+    "exp": PointwiseDef(0, "expf({v})", torch.exp),
+    "log": PointwiseDef(0, "logf({v})", torch.log),
 }
 
-REDUCTIONS = {"min": 1, "max": 2, "sum": 3}  # kReduce codes in csrc/gemm_gn_sm80.cuh
+# kReduce codes in csrc/tile_epilogue.cuh, and the PyTorch meaning of each (dim=1).
+REDUCTIONS = {"min": 1, "max": 2, "sum": 3, "mean": 4, "logsumexp": 5}
+REDUCTION_FNS: dict[str, Callable[..., torch.Tensor]] = {
+    "min": torch.amin,
+    "max": torch.amax,
+    "sum": torch.sum,
+    "mean": torch.mean,
+    "logsumexp": torch.logsumexp,
+}
 
 
 @dataclass(frozen=True)
 class Pointwise:
+    """One pointwise op of ``POINTWISE`` with its arguments (floats or :class:`Param`)."""
+
     name: str
-    scalars: tuple[float, ...] = ()
+    args: tuple[float | Param, ...] = ()
 
     def __post_init__(self):
         if self.name not in POINTWISE:
             raise ValueError(
                 f"unknown pointwise op {self.name!r}; expected one of {sorted(POINTWISE)}"
             )
-        want = POINTWISE[self.name].n_scalars
-        if len(self.scalars) != want:
+        d = POINTWISE[self.name]
+        if not isinstance(self.args, tuple) or len(self.args) != d.n_args:
             raise ValueError(
-                f"pointwise op {self.name!r} takes {want} scalar(s), got {len(self.scalars)}"
+                f"pointwise op {self.name!r} takes {d.n_args} argument(s), got {self.args!r}"
             )
+        for a in self.args:
+            if isinstance(a, Param):
+                if not d.tensor_arg:
+                    raise ValueError(f"pointwise op {self.name!r} takes float arguments only")
+            elif not isinstance(a, (int, float)) or isinstance(a, bool):
+                raise ValueError(
+                    f"pointwise op {self.name!r}: arguments must be floats or Param, got {a!r}"
+                )
+
+    @property
+    def scalars(self) -> tuple[float, ...]:
+        return tuple(float(a) for a in self.args if not isinstance(a, Param))
+
+    @property
+    def params(self) -> tuple[int, ...]:
+        return tuple(a.index for a in self.args if isinstance(a, Param))
 
 
 @dataclass(frozen=True)
@@ -84,6 +173,8 @@ class GroupNormSpec:
 
 @dataclass(frozen=True)
 class Reduction:
+    """A reduction over the channel dimension (dim 1) of the (M, N) result."""
+
     op: str
     keepdim: bool = False
 
@@ -98,49 +189,81 @@ class Epilogue:
     norm: GroupNormSpec | None = None
     post: tuple[Pointwise, ...] = ()
     reduce: Reduction | None = None
+    tail: tuple[Pointwise, ...] = ()
 
     def __post_init__(self):
         if self.norm is None and self.post:
             raise ValueError("post ops need a GroupNorm; put ops without one in `pre`")
-        if len(self.scalars) > MAX_PARAMS:
+        if self.reduce is None and self.tail:
+            raise ValueError("tail ops need a reduction; put ops without one in `pre`/`post`")
+        if len(self.scalars) > MAX_SCALARS:
             raise ValueError(
-                f"an epilogue takes at most {MAX_PARAMS} scalars, got {len(self.scalars)}"
+                f"an epilogue takes at most {MAX_SCALARS} float arguments before its "
+                f"reduction, got {len(self.scalars)}"
+            )
+        if len(self.channel_params) > MAX_TENSORS:
+            raise ValueError(
+                f"an epilogue takes at most {MAX_TENSORS} tensor arguments before its "
+                f"reduction, got {len(self.channel_params)}"
             )
 
     @functools.cached_property
     def scalars(self) -> tuple[float, ...]:
-        """The run-time scalar arguments, in the order the generated code reads them."""
+        """The kernel's float arguments, in the order the generated code reads them."""
         return tuple(s for op in self.pre + self.post for s in op.scalars)
 
     @functools.cached_property
+    def channel_params(self) -> tuple[int, ...]:
+        """The ``params`` indices the kernel reads per channel, in generated-code order."""
+        return tuple(i for op in self.pre + self.post for i in op.params)
+
+    @functools.cached_property
+    def tail_params(self) -> tuple[int, ...]:
+        return tuple(i for op in self.tail for i in op.params)
+
+    @functools.cached_property
     def structure(self) -> Epilogue:
-        """This chain with every run-time value zeroed: what a compiled kernel depends on."""
+        """This chain with every run-time value zeroed: what a compiled kernel depends on.
+
+        Tail ops run in PyTorch and the kernel reads tensor arguments in order whatever their
+        index, so the structure leaves both out.
+        """
 
         def strip(ops):
-            return tuple(Pointwise(op.name, (0.0,) * len(op.scalars)) for op in ops)
+            return tuple(
+                Pointwise(
+                    op.name, tuple(Param(0) if isinstance(a, Param) else 0.0 for a in op.args)
+                )
+                for op in ops
+            )
 
         norm = None if self.norm is None else GroupNormSpec(1, 0.0, self.norm.affine)
-        return replace(self, pre=strip(self.pre), norm=norm, post=strip(self.post))
-
-    def up_to_norm(self) -> Epilogue:
-        """The part that runs before the GroupNorm (for kernels that stop there)."""
-        return Epilogue(pre=self.pre)
+        reduce = None if self.reduce is None else Reduction(self.reduce.op)
+        return Epilogue(strip(self.pre), norm, strip(self.post), reduce)
 
 
-def _cuda_ops(ops: tuple[Pointwise, ...], first_scalar: int) -> tuple[list[str], int]:
-    lines, s = [], first_scalar
+def _cuda_ops(ops: tuple[Pointwise, ...], scalar: int, vec: int) -> tuple[list[str], int, int]:
+    lines = []
     for op in ops:
         d = POINTWISE[op.name]
-        names = {f"s{i}": f"p.scalar[{s + i}]" for i in range(d.n_scalars)}
-        lines.append(f"    v = round_like_model({d.cuda.format(v='v', **names)}, p);")
-        s += d.n_scalars
-    return lines, s
+        names = {}
+        template = d.cuda
+        for i, a in enumerate(op.args):
+            if isinstance(a, Param):
+                names[f"a{i}"] = f"__ldg(p.vec[{vec}] + col)"
+                vec += 1
+            else:
+                names[f"a{i}"] = f"p.scalar[{scalar}]"
+                scalar += 1
+                template = d.cuda_scalar or template
+        lines.append(f"    v = round_like_model({template.format(v='v', **names)}, p);")
+    return lines, scalar, vec
 
 
 def cuda_epilogue(epilogue: Epilogue) -> str:
-    """The ``GeneratedEpilogue`` struct that csrc/gemm_gn_sm80.cuh is instantiated with."""
-    pre, s = _cuda_ops(epilogue.pre, 0)
-    post, _ = _cuda_ops(epilogue.post, s)
+    """The ``GeneratedEpilogue`` struct the kernels in csrc/ are instantiated with."""
+    pre, s, t = _cuda_ops(epilogue.pre, 0, 0)
+    post, _, _ = _cuda_ops(epilogue.post, s, t)
     reduce = 0 if epilogue.reduce is None else REDUCTIONS[epilogue.reduce.op]
 
     def fn(name, body):

@@ -4,18 +4,20 @@ Paths, in the order they are tried:
 
 ``fused``
     One CUDA kernel (plus the activation's split pre-pass): split-fp16 tensor-core GEMM with the
-    whole epilogue in its epilogue. Needs a CUDA float32 2-D input on an sm_80+ GPU, no autograd,
-    and GroupNorm groups that fit an output tile (group size divides 128). The kernel is the
-    Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async) elsewhere.
-    bfloat16 models are fused on sm_90 too (one pass on their bf16 operands, fp32 epilogue);
-    ``kernel="portable"`` / ``"hopper"`` forces one. With ``kernel="auto"``, problems with
-    M*N*K below ``MIN_FUSED_WORK`` run the PyTorch path, which is as fast there.
-``fused-gemm+torch``
-    The same accurate GEMM kernel with only the pre-GroupNorm ops fused, then the rest of the
-    chain in PyTorch: taken when the groups are wider than a tile or do not divide it.
+    chain up to its reduction in its epilogue. GroupNorm groups that fit a 128-channel output
+    tile are normalised in the tile; wider groups (or groups that straddle tiles) get their
+    statistics from each tile, merged by a light second kernel that normalises the output in
+    place (one extra read and write of it). Needs a CUDA float32 2-D input on an sm_80+ GPU, no
+    autograd, and tensor arguments of ``pre``/``post`` ops that are per channel and of x's dtype.
+    The kernel is the Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async)
+    elsewhere. bfloat16 models are fused on sm_90 too (one pass on their bf16 operands, fp32
+    epilogue); ``kernel="portable"`` / ``"hopper"`` forces one. With ``kernel="auto"``, problems
+    with M*N*K below ``MIN_FUSED_WORK`` run the PyTorch path, which is as fast there.
+    ``tail`` ops (after a reduction) run in PyTorch on the reduced (M,) values.
 ``torch``
     The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or with a
-    reduction), older GPUs, autograd, and under ``kernel="auto"`` problems too small to gain.
+    reduction), older GPUs, autograd, tensor arguments that are not per channel, and under
+    ``kernel="auto"`` problems too small to gain.
 
 A CUDA call that cannot take ``fused`` emits a :class:`FallbackWarning` saying why.
 
@@ -27,15 +29,16 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Sequence
 
 import torch
 
 from gemmfuse.epilogue import Epilogue
-from gemmfuse.reference import apply_epilogue, linear_epilogue
+from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.sources import extension_for
 
 K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
-TILE = 128  # kTile in csrc/tile_epilogue.cuh: a fused GroupNorm's group size must divide it
+TILE = 128  # kTile in csrc/tile_epilogue.cuh: groups that divide it are normalised in the tile
 KERNELS = {"auto": 0, "portable": 1, "hopper": 2}  # launch_fused's codes in csrc/fused_args.h
 # "fp32": hi*hi + hi*lo + lo*hi, as accurate as PyTorch fp32. "tf32": hi*hi alone, operands with
 # 11 significant bits like TF32's, one third of the tensor-core work.
@@ -106,7 +109,20 @@ def _check_vector(t: torch.Tensor | None, name: str, n: int, like: torch.Tensor)
         )
 
 
-def validate(x, weight, bias, epilogue, gn_weight, gn_bias) -> None:
+def _check_params(params, epilogue: Epilogue) -> None:
+    if not isinstance(params, (tuple, list)):
+        raise TypeError(f"params must be a tuple or list of tensors, got {type(params).__name__}")
+    for i, t in enumerate(params):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    used = epilogue.channel_params + epilogue.tail_params
+    if used and max(used) >= len(params):
+        raise ValueError(
+            f"the epilogue reads params[{max(used)}] but {len(params)} tensor(s) were given"
+        )
+
+
+def validate(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -> None:
     """Raises TypeError/ValueError naming the bad argument; accepts everything PyTorch would."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -114,6 +130,7 @@ def validate(x, weight, bias, epilogue, gn_weight, gn_bias) -> None:
         raise ValueError("weight must be a 2-D torch.Tensor of shape (out_features, in_features)")
     if not isinstance(epilogue, Epilogue):
         raise TypeError(f"epilogue must be a gemmfuse.Epilogue, got {type(epilogue).__name__}")
+    _check_params(params, epilogue)
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must have shape (batch, {k}) to match weight, got {tuple(x.shape)}")
@@ -144,7 +161,26 @@ def validate(x, weight, bias, epilogue, gn_weight, gn_bias) -> None:
     _check_vector(gn_bias, "gn_bias", n, weight)
 
 
-def select_path(x, weight, epilogue: Epilogue, tensors=(), kernel="auto") -> tuple[str, str]:
+def _channel_param_problem(epilogue: Epilogue, params, x, n: int) -> str:
+    """Why the kernel cannot read the pre/post tensor arguments per channel ("" if it can)."""
+    for i in sorted(set(epilogue.channel_params)):
+        t = params[i]
+        if t.dim() > 2 or t.numel() not in (1, n) or (t.dim() == 2 and t.shape[0] != 1):
+            return (
+                f"params[{i}] of shape {tuple(t.shape)} is not per channel (expected (), (1,), "
+                f"({n},) or (1, {n})), so the chain runs in PyTorch"
+            )
+        if t.dtype != x.dtype or t.device != x.device:
+            return (
+                f"params[{i}] is {t.dtype} on {t.device}, not {x.dtype} on {x.device} like x, "
+                "so PyTorch's type promotion decides the result: the chain runs in PyTorch"
+            )
+    return ""
+
+
+def select_path(
+    x, weight, epilogue: Epilogue, tensors=(), kernel="auto", params=()
+) -> tuple[str, str]:
     """(path, reason) for this call; reason says why a faster path was not taken."""
     if x.device.type != "cuda":
         return "torch", f"{x.device.type} tensors run the PyTorch reference path"
@@ -162,49 +198,54 @@ def select_path(x, weight, epilogue: Epilogue, tensors=(), kernel="auto") -> tup
     elif x.dtype != torch.float32:
         return "torch", f"{x.dtype} inputs run the PyTorch path (fused: float32, bfloat16)"
     if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, *tensors)
+        t is not None and t.requires_grad for t in (x, weight, *tensors, *params)
     ):
         return "torch", "autograd is recording and the fused kernels have no backward"
     (m, k), n = x.shape, weight.shape[0]
     if 0 in (m, n, k):
         return "torch", "empty tensors run the PyTorch path"
-    if max(m, n) >= 2**31 or k >= 2**31 - K_ALIGN:
+    if max(m, n) >= 2**31 or k >= 2**31 - K_ALIGN or m * n >= 2**40:
         return "torch", "sizes beyond 32-bit indexing run the PyTorch path"
+    problem = _channel_param_problem(epilogue, params, x, n)
+    if problem:
+        return "torch", problem
     if kernel == "auto" and m * n * k < MIN_FUSED_WORK:
         return "torch", (
             f"M*N*K = {m * n * k:.2g} is below {MIN_FUSED_WORK:.0e}, where eager fp32 is as "
             'fast as the fused kernel; pass kernel="hopper"/"portable" to force it'
         )
-    if epilogue.norm is not None:
-        group = n // epilogue.norm.num_groups
-        if TILE % group:
-            return "fused-gemm+torch", (
-                f"group size {group} does not divide the {TILE}-channel output tile, so "
-                "GroupNorm and what follows it run in PyTorch after the fused GEMM"
-            )
     return "fused", ""
 
 
-def _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache, kernel, precision):
+def _launch(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):
     # Runs once per forward: keep it lean (no autograd here, so no detach() either).
     ext = extension_for(epilogue)
     norm = epilogue.norm
-    group_size = weight.shape[0] // norm.num_groups if norm else 1
+    n = weight.shape[0]
+    group_size = n // norm.num_groups if norm else 1
     eps = norm.eps if norm else 0.0
+    # Groups that straddle 128-channel tiles get cross-tile statistics and a second pass.
+    norm_wide = norm is not None and TILE % group_size != 0
+    vectors = [
+        params[i].reshape(-1).expand(n).to(torch.float32).contiguous()
+        for i in epilogue.channel_params
+    ]
     if x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
         w = weight if weight.is_contiguous() else weight.contiguous()
         out = ext.fused_forward_bf16(
-            x, w, bias, gn_weight, gn_bias, epilogue.scalars, group_size, eps
+            x, w, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide
         )
     else:
         k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
         w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
         out = ext.fused_forward(
-            x, w_hi, w_lo, w_inv, bias, gn_weight, gn_bias, [], epilogue.scalars,
-            group_size, eps, KERNELS[kernel], PRECISIONS[precision],
+            x, w_hi, w_lo, w_inv, bias, gn_weight, gn_bias, vectors, epilogue.scalars,
+            group_size, eps, KERNELS[kernel], PRECISIONS[precision], norm_wide,
         )  # fmt: skip
-    if epilogue.reduce is not None and epilogue.reduce.keepdim:
-        out = out.view(x.shape[0], 1)
+    if epilogue.reduce is not None:
+        if epilogue.reduce.keepdim:
+            out = out.view(x.shape[0], 1)
+        out = apply_pointwise(out, epilogue.tail, params)
     return out
 
 
@@ -216,6 +257,7 @@ def fused_linear(
     gn_weight: torch.Tensor | None = None,
     gn_bias: torch.Tensor | None = None,
     *,
+    params: Sequence[torch.Tensor] = (),
     weight_cache: SplitWeightCache | None = None,
     kernel: str = "auto",
     precision: str = "fp32",
@@ -227,6 +269,7 @@ def fused_linear(
         weight, bias: the Linear's (N, K) weight and (N,) bias (or None).
         epilogue: the chain after the GEMM (:class:`gemmfuse.Epilogue`).
         gn_weight, gn_bias: the GroupNorm's affine parameters, when it is affine.
+        params: the tensors the epilogue's :class:`gemmfuse.Param` arguments refer to.
         weight_cache: keeps the weight's fp16 split between calls; without one the weight is
             split on every call (correct, slower).
         kernel: "auto" (by GPU), "portable" (sm_80+ mma.sync) or "hopper" (sm_90 wgmma).
@@ -234,35 +277,32 @@ def fused_linear(
             pass on 11-bit operands, about TF32's error, for speed). Applies to float32
             inputs; a bfloat16 model (sm_90) always runs one pass on its own bf16 operands.
 
-    Returns (M, N), or the reduction's (M,) / (M, 1).
+    Returns what the chain returns in PyTorch: (M, N), or the reduction's (M,) / (M, 1) after
+    any tail ops (broadcast as PyTorch broadcasts).
     """
     return fused_linear_with_path(
         x, weight, bias, epilogue, gn_weight, gn_bias,
-        weight_cache=weight_cache, kernel=kernel, precision=precision,
+        params=params, weight_cache=weight_cache, kernel=kernel, precision=precision,
     )[0]  # fmt: skip
 
 
 def fused_linear_with_path(
     x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *,
-    weight_cache=None, kernel="auto", precision="fp32",
+    params=(), weight_cache=None, kernel="auto", precision="fp32",
 ) -> tuple[torch.Tensor, str]:  # fmt: skip
-    """:func:`fused_linear`, also returning the path taken: "fused", "fused-gemm+torch", "torch"."""
-    validate(x, weight, bias, epilogue, gn_weight, gn_bias)
+    """:func:`fused_linear`, also returning the path taken: "fused" or "torch"."""
+    validate(x, weight, bias, epilogue, gn_weight, gn_bias, params)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias), kernel)
+    path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias), kernel, params)
     if path != "torch" and kernel == "hopper" and _capability(x.device.index) != (9, 0):
         raise ValueError('kernel="hopper" needs an sm_90 GPU (H100/H200)')
-    if path != "fused" and x.device.type == "cuda":
-        warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
     if path == "torch":
-        return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias), path
+        if x.device.type == "cuda":
+            warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
+        return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias, params), path
     cache = weight_cache if weight_cache is not None else SplitWeightCache()
-    if path == "fused-gemm+torch":
-        y = _launch(x, weight, bias, epilogue.up_to_norm(), None, None, cache, kernel, precision)
-        rest = Epilogue(norm=epilogue.norm, post=epilogue.post, reduce=epilogue.reduce)
-        return apply_epilogue(y, rest, gn_weight, gn_bias), path
-    out = _launch(x, weight, bias, epilogue, gn_weight, gn_bias, cache, kernel, precision)
+    out = _launch(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision)
     return out, path

@@ -6,15 +6,20 @@ standalone files.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-from gemmfuse.epilogue import POINTWISE, Epilogue, Pointwise
+from gemmfuse.epilogue import POINTWISE, REDUCTION_FNS, Epilogue, Param, Pointwise
 
 
-def apply_pointwise(v: torch.Tensor, ops: tuple[Pointwise, ...]) -> torch.Tensor:
+def apply_pointwise(
+    v: torch.Tensor, ops: tuple[Pointwise, ...], params: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
     for op in ops:
-        v = POINTWISE[op.name].torch(v, *op.scalars)
+        args = (params[a.index] if isinstance(a, Param) else a for a in op.args)
+        v = POINTWISE[op.name].torch(v, *args)
     return v
 
 
@@ -23,15 +28,16 @@ def apply_epilogue(
     epilogue: Epilogue,
     gn_weight: torch.Tensor | None = None,
     gn_bias: torch.Tensor | None = None,
+    params: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Applies ``epilogue`` to the GEMM result ``y`` of shape (M, N), as PyTorch would."""
-    y = apply_pointwise(y, epilogue.pre)
+    y = apply_pointwise(y, epilogue.pre, params)
     if epilogue.norm is not None:
         y = F.group_norm(y, epilogue.norm.num_groups, gn_weight, gn_bias, epilogue.norm.eps)
-        y = apply_pointwise(y, epilogue.post)
+        y = apply_pointwise(y, epilogue.post, params)
     if epilogue.reduce is not None:
-        reduce = {"min": torch.amin, "max": torch.amax, "sum": torch.sum}[epilogue.reduce.op]
-        y = reduce(y, dim=1, keepdim=epilogue.reduce.keepdim)
+        y = REDUCTION_FNS[epilogue.reduce.op](y, dim=1, keepdim=epilogue.reduce.keepdim)
+        y = apply_pointwise(y, epilogue.tail, params)
     return y
 
 
@@ -42,6 +48,7 @@ def linear_epilogue(
     epilogue: Epilogue,
     gn_weight: torch.Tensor | None = None,
     gn_bias: torch.Tensor | None = None,
+    params: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """``epilogue(x @ weight.T + bias)`` in plain PyTorch."""
-    return apply_epilogue(F.linear(x, weight, bias), epilogue, gn_weight, gn_bias)
+    return apply_epilogue(F.linear(x, weight, bias), epilogue, gn_weight, gn_bias, params)

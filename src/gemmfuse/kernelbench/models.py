@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from gemmfuse.epilogue import Epilogue, GroupNormSpec, Pointwise, Reduction
+from gemmfuse.epilogue import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.ops import SplitWeightCache, fused_linear_with_path
 
 
@@ -33,9 +33,12 @@ def epilogue_62(num_groups, eps, affine, negative_slope) -> Epilogue:
 
 @functools.lru_cache(maxsize=64)
 def epilogue_75(num_groups, eps, affine) -> Epilogue:
-    """#75's chain up to the row minimum (the bias add is PyTorch's broadcast)."""
+    """#75's chain: the row minimum in the kernel, then the bias add as PyTorch broadcasts it,
+    (M, 1) + (1, C, 1, 1) -> (1, C, M, 1)."""
     return Epilogue(
-        norm=GroupNormSpec(num_groups, eps, affine), reduce=Reduction("min", keepdim=True)
+        norm=GroupNormSpec(num_groups, eps, affine),
+        reduce=Reduction("min", keepdim=True),
+        tail=(Pointwise("add", (Param(0),)),),
     )
 
 
@@ -80,9 +83,9 @@ class ModelNew75(nn.Module):
     def forward(self, x):
         gn = self.group_norm
         epilogue = epilogue_75(gn.num_groups, gn.eps, gn.affine)
-        row_min, self.last_path = fused_linear_with_path(
+        out, self.last_path = fused_linear_with_path(
             x, self.gemm.weight, self.gemm.bias, epilogue, gn.weight, gn.bias,
-            weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
+            params=(self.bias,), weight_cache=self.weight_split, kernel=self.kernel,
+            precision=self.precision,
         )  # fmt: skip
-        # The finishing pass: PyTorch's own broadcast, (M, 1) + (1, C, 1, 1) -> (1, C, M, 1).
-        return row_min + self.bias
+        return out
