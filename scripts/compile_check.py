@@ -1,7 +1,9 @@
 """Compile every CUDA source with nvcc, no GPU needed (CI runs this).
 
 Each ``.cu`` file in csrc/ is compiled as it stands, with the generated epilogue header of every
-kernel structure the shipped problems use, for sm_90a and the portable sm_80 target.
+kernel structure the shipped problems use and of two chains holding every pointwise op (one
+without a reduction, one with logsumexp, the reduction with the most code), for sm_90a and the
+portable sm_80 target.
 Usage: python scripts/compile_check.py [--jobs N]
 """
 
@@ -14,18 +16,47 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gemmfuse.epilogue import cuda_epilogue
+from gemmfuse.epilogue import (
+    POINTWISE,
+    Epilogue,
+    GroupNormSpec,
+    Param,
+    Pointwise,
+    Reduction,
+    cuda_epilogue,
+)
 from gemmfuse.kernelbench.registry import PROBLEMS
 from gemmfuse.sources import CSRC, GENERATED_HEADER
 
 ARCHS = ("compute_90a,code=sm_90a", "compute_80,code=sm_80")
 
 
+def every_op_chains() -> list[Epilogue]:
+    """Chains that between them generate the CUDA of every pointwise op and argument kind,
+    the last one ending in logsumexp (the reduction with the most code)."""
+    ops = []
+    for name, d in POINTWISE.items():
+        ops.append(Pointwise(name, (1.0,) * d.n_args))
+        if d.tensor_arg:
+            ops.append(Pointwise(name, (Param(0),)))
+    groups, current = [], []
+    for op in ops:  # at most 8 float arguments per chain
+        if sum(len(o.scalars) for o in current + [op]) > 8:
+            groups.append(tuple(current))
+            current = []
+        current.append(op)
+    groups.append(tuple(current))
+    chains = [Epilogue(pre=g[:3], norm=GroupNormSpec(4), post=g[3:]) for g in groups]
+    chains[-1] = Epilogue(chains[-1].pre, chains[-1].norm, chains[-1].post, Reduction("logsumexp"))
+    return chains
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
-    structures = {repr(s.structure): s.structure for p in PROBLEMS.values() for s in p.structures}
+    chains = [s for p in PROBLEMS.values() for s in p.structures] + every_op_chains()
+    structures = {repr(s.structure): s.structure for s in chains}
     work = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, structure in enumerate(structures.values()):

@@ -1,7 +1,8 @@
 """Everything the GPU must confirm, in one call; a short summary last.
 
-Builds every shipped kernel structure (in parallel), times a second process's load from the
-cache, runs the GPU tests (pytest -m gpu) and the benchmark. Output files go to $OUT (or
+Builds every kernel structure the tests and benchmark use (in parallel: the shipped problems'
+and the random-chain pool's), times a second process's load from the cache, runs the GPU tests
+(pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep]
 """
 
@@ -69,11 +70,13 @@ def main() -> int:
     quick = "--quick" in sys.argv
     OUT.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT / "src"))
+    from gemmfuse.chains import chain_pool
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.sources import extension_for
 
     summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
     structures = {repr(s.structure): s for p in PROBLEMS.values() for s in p.structures}
+    structures.update({repr(c.structure): c.structure for c in chain_pool()})
     t = time.perf_counter()
     with ThreadPoolExecutor(len(structures)) as pool:
         modules = list(pool.map(extension_for, structures.values()))
@@ -99,6 +102,7 @@ def main() -> int:
     summary.append(f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
 
     bench = [sys.executable, "-m", "gemmfuse", "bench", "--json", str(OUT / "bench.json")]
+    bench += ["--chains"]
     if quick:
         bench += ["--seeds", "3", "--no-compile"]
     if "--sweep" in sys.argv:

@@ -227,6 +227,61 @@ def run_sweep(iters: int) -> list[dict]:
     return rows
 
 
+CHAIN_SHAPE = (1024, 8192, 8192)  # M, K, N: the issue's bar for arbitrary chains
+CHAIN_GROUPS = (1, 16, 512)  # one group and 16 (both wider than a tile), 512 (16 channels)
+
+
+def run_chains(iters: int) -> list[dict]:
+    """Every chain of ``gemmfuse.chains.chain_pool`` at M=1024, K=N=8192 against eager fp32."""
+    from gemmfuse.chains import chain_pool
+    from gemmfuse.ops import SplitWeightCache, fused_linear_with_path
+    from gemmfuse.reference import linear_epilogue
+
+    device = torch.device("cuda")
+    m, k, n = CHAIN_SHAPE
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=gen).to(device)
+    bound = k**-0.5
+    w = ((torch.rand(n, k, generator=gen) * 2 - 1) * bound).to(device)
+    b = ((torch.rand(n, generator=gen) * 2 - 1) * bound).to(device)
+    gn_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(device)
+    gn_b = (0.1 * torch.randn(n, generator=gen)).to(device)
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    rows = []
+    for spec in chain_pool():
+        for groups in CHAIN_GROUPS if spec.norm else (None,):
+            epilogue, params = spec.instantiate(gen, n, groups or 1)
+            params = [p.to(device) for p in params]
+            gn = (gn_w, gn_b) if spec.norm and spec.affine else (None, None)
+            cache = SplitWeightCache()
+
+            def eager(x, epilogue=epilogue, gn=gn, params=params):
+                return linear_epilogue(x, w, b, epilogue, *gn, params)
+
+            def fused(x, epilogue=epilogue, gn=gn, params=params, cache=cache):
+                return fused_linear_with_path(
+                    x, w, b, epilogue, *gn, params=params, weight_cache=cache
+                )[0]
+
+            with torch.no_grad():
+                expect = eager(x)
+                got, path = fused_linear_with_path(
+                    x, w, b, epilogue, *gn, params=params, weight_cache=cache
+                )
+                gn64 = [t.double() if t is not None else None for t in gn]
+                exact = linear_epilogue(
+                    x64, w64, b64, epilogue, *gn64, [p.double() for p in params]
+                )
+            rows.append(
+                {"chain": spec.describe(), "groups": groups, "path": path,
+                 "correct": bool(torch.allclose(got, expect, atol=ATOL, rtol=RTOL)),
+                 "max_err_eager": max_abs_err(expect, exact),
+                 "max_err_gemmfuse": max_abs_err(got, exact),
+                 "eager_ms": time_ms(eager, [x], iters), "gemmfuse_ms": time_ms(fused, [x], iters)}
+            )  # fmt: skip
+    return rows
+
+
 def check_reference_path(numbers: list[int]) -> bool:
     """Without a GPU: ModelNew's PyTorch path against Model on small CPU shapes."""
     ok = True
@@ -302,9 +357,26 @@ def format_sweep(rows: list[dict]) -> str:
     )  # fmt: skip
 
 
+def format_chains(rows: list[dict]) -> str:
+    header = ["chain", "groups", "path", "allclose", "max err eager", "max err gemmfuse",
+              "eager ms", "gemmfuse ms", "vs eager"]  # fmt: skip
+    return _markdown(
+        header,
+        [
+            [
+                r["chain"], "-" if r["groups"] is None else str(r["groups"]), r["path"],
+                "yes" if r["correct"] else "NO", f"{r['max_err_eager']:.2e}",
+                f"{r['max_err_gemmfuse']:.2e}", f"{r['eager_ms']:.3f}", f"{r['gemmfuse_ms']:.3f}",
+                f"{r['eager_ms'] / r['gemmfuse_ms']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )  # fmt: skip
+
+
 def main(
     numbers: list[int], json_path: str | None, seeds: int, iters: int, compile_: bool,
-    modes: bool = True, sweep: bool = False,
+    modes: bool = True, sweep: bool = False, chains: bool = False,
 ) -> int:  # fmt: skip
     if not torch.cuda.is_available():
         print("no CUDA GPU: checking the reference path on small shapes only; no timing")
@@ -312,6 +384,7 @@ def main(
     results = [run_problem(n, seeds, iters, compile_) for n in numbers]
     mode_results = [m for n in numbers for m in run_speed_modes(n, iters)] if modes else []
     sweep_rows = run_sweep(iters) if sweep else []
+    chain_rows = run_chains(iters) if chains else []
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -325,12 +398,15 @@ def main(
         print(format_modes(mode_results))
     if sweep_rows:
         print(format_sweep(sweep_rows))
+    if chain_rows:
+        print(format_chains(chain_rows))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(
                 {**meta, "results": [asdict(r) for r in results],
-                 "modes": [asdict(m) for m in mode_results], "sweep": sweep_rows},
+                 "modes": [asdict(m) for m in mode_results], "sweep": sweep_rows,
+                 "chains": chain_rows},
                 f, indent=2,
             )  # fmt: skip
-    ok = all(r.correct for r in results) and all(r["correct"] for r in sweep_rows)
+    ok = all(r.correct for r in results) and all(r["correct"] for r in sweep_rows + chain_rows)
     return 0 if ok else 1

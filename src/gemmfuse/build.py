@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-EXTENSION_FUNCTIONS = ["split_rows", "fused_forward", "fused_forward_bf16", "tile_size"]
+EXTENSION_FUNCTIONS = ["split_rows", "fused_forward", "fused_forward_bf16"]
 _LOADED: dict[tuple, ModuleType] = {}
 _LOCK = threading.Lock()
 

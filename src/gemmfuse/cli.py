@@ -37,6 +37,10 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--sweep", action="store_true", help="also time #62's chain over a grid of shapes"
     )
+    bench.add_argument(
+        "--chains", action="store_true",
+        help="also time random chains from the epilogue grammar at M=1024, K=N=8192",
+    )  # fmt: skip
     export = sub.add_parser("export", help="print a standalone KernelBench ModelNew file")
     export.add_argument("problem", type=_problem, help=f"one of {sorted(PROBLEMS)}")
     return p
@@ -55,5 +59,5 @@ def main(argv: list[str] | None = None) -> int:
 
     return bench_main(
         args.problems, args.json, args.seeds, args.iters, not args.no_compile,
-        modes=not args.no_modes, sweep=args.sweep,
+        modes=not args.no_modes, sweep=args.sweep, chains=args.chains,
     )  # fmt: skip

@@ -40,29 +40,52 @@ int* row_counters(const torch::Tensor& like, int64_t m_tiles, cudaStream_t strea
   return counter.data_ptr<int>();
 }
 
-// The epilogue's outputs: {out [M, N] in out_dtype, undefined}, or, when it reduces,
-// {the fp32 row result [M], the per-tile row partials}. Both must live until the launch.
-std::pair<torch::Tensor, torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args,
-                                                         const torch::Tensor& x,
-                                                         torch::ScalarType out_dtype,
-                                                         cudaStream_t stream) {
-  const int64_t M = args.M, N = args.N;
-  if (gemmfuse::fused_reduce_kind() == 0) {
-    auto out = torch::empty({M, N}, x.options().dtype(out_dtype));
-    if (out_dtype == torch::kBFloat16)
-      args.out_bf16 = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-    else
-      args.out = out.data_ptr<float>();
-    return {out, torch::Tensor()};
-  }
-  const int64_t tile = gemmfuse::fused_tile();
+// Allocates what the launch writes and points `args` at it; returns the tensors, which must
+// live until the launch: first the result ([M, N] in out_dtype, or fp32 [M] when the epilogue
+// reduces), then scratch. With args.norm_wide set, the GEMM kernel writes pre-norm fp32 values
+// (the result itself for an fp32 chain without reduction) and per-segment GroupNorm moments.
+std::vector<torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args, const torch::Tensor& x,
+                                            torch::ScalarType out_dtype, cudaStream_t stream) {
+  const int64_t M = args.M, N = args.N, tile = gemmfuse::fused_tile();
   const int64_t n_tiles = (N + tile - 1) / tile, m_tiles = (M + tile - 1) / tile;
-  auto partial = torch::empty({n_tiles, M}, x.options().dtype(torch::kFloat32));
-  auto row_out = torch::empty({M}, x.options().dtype(torch::kFloat32));
-  args.row_partial = partial.data_ptr<float>();
-  args.row_out = row_out.data_ptr<float>();
-  args.row_counter = row_counters(x, m_tiles, stream);
-  return {row_out, partial};
+  const auto f32 = x.options().dtype(torch::kFloat32);
+  const int reduce = gemmfuse::fused_reduce_kind();
+  std::vector<torch::Tensor> keep;
+  if (reduce != 0) {
+    keep.push_back(torch::empty({M}, f32));
+    args.row_out = keep.back().data_ptr<float>();
+  } else if (out_dtype == torch::kBFloat16) {
+    keep.push_back(torch::empty({M, N}, x.options().dtype(out_dtype)));
+    args.out_bf16 = reinterpret_cast<__nv_bfloat16*>(keep.back().data_ptr());
+  }
+  if (args.norm_wide) {
+    keep.push_back(torch::empty({M, N}, f32));
+    args.out = keep.back().data_ptr<float>();
+    // A kTile-column window meets at most 127 / group_size + 2 groups.
+    args.stats_per_tile = static_cast<int>((tile - 1) / args.group_size + 2);
+    keep.push_back(torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32));
+    args.norm_stats = reinterpret_cast<float2*>(keep.back().data_ptr<float>());
+  } else if (reduce != 0) {
+    keep.push_back(torch::empty({reduce == 5 ? 2 * n_tiles : n_tiles, M}, f32));
+    args.row_partial = keep.back().data_ptr<float>();
+    args.row_counter = row_counters(x, m_tiles, stream);
+  } else if (out_dtype != torch::kBFloat16) {
+    keep.push_back(torch::empty({M, N}, f32));
+    args.out = keep.back().data_ptr<float>();
+  }
+  return keep;
+}
+
+void set_channel_params(gemmfuse::FusedArgs& args, const std::vector<torch::Tensor>& vec_params,
+                        const std::vector<double>& scalar_params) {
+  TORCH_CHECK(vec_params.size() <= gemmfuse::kMaxParams && scalar_params.size() <= gemmfuse::kMaxParams,
+              "gemmfuse: too many epilogue arguments");
+  for (size_t i = 0; i < vec_params.size(); ++i) {
+    check_vector(vec_params[i], args.N, "epilogue tensor argument");
+    args.params.vec[i] = vec_params[i].data_ptr<float>();
+  }
+  for (size_t i = 0; i < scalar_params.size(); ++i)
+    args.params.scalar[i] = static_cast<float>(scalar_params[i]);
 }
 
 }  // namespace
@@ -97,7 +120,7 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
                             c10::optional<torch::Tensor> gn_weight,
                             c10::optional<torch::Tensor> gn_bias, std::vector<torch::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
-                            int64_t kernel, bool split) {
+                            int64_t kernel, bool split, bool norm_wide) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
   const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
@@ -107,8 +130,6 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
   TORCH_CHECK(x.size(1) <= k_padded && k_padded - x.size(1) < 64, "gemmfuse: x and weight K differ");
   TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31), "gemmfuse: sizes must fit in 32 bits");
   TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
-  TORCH_CHECK(vec_params.size() <= gemmfuse::kMaxParams && scalar_params.size() <= gemmfuse::kMaxParams,
-              "gemmfuse: too many epilogue parameters");
   check_vector(w_inv_scale, N, "w_inv_scale");
   check_vector(bias, N, "bias");
   check_vector(gn_weight, N, "gn_weight");
@@ -130,24 +151,21 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
   args.bias = ptr_or_null(bias);
   args.gn_weight = ptr_or_null(gn_weight);
   args.gn_bias = ptr_or_null(gn_bias);
-  for (size_t i = 0; i < vec_params.size(); ++i) {
-    check_vector(vec_params[i], N, "epilogue parameter");
-    args.params.vec[i] = vec_params[i].data_ptr<float>();
-  }
-  for (size_t i = 0; i < scalar_params.size(); ++i) args.params.scalar[i] = static_cast<float>(scalar_params[i]);
   args.M = static_cast<int>(M);
   args.N = static_cast<int>(N);
+  set_channel_params(args, vec_params, scalar_params);
   args.k_padded = static_cast<int>(k_padded);
   args.k_cols = static_cast<int>(k_padded);  // the split pre-pass zero-pads to k_padded
   args.a_row_stride = args.b_row_stride = k_padded;
   args.group_size = static_cast<int>(group_size);
   args.split = split ? 1 : 0;
   args.eps = static_cast<float>(eps);
+  args.norm_wide = norm_wide ? 1 : 0;
 
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
   const auto outputs = allocate_outputs(args, x, torch::kFloat32, stream);
   check_cuda(gemmfuse::launch_fused(args, static_cast<int>(kernel), stream), "fused kernel launch");
-  return outputs.first;
+  return outputs.front();
 }
 
 // A bfloat16 model on Hopper: x [M, K] and W [N, K] in bf16 go to the tensor cores as they are
@@ -156,7 +174,9 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
 torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
                                  c10::optional<torch::Tensor> gn_weight,
                                  c10::optional<torch::Tensor> gn_bias,
-                                 std::vector<double> scalar_params, int64_t group_size, double eps) {
+                                 std::vector<torch::Tensor> vec_params,
+                                 std::vector<double> scalar_params, int64_t group_size, double eps,
+                                 bool norm_wide) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "gemmfuse: x must be a 2-D bfloat16 CUDA tensor with unit column stride");
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
@@ -169,7 +189,6 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
   TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31) && K < (int64_t{1} << 30),
               "gemmfuse: sizes must fit in 32 bits");
   TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
-  TORCH_CHECK(scalar_params.size() <= gemmfuse::kMaxParams, "gemmfuse: too many epilogue scalars");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   auto as_float = [](const c10::optional<torch::Tensor>& t) -> c10::optional<torch::Tensor> {
@@ -187,9 +206,9 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
   args.bias = ptr_or_null(bias_f);
   args.gn_weight = ptr_or_null(gn_weight_f);
   args.gn_bias = ptr_or_null(gn_bias_f);
-  for (size_t i = 0; i < scalar_params.size(); ++i) args.params.scalar[i] = static_cast<float>(scalar_params[i]);
   args.M = static_cast<int>(M);
   args.N = static_cast<int>(N);
+  set_channel_params(args, vec_params, scalar_params);
   args.k_padded = static_cast<int>((K + 63) / 64 * 64);
   args.k_cols = static_cast<int>(K);
   args.a_row_stride = x.stride(0);
@@ -199,9 +218,9 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
   args.bf16 = 1;
   args.params.round_bf16 = 1;
   args.eps = static_cast<float>(eps);
+  args.norm_wide = norm_wide ? 1 : 0;
   const auto outputs = allocate_outputs(args, x, torch::kBFloat16, stream);
   check_cuda(gemmfuse::launch_fused(args, 2, stream), "fused bf16 kernel launch");
-  return outputs.second.defined() ? outputs.first.to(torch::kBFloat16) : outputs.first;
+  const auto& result = outputs.front();
+  return result.scalar_type() == torch::kBFloat16 ? result : result.to(torch::kBFloat16);
 }
-
-int64_t tile_size() { return gemmfuse::fused_tile(); }

@@ -10,9 +10,9 @@ namespace gemmfuse {
 
 constexpr int kMaxParams = 8;
 
-// Run-time values of the epilogue ops: scalars (a LeakyReLU slope, a multiplier) and
-// per-channel vectors (indexed by output column). The generated epilogue reads them by index,
-// so one compiled kernel serves every value of a chain's scalars.
+// Run-time arguments of the epilogue ops: floats (a LeakyReLU slope, a multiplier) and
+// per-channel fp32 vectors (indexed by output column). The generated epilogue reads them by
+// position, so one compiled kernel serves every value of a chain's arguments.
 struct EpilogueParams {
   const float* vec[kMaxParams];
   float scalar[kMaxParams];
@@ -42,7 +42,7 @@ struct FusedArgs {
   const float* gn_bias;      // [N] or nullptr
   float* out;                // [M, N] when the epilogue does not reduce (fp32 models)
   __nv_bfloat16* out_bf16;   // [M, N] when it does not reduce (bf16 models)
-  float* row_partial;        // [N tiles, M] when it reduces
+  float* row_partial;        // [N tiles, M] when it reduces ([2, N tiles, M] for logsumexp)
   float* row_out;            // [M] when it reduces
   int* row_counter;          // [M tiles], zero on entry, left zero on exit
   int M, N, k_padded, group_size;
@@ -51,6 +51,12 @@ struct FusedArgs {
   int split;                 // 1: hi*hi + hi*lo + lo*hi (fp32-accurate); 0: hi*hi alone (fast)
   int bf16;                  // the operands are bfloat16 (a bf16 model)
   float eps;
+  // GroupNorm groups straddle tiles: the GEMM kernel stores pre-norm fp32 values in `out` and
+  // per (row, tile, group segment) moments in norm_stats [M, N tiles, stats_per_tile];
+  // norm_finalize.cuh does the rest.
+  int norm_wide;
+  int stats_per_tile;
+  float2* norm_stats;
   EpilogueParams params;
 };
 

@@ -5,12 +5,13 @@
 #include "epilogue_generated.cuh"
 #include "gemm_gn_sm80.cuh"
 #include "gemm_gn_sm90.cuh"
+#include "norm_finalize.cuh"
 #include "split_rows.cuh"
 
 namespace gemmfuse {
 
 int fused_reduce_kind() { return GeneratedEpilogue::kReduce; }
-int fused_tile() { return kBlockN; }
+int fused_tile() { return kTile; }
 
 cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
                                   int k_padded, __half* hi, __half* lo, float* inv_scale,
@@ -27,9 +28,13 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
   // build.py compiles for exactly this device, so on 9.0 the sm_90a kernel body is present.
   const bool hopper = major == 9 && minor == 0;
   if ((kernel == 2 || args.bf16) && !hopper) return cudaErrorInvalidDeviceFunction;
-  if (args.bf16) return sm90::launch<GeneratedEpilogue>(args, stream);
-  if (kernel == 2 || (kernel == 0 && hopper)) return sm90::launch<GeneratedEpilogue>(args, stream);
-  return launch_fused_gemm_gn<GeneratedEpilogue>(args, stream);
+  if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
+  if (args.bf16 || kernel == 2 || (kernel == 0 && hopper))
+    err = sm90::launch<GeneratedEpilogue>(args, stream);
+  else
+    err = launch_fused_gemm_gn<GeneratedEpilogue>(args, stream);
+  if (err != cudaSuccess || !args.norm_wide) return err;
+  return launch_norm_finalize<GeneratedEpilogue>(args, stream);
 }
 
 }  // namespace gemmfuse

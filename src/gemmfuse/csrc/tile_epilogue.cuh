@@ -1,28 +1,25 @@
 // The epilogue both GEMM kernels share, from an fp32 output tile staged in shared memory.
 //
 // On entry `tile` holds kTile x kTile values of pre(x @ W^T + b) (row stride kTile + 1, so
-// walks down a column hit distinct banks). GroupNorm statistics are computed per (row, group)
-// with two passes over shared memory (a shifted mean, then the centred sum of squares) (the host only takes this path when the group size
-// divides kTile, so groups never straddle tiles), then the affine transform and the generated
-// `post` ops are applied in place. Finally the tile is stored, or reduced across its columns
-// into one partial per row; the last column tile of a row band to finish folds the partials of
-// all column tiles, in tile order, so the result does not depend on arrival order.
+// walks down a column hit distinct banks). Then, by the GroupNorm's group size:
+// - groups that divide kTile (they never straddle tiles): statistics per (row, group) with two
+//   passes over shared memory (a shifted mean, then the centred sum of squares), then the affine
+//   transform and the generated `post` ops in place; the tile is then stored, or reduced across
+//   its columns into one partial per row, and the last column tile of a row band to finish folds
+//   the partials of all column tiles in tile order (the result does not depend on arrival order);
+// - wider groups, or groups that straddle tiles (args.norm_wide): each (row, group segment in
+//   this tile) gets its count, mean and centred sum of squares, written to args.norm_stats, and
+//   the pre-norm tile is stored as fp32; norm_finalize.cuh merges the segments and finishes.
 #pragma once
 #include <cstdint>
 
 #include "fused_args.h"
+#include "row_reduce.cuh"
 
 namespace gemmfuse {
 
 constexpr int kTile = 128;           // output tile side, both kernels
 constexpr int kEpiStride = kTile + 1;
-
-__device__ __forceinline__ float reduce_op(int kind, float a, float b) {
-  // NaN-propagating like torch.min / torch.max.
-  if (kind == 1) return (a < b || a != a) ? a : b;
-  if (kind == 2) return (a > b || a != a) ? a : b;
-  return a + b;
-}
 
 // A GEMM result as the epilogue's input: unscaled (row and column powers of two), biased,
 // rounded where the model's dtype would round, and passed through the generated `pre` ops.
@@ -42,6 +39,31 @@ struct TileCoord {
   int n_tiles;     // column tiles in the grid
 };
 
+// Mean and centred sum of squares of v[0..n), two passes shifted by v[0]: a run of equal values
+// gets exactly that mean and a sum of squares of exactly 0 (as PyTorch's Welford gives), and a
+// large common offset does not cost the sum its precision.
+__device__ __forceinline__ float2 segment_moments(const float* v, int n) {
+  const float shift = v[0];
+  float sum = 0.f;
+  for (int j = 1; j < n; ++j) sum += v[j] - shift;
+  const float mean = shift + sum / static_cast<float>(n);
+  float sq = 0.f;
+  for (int j = 0; j < n; ++j) {
+    const float d = v[j] - mean;
+    sq += d * d;
+  }
+  return make_float2(mean, sq);
+}
+
+// GroupNorm of one value given its group's mean and rstd, then the affine part and `post`.
+template <class Epi>
+__device__ __forceinline__ float normalize(float v, float mean, float rstd, int gcol,
+                                           const FusedArgs& args) {
+  float y = (v - mean) * rstd;
+  if (args.gn_weight != nullptr) y = y * __ldg(args.gn_weight + gcol) + __ldg(args.gn_bias + gcol);
+  return Epi::post(round_like_model(y, args.params), gcol, args.params);
+}
+
 // `tid` runs over kThreads threads that all call this; `sync()` is a barrier among exactly them.
 template <class Epi, int kThreads, class Sync>
 __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args, TileCoord tc,
@@ -49,68 +71,66 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
   const int lane = tid & 31, warp = tid >> 5;
   const int rows_here = min(kTile, args.M - tc.m0);
   const int cols_here = min(kTile, args.N - tc.n0);
+  const int gs = args.group_size;
 
-  if constexpr (Epi::kNorm) {
-    const int gs = args.group_size;
-    const int groups_here = cols_here / gs;  // N and kTile are multiples of gs
-    const float inv_gs = 1.f / static_cast<float>(gs);
-    for (int task = tid; task < kTile * groups_here; task += kThreads) {
-      const int r = task % kTile;  // consecutive threads walk rows: distinct banks
-      if (r >= rows_here) continue;
-      const int c0 = (task / kTile) * gs;
-      float* v = tile + r * kEpiStride + c0;
-      // Shifted by the group's first value: a group of equal values gets exactly that value as
-      // its mean (variance exactly 0, as PyTorch's Welford gives), and large common offsets
-      // do not cost the sum its precision.
-      const float shift = v[0];
-      float sum = 0.f;
-      for (int j = 1; j < gs; ++j) sum += v[j] - shift;
-      const float mean = shift + sum * inv_gs;
-      float sq = 0.f;
-      for (int j = 0; j < gs; ++j) {
-        const float d = v[j] - mean;
-        sq += d * d;
-      }
-      const float rstd = 1.f / sqrtf(sq * inv_gs + args.eps);
-      for (int j = 0; j < gs; ++j) {
-        const int gcol = tc.n0 + c0 + j;
-        float y = (v[j] - mean) * rstd;
-        if (args.gn_weight != nullptr)
-          y = y * __ldg(args.gn_weight + gcol) + __ldg(args.gn_bias + gcol);
-        v[j] = Epi::post(round_like_model(y, args.params), gcol, args.params);
-      }
-    }
-    sync();
-  }
-
-  if constexpr (Epi::kReduce == 0) {
+  auto store = [&](bool bf16) {
     for (int idx = tid; idx < kTile * kTile; idx += kThreads) {
       const int r = idx / kTile, c = idx % kTile;
       if (r < rows_here && c < cols_here) {
         const int64_t at = static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c;
-        if (args.out_bf16 != nullptr)
+        if (bf16)
           args.out_bf16[at] = __float2bfloat16_rn(tile[r * kEpiStride + c]);
         else
           args.out[at] = tile[r * kEpiStride + c];
       }
     }
+  };
+
+  if constexpr (Epi::kNorm) {
+    if (args.norm_wide) {
+      const int g_first = tc.n0 / gs;
+      const int segments = (tc.n0 + cols_here - 1) / gs - g_first + 1;
+      const int64_t stats_row = static_cast<int64_t>(args.stats_per_tile) * tc.n_tiles;
+      for (int task = tid; task < kTile * segments; task += kThreads) {
+        const int r = task % kTile;  // consecutive threads walk rows: distinct banks
+        if (r >= rows_here) continue;
+        const int g = g_first + task / kTile;
+        const int c0 = max(g * gs, tc.n0) - tc.n0;
+        const int c1 = min((g + 1) * gs, tc.n0 + cols_here) - tc.n0;
+        args.norm_stats[(tc.m0 + r) * stats_row + tc.n_idx * args.stats_per_tile + (g - g_first)] =
+            segment_moments(tile + r * kEpiStride + c0, c1 - c0);
+      }
+      store(false);  // fp32, normalised in place by norm_finalize.cuh
+      return;
+    }
+    const int groups_here = cols_here / gs;  // N and kTile are multiples of gs
+    const float inv_gs = 1.f / static_cast<float>(gs);
+    for (int task = tid; task < kTile * groups_here; task += kThreads) {
+      const int r = task % kTile;
+      if (r >= rows_here) continue;
+      const int c0 = (task / kTile) * gs;
+      float* v = tile + r * kEpiStride + c0;
+      const float2 mom = segment_moments(v, gs);
+      const float rstd = 1.f / sqrtf(mom.y * inv_gs + args.eps);
+      for (int j = 0; j < gs; ++j) v[j] = normalize<Epi>(v[j], mom.x, rstd, tc.n0 + c0 + j, args);
+    }
+    sync();
+  }
+
+  if constexpr (Epi::kReduce == 0) {
+    store(args.out_bf16 != nullptr);
   } else {
     constexpr int kind = Epi::kReduce;
+    const int64_t lse_half = static_cast<int64_t>(tc.n_tiles) * args.M;  // logsumexp's s part
     for (int r = warp; r < rows_here; r += kThreads / 32) {
-      float red = 0.f;
-      bool have = false;
-      for (int c = lane; c < cols_here; c += 32) {
-        const float v = tile[r * kEpiStride + c];
-        red = have ? reduce_op(kind, red, v) : v;
-        have = true;
+      RowAcc acc = row_acc_empty<kind>();
+      for (int c = lane; c < cols_here; c += 32) row_acc_push<kind>(acc, tile[r * kEpiStride + c]);
+      acc = row_acc_warp<kind>(acc);
+      if (lane == 0) {
+        const int64_t at = static_cast<int64_t>(tc.n_idx) * args.M + tc.m0 + r;
+        args.row_partial[at] = acc.m;
+        if constexpr (kind == 5) args.row_partial[lse_half + at] = acc.s;
       }
-      for (int off = 16; off > 0; off >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, red, off);
-        const bool o_have = __shfl_xor_sync(0xffffffffu, have, off);
-        if (o_have) red = have ? reduce_op(kind, red, o) : o;
-        have = have || o_have;
-      }
-      if (lane == 0) args.row_partial[static_cast<int64_t>(tc.n_idx) * args.M + tc.m0 + r] = red;
     }
     __shared__ bool is_last;
     __threadfence();
@@ -123,11 +143,14 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     if (is_last) {
       __threadfence();
       for (int r = tid; r < rows_here; r += kThreads) {
-        float red = __ldcg(args.row_partial + tc.m0 + r);
-        for (int tn = 1; tn < tc.n_tiles; ++tn)
-          red = reduce_op(kind, red,
-                          __ldcg(args.row_partial + static_cast<int64_t>(tn) * args.M + tc.m0 + r));
-        args.row_out[tc.m0 + r] = red;
+        RowAcc acc = row_acc_empty<kind>();
+        for (int tn = 0; tn < tc.n_tiles; ++tn) {
+          const int64_t at = static_cast<int64_t>(tn) * args.M + tc.m0 + r;
+          RowAcc part{__ldcg(args.row_partial + at), 0.f};
+          if constexpr (kind == 5) part.s = __ldcg(args.row_partial + lse_half + at);
+          acc = tn == 0 ? part : row_acc_merge<kind>(acc, part);
+        }
+        args.row_out[tc.m0 + r] = row_acc_finish<kind>(acc, args.N);
       }
       if (tid == 0) args.row_counter[tc.m_idx] = 0;  // ready for the next launch
     }

@@ -1,0 +1,196 @@
+"""Random chains from the epilogue grammar, for property tests and the chain benchmark.
+
+A :class:`ChainSpec` is a chain's shape: which ops, in which order, and for each argument
+whether it is a float or a per-channel tensor and the range its values are drawn from. The
+kernel a chain compiles to depends on its spec alone (argument values are run-time), so a fixed
+pool of specs (:func:`chain_pool`) costs a fixed number of builds, while every test run draws
+fresh argument values, tensors, shapes and data.
+
+Ops are drawn in "units" that keep values where fp32 is well conditioned: ``exp`` follows a
+``tanh``, ``log`` a ``sigmoid``, ``rdiv`` a ``sigmoid`` plus a positive constant, and ``div``
+divides by magnitudes in [0.5, 2]; without that, eager fp32 itself would not be a usable oracle.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from gemmfuse.epilogue import (
+    MAX_SCALARS,
+    MAX_TENSORS,
+    POINTWISE,
+    REDUCTIONS,
+    Epilogue,
+    GroupNormSpec,
+    Param,
+    Pointwise,
+    Reduction,
+)
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    tensor: bool  # a Param (per channel before the reduction, broadcast after it) or a float
+    lo: float
+    hi: float
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    args: tuple[ArgSpec, ...] = ()
+
+
+def _f(lo, hi=None):
+    return ArgSpec(False, lo, lo if hi is None else hi)
+
+
+def _p(lo, hi):
+    return ArgSpec(True, lo, hi)
+
+
+def _units() -> list[tuple[OpSpec, ...]]:
+    one = [
+        OpSpec("relu"), OpSpec("leaky_relu", (_f(0.01, 0.3),)), OpSpec("gelu"),
+        OpSpec("gelu_tanh"), OpSpec("silu"), OpSpec("mish"), OpSpec("tanh"), OpSpec("sigmoid"),
+        OpSpec("hardtanh", (_f(-2, -0.5), _f(0.5, 2))), OpSpec("hardswish"),
+        OpSpec("hardsigmoid"), OpSpec("clamp", (_f(-1.5, -0.2), _f(0.2, 1.5))),
+        OpSpec("clamp", (_f(-0.5, 0.5), _f(math.inf))), OpSpec("softplus", (_f(0.5, 2), _f(5, 20))),
+        OpSpec("elu", (_f(0.5, 1.5),)), OpSpec("add_self"),
+    ]  # fmt: skip
+    for name, lo, hi in (("add", -1, 1), ("sub", -1, 1), ("rsub", -1, 1), ("mul", -2, 2)):
+        one += [OpSpec(name, (_f(lo, hi),)), OpSpec(name, (_p(lo, hi),))]
+    one += [OpSpec("div", (_f(0.5, 2),)), OpSpec("div", (_p(0.5, 2),))]
+    units = [(op,) for op in one]
+    units += [
+        (OpSpec("tanh"), OpSpec("exp")),
+        (OpSpec("sigmoid"), OpSpec("log")),
+        (OpSpec("sigmoid"), OpSpec("add", (_f(0.5, 1),)), OpSpec("rdiv", (_f(-2, 2),))),
+        (OpSpec("sigmoid"), OpSpec("add", (_f(0.5, 1),)), OpSpec("rdiv", (_p(-2, 2),))),
+    ]
+    return units
+
+
+UNITS = _units()
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    pre: tuple[OpSpec, ...]
+    norm: bool
+    affine: bool
+    post: tuple[OpSpec, ...]
+    reduce: str | None
+    keepdim: bool
+    tail: tuple[OpSpec, ...]
+
+    def instantiate(
+        self, gen: torch.Generator, n: int, num_groups: int = 1, eps: float = 1e-5
+    ) -> tuple[Epilogue, list[torch.Tensor]]:
+        """(epilogue, params) with argument values drawn from ``gen``; params on the CPU.
+
+        Per-channel tensors take one of the shapes PyTorch broadcasts along channels; tail
+        tensors broadcast against the reduced (M,) / (M, 1) value, growing it as #75's bias does.
+        """
+        params: list[torch.Tensor] = []
+
+        def uniform(lo, hi, shape=()):
+            return lo + (hi - lo) * torch.rand(shape, generator=gen, dtype=torch.float64)
+
+        def ops(specs, tail=False):
+            out = []
+            for op in specs:
+                args = []
+                for a in op.args:
+                    if a.tensor:
+                        choices = [(1, 3, 1, 1), (1,), (3, 1, 1)] if tail else [(n,), (1, n), (1,)]
+                        shape = choices[int(torch.randint(len(choices), (), generator=gen))]
+                        params.append(uniform(a.lo, a.hi, shape).float())
+                        args.append(Param(len(params) - 1))
+                    else:
+                        args.append(a.lo if a.lo == a.hi else float(uniform(a.lo, a.hi)))
+                out.append(Pointwise(op.name, tuple(args)))
+            return tuple(out)
+
+        pre, post = ops(self.pre), ops(self.post)
+        tail = ops(self.tail, tail=True)
+        norm = GroupNormSpec(num_groups, eps, self.affine) if self.norm else None
+        reduce = Reduction(self.reduce, self.keepdim) if self.reduce else None
+        return Epilogue(pre, norm, post, reduce, tail), params
+
+    @property
+    def structure(self) -> Epilogue:
+        """The kernel structure every instance of this spec shares."""
+        return self.instantiate(torch.Generator().manual_seed(0), 8)[0].structure
+
+    def describe(self) -> str:
+        def names(ops):
+            return [op.name + ("[t]" if any(a.tensor for a in op.args) else "") for op in ops]
+
+        parts = names(self.pre)
+        if self.norm:
+            parts.append("group_norm" + ("" if self.affine else "[no affine]"))
+        parts += names(self.post)
+        if self.reduce:
+            parts.append(f"{self.reduce}{'[keepdim]' if self.keepdim else ''}")
+        parts += names(self.tail)
+        return " -> ".join(["linear", *parts])
+
+
+def _fits(pre, post) -> bool:
+    ops = [op for unit in pre + post for op in unit]
+    floats = sum(1 for op in ops for a in op.args if not a.tensor)
+    tensors = sum(1 for op in ops for a in op.args if a.tensor)
+    return floats <= MAX_SCALARS and tensors <= MAX_TENSORS
+
+
+def random_chain(rng: random.Random) -> ChainSpec:
+    """One chain drawn from the grammar (argument values are drawn later, per instance)."""
+    while True:
+        pre = [rng.choice(UNITS) for _ in range(rng.randint(0, 3))]
+        norm = rng.random() < 0.8
+        post = [rng.choice(UNITS) for _ in range(rng.randint(0, 3))] if norm else []
+        if _fits(pre, post):
+            break
+    reduce = rng.choice(sorted(REDUCTIONS)) if rng.random() < 0.4 else None
+    tail = []
+    if reduce:
+        scalar_units = [u for u in UNITS if not any(a.tensor for op in u for a in op.args)]
+        tail = [rng.choice(scalar_units) for _ in range(rng.randint(0, 1))]
+        if rng.random() < 0.5:
+            tail.append((OpSpec("add", (_p(-1, 1),)),))
+    return ChainSpec(
+        pre=tuple(op for u in pre for op in u),
+        norm=norm,
+        affine=rng.random() < 0.5,
+        post=tuple(op for u in post for op in u),
+        reduce=reduce,
+        keepdim=rng.random() < 0.5,
+        tail=tuple(op for u in tail for op in u),
+    )
+
+
+def chain_pool(size: int = 4, seed: int = 0) -> list[ChainSpec]:
+    """``size`` random chains, then chains (the best of 50 draws each) until every pointwise
+    op appears in a kernel (before the reduction) and every reduction appears: a small pool,
+    so few kernels to build."""
+    rng = random.Random(seed)
+    pool: list[ChainSpec] = []
+    missing = set(POINTWISE) | set(REDUCTIONS)
+
+    def covers(spec):
+        return ({op.name for op in spec.pre + spec.post} | {spec.reduce}) & missing
+
+    while len(pool) < size or missing:
+        spec = random_chain(rng)
+        if len(pool) >= size:
+            spec = max(
+                [spec] + [random_chain(rng) for _ in range(49)], key=lambda s: len(covers(s))
+            )
+        missing -= covers(spec)
+        pool.append(spec)
+    return pool

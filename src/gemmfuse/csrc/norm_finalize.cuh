@@ -1,0 +1,123 @@
+// The second pass for GroupNorm groups that straddle output tiles (args.norm_wide).
+//
+// The GEMM kernel stored the pre-norm values as fp32 in args.out and, per (row, tile, group
+// segment), the segment's mean and centred sum of squares in args.norm_stats. One block per row
+// walks the row in chunks: it merges each group's segments with Chan's formula (exact for
+// counts, no E[x^2] - E[x]^2 cancellation), then normalises, applies the affine part and the
+// generated `post` ops, and stores the result in place (or bf16 to args.out_bf16), or reduces
+// the row into args.row_out. Merges and reductions run in a fixed order.
+#pragma once
+#include "fused_args.h"
+#include "row_reduce.cuh"
+#include "tile_epilogue.cuh"
+
+namespace gemmfuse {
+
+constexpr int kFinalizeThreads = 256;
+constexpr int kFinalizeChunk = 1024;  // columns per step; a wide group size is at least 3,
+constexpr int kFinalizeGroups = kFinalizeChunk / 3 + 2;  // so a chunk meets at most this many
+
+struct Moments {
+  float n, mean, m2;  // count, mean, centred sum of squares
+};
+
+__device__ __forceinline__ Moments merge_moments(Moments a, Moments b) {
+  if (b.n == 0.f) return a;
+  if (a.n == 0.f) return b;
+  const float n = a.n + b.n, d = b.mean - a.mean, wb = b.n / n;
+  return {n, a.mean + d * wb, a.m2 + b.m2 + d * d * a.n * wb};
+}
+
+// The moments of group g from tiles t0, t0 + step, ... of its span (in tile order).
+__device__ __forceinline__ Moments group_moments(const float2* stats, int g, int t0, int step,
+                                                 const FusedArgs& args) {
+  const int gs = args.group_size;
+  const int c_begin = g * gs, c_end = (g + 1) * gs;
+  Moments acc{0.f, 0.f, 0.f};
+  for (int t = c_begin / kTile + t0; t <= (c_end - 1) / kTile; t += step) {
+    const int seg = g - (t * kTile) / gs;
+    const int n = min(c_end, (t + 1) * kTile) - max(c_begin, t * kTile);
+    const float2 s = stats[t * args.stats_per_tile + seg];
+    acc = merge_moments(acc, {static_cast<float>(n), s.x, s.y});
+  }
+  return acc;
+}
+
+template <class Epi>
+__global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedArgs args) {
+  constexpr int kind = Epi::kReduce;
+  __shared__ float s_mean[kFinalizeGroups], s_rstd[kFinalizeGroups];
+  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gs = args.group_size, N = args.N;
+  const int n_tiles = (N + kTile - 1) / kTile;
+  const float2* stats = args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile;
+  float* row = args.out + static_cast<int64_t>(r) * N;
+  const float inv_gs = 1.f / static_cast<float>(gs);
+  // Groups spanning few tiles: a thread merges a group; wide ones: a warp, lanes over tiles.
+  const bool warp_per_group = gs > 4 * kTile;
+  RowAcc acc = row_acc_empty<kind == 0 ? 3 : kind>();
+
+  for (int c0 = 0; c0 < N; c0 += kFinalizeChunk) {
+    const int c1 = min(N, c0 + kFinalizeChunk);
+    const int g0 = c0 / gs, groups = (c1 - 1) / gs - g0 + 1;
+    if (warp_per_group) {
+      for (int i = warp; i < groups; i += kFinalizeThreads / 32) {
+        Moments m = group_moments(stats, g0 + i, lane, 32, args);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          const Moments o{__shfl_xor_sync(0xffffffffu, m.n, off),
+                          __shfl_xor_sync(0xffffffffu, m.mean, off),
+                          __shfl_xor_sync(0xffffffffu, m.m2, off)};
+          // Lower lanes' tiles come first: every lane merges in the same order.
+          m = (lane & off) ? merge_moments(o, m) : merge_moments(m, o);
+        }
+        if (lane == 0) {
+          s_mean[i] = m.mean;
+          s_rstd[i] = 1.f / sqrtf(m.m2 * inv_gs + args.eps);
+        }
+      }
+    } else {
+      for (int i = tid; i < groups; i += kFinalizeThreads) {
+        const Moments m = group_moments(stats, g0 + i, 0, 1, args);
+        s_mean[i] = m.mean;
+        s_rstd[i] = 1.f / sqrtf(m.m2 * inv_gs + args.eps);
+      }
+    }
+    __syncthreads();
+    for (int c = c0 + tid; c < c1; c += kFinalizeThreads) {
+      const int i = c / gs - g0;
+      const float y = normalize<Epi>(row[c], s_mean[i], s_rstd[i], c, args);
+      if constexpr (kind == 0) {
+        if (args.out_bf16 != nullptr)
+          args.out_bf16[static_cast<int64_t>(r) * N + c] = __float2bfloat16_rn(y);
+        else
+          row[c] = y;
+      } else {
+        row_acc_push<kind>(acc, y);
+      }
+    }
+    __syncthreads();  // the next chunk overwrites s_mean / s_rstd
+  }
+
+  if constexpr (kind != 0) {
+    __shared__ RowAcc s_acc[kFinalizeThreads / 32];
+    acc = row_acc_warp<kind>(acc);
+    if (lane == 0) s_acc[warp] = acc;
+    __syncthreads();
+    if (tid == 0) {
+      RowAcc total = s_acc[0];
+      for (int w = 1; w < kFinalizeThreads / 32; ++w) total = row_acc_merge<kind>(total, s_acc[w]);
+      args.row_out[r] = row_acc_finish<kind>(total, N);
+    }
+  }
+}
+
+template <class Epi>
+cudaError_t launch_norm_finalize(const FusedArgs& args, cudaStream_t stream) {
+  if (args.M == 0 || args.N == 0) return cudaSuccess;
+  if (args.group_size < 3) return cudaErrorInvalidValue;  // such groups divide kTile
+  norm_finalize_kernel<Epi><<<args.M, kFinalizeThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace gemmfuse

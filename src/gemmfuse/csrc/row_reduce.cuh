@@ -1,0 +1,77 @@
+// Reductions over a row's channels. Kinds are REDUCTIONS in epilogue.py: 1 min, 2 max, 3 sum,
+// 4 mean, 5 logsumexp. A partial is a RowAcc; partials combine in a fixed order wherever they
+// meet (lanes by xor tree, warps and tiles in index order), so results never depend on timing.
+#pragma once
+
+namespace gemmfuse {
+
+// m: the running min / max / sum, or for logsumexp the running max; s: for logsumexp only,
+// the sum of exp(x - lse_shift(m)).
+struct RowAcc {
+  float m, s;
+};
+
+// PyTorch's logsumexp shifts by the max unless it is infinite (then by 0).
+__device__ __forceinline__ float lse_shift(float m) { return isinf(m) ? 0.f : m; }
+
+// NaN-propagating like torch.amin / torch.amax.
+__device__ __forceinline__ float min_nan(float a, float b) { return (a < b || a != a) ? a : b; }
+__device__ __forceinline__ float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+
+template <int kKind>
+__device__ __forceinline__ RowAcc row_acc_empty() {
+  if constexpr (kKind == 1) return {INFINITY, 0.f};
+  if constexpr (kKind == 2 || kKind == 5) return {-INFINITY, 0.f};
+  return {0.f, 0.f};
+}
+
+template <int kKind>
+__device__ __forceinline__ void row_acc_push(RowAcc& a, float x) {
+  if constexpr (kKind == 1) {
+    a.m = min_nan(a.m, x);
+  } else if constexpr (kKind == 2) {
+    a.m = max_nan(a.m, x);
+  } else if constexpr (kKind == 3 || kKind == 4) {
+    a.m += x;
+  } else {
+    if (x > a.m) {  // a new maximum: rescale what was summed so far
+      const float c = lse_shift(x);
+      a.s = (a.s == 0.f ? 0.f : a.s * expf(lse_shift(a.m) - c)) + expf(x - c);
+      a.m = x;
+    } else {
+      if (x != x) a.m = x;  // NaN sticks (and makes s NaN below)
+      a.s += expf(x - lse_shift(a.m));
+    }
+  }
+}
+
+template <int kKind>
+__device__ __forceinline__ RowAcc row_acc_merge(RowAcc a, RowAcc b) {
+  if constexpr (kKind == 1) return {min_nan(a.m, b.m), 0.f};
+  if constexpr (kKind == 2) return {max_nan(a.m, b.m), 0.f};
+  if constexpr (kKind == 3 || kKind == 4) return {a.m + b.m, 0.f};
+  const float m = max_nan(a.m, b.m), c = lse_shift(m);
+  // An empty side (s == 0) adds nothing, even where exp of its shift would overflow.
+  const float sa = a.s == 0.f ? 0.f : a.s * expf(lse_shift(a.m) - c);
+  const float sb = b.s == 0.f ? 0.f : b.s * expf(lse_shift(b.m) - c);
+  return {m, sa + sb};
+}
+
+template <int kKind>
+__device__ __forceinline__ float row_acc_finish(RowAcc a, int n) {
+  if constexpr (kKind == 4) return a.m * (1.f / static_cast<float>(n));
+  if constexpr (kKind == 5) return a.m != a.m ? a.m : logf(a.s) + lse_shift(a.m);
+  return a.m;
+}
+
+template <int kKind>
+__device__ __forceinline__ RowAcc row_acc_warp(RowAcc a) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const RowAcc o{__shfl_xor_sync(0xffffffffu, a.m, off), __shfl_xor_sync(0xffffffffu, a.s, off)};
+    a = row_acc_merge<kKind>(a, o);
+  }
+  return a;
+}
+
+}  // namespace gemmfuse
