@@ -3,7 +3,8 @@
 Builds every kernel structure the tests and benchmark use (in parallel: the shipped problems'
 and the random-chain pool's), times a second process's load from the cache, runs the GPU tests
 (pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
-./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep]
+./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
+[-k EXPR] (-k selects GPU tests as pytest's -k does).
 """
 
 from __future__ import annotations
@@ -97,10 +98,15 @@ def main() -> int:
         "-p",
         "no:cacheprovider",
     ]
-    rc_tests, text = run(pytest, "pytest.log")
+    if "-k" in sys.argv:
+        pytest += ["-k", sys.argv[sys.argv.index("-k") + 1]]
+    rc_tests, text = run(pytest, "pytest.log", timeout=540)
     counts = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M)
     summary.append(f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
 
+    if "--no-bench" in sys.argv:
+        print("\n==== gpu-check summary ====\n" + "\n".join(summary))
+        return rc_tests
     bench = [sys.executable, "-m", "gemmfuse", "bench", "--json", str(OUT / "bench.json")]
     bench += ["--chains"]
     if quick:
