@@ -25,8 +25,9 @@ from gemmfuse.epilogue import (
     Reduction,
     cuda_epilogue,
 )
+from gemmfuse.kernel_files import CSRC
 from gemmfuse.kernelbench.registry import PROBLEMS
-from gemmfuse.sources import CSRC, GENERATED_HEADER
+from gemmfuse.sources import GENERATED_HEADER
 
 ARCHS = ("compute_90a,code=sm_90a", "compute_80,code=sm_80")
 

@@ -1,7 +1,10 @@
 import re
 
+import pytest
+
 from gemmfuse.epilogue import Epilogue, GroupNormSpec
-from gemmfuse.sources import CSRC, extension_sources
+from gemmfuse.kernel_files import CSRC, read_csrc
+from gemmfuse.sources import extension_sources, flatten
 
 
 def test_flattened_sources_have_no_local_includes():
@@ -16,3 +19,25 @@ def test_flattened_sources_have_no_local_includes():
 def test_package_ships_its_kernel_sources():
     names = {p.name for p in CSRC.iterdir()}
     assert {"fused_linear.cu", "binding.cpp", "gemm_gn_sm80.cuh", "split_rows.cuh"} <= names
+
+
+def test_flatten_reads_the_mapping_it_is_given():
+    files = {"main.cu": '#include "a.h"\n#include "epilogue_generated.cuh"\nint main;\n'}
+    files["a.h"] = '#pragma once\n#include "b.h"\nint a;\n'
+    files["b.h"] = '#include "a.h"\nint b;\n'
+    text = flatten(files, "main.cu", "int generated;")
+    assert text.index("int b;") < text.index("int a;") < text.index("int generated;")
+    assert "#pragma once" not in text and "#include" not in text
+
+
+def test_flatten_names_a_missing_file():
+    with pytest.raises(FileNotFoundError, match="'gone.h'"):
+        flatten({"main.cu": '#include "gone.h"\n'}, "main.cu", "")
+
+
+def test_read_csrc_is_every_shipped_source():
+    files = read_csrc()
+    assert set(files) == {
+        p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp")
+    }
+    assert files["binding.cpp"] == (CSRC / "binding.cpp").read_text()

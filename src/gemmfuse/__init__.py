@@ -10,7 +10,9 @@ from gemmfuse.epilogue import (
     Pointwise,
     Reduction,
 )
+from gemmfuse.modules import FusedLinear
 from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear, fused_linear_with_path
+from gemmfuse.optimize import OptimizeReport, optimize
 
 __version__ = "0.1.0"
 
@@ -20,11 +22,14 @@ __all__ = [
     "BuildError",
     "Epilogue",
     "FallbackWarning",
+    "FusedLinear",
     "GroupNormSpec",
+    "OptimizeReport",
     "Param",
     "Pointwise",
     "Reduction",
     "SplitWeightCache",
     "fused_linear",
     "fused_linear_with_path",
+    "optimize",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from gemmfuse.kernelbench.registry import PROBLEMS, get_problem
 
@@ -42,17 +43,43 @@ def parser() -> argparse.ArgumentParser:
         help="also time random chains from the epilogue grammar at M=1024, K=N=8192",
     )  # fmt: skip
     export = sub.add_parser("export", help="print a standalone KernelBench ModelNew file")
-    export.add_argument("problem", type=_problem, help=f"one of {sorted(PROBLEMS)}")
+    export.add_argument(
+        "problem",
+        help=f"a shipped problem ({', '.join(map(str, sorted(PROBLEMS)))}) or the path of a "
+        "KernelBench problem file",
+    )
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.command == "export":
-        from gemmfuse.kernelbench.export import standalone_source
+def _export(p: argparse.ArgumentParser, problem: str) -> int:
+    from gemmfuse.kernelbench.export import (
+        ExportError,
+        standalone_source,
+        standalone_source_for_file,
+    )
 
-        sys.stdout.write(standalone_source(args.problem))
+    if Path(problem).is_file():
+        try:
+            source, report = standalone_source_for_file(problem)
+        except ExportError as exc:
+            print(f"gemmfuse export: {exc}", file=sys.stderr)
+            return 2
+        print(report, file=sys.stderr)  # stdout is the file
+        sys.stdout.write(source)
         return 0
+    try:
+        number = get_problem(problem).number
+    except ValueError as exc:
+        p.error(f"{exc}, and {problem!r} is not a file")
+    sys.stdout.write(standalone_source(number))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "export":
+        return _export(p, args.problem)
     if args.iters < 30 or args.seeds < 1:
         parser().error("--iters must be >= 30 and --seeds >= 1")
     from gemmfuse.bench import main as bench_main

@@ -1,4 +1,4 @@
-"""ModelNew for KernelBench L2 #62 and #75.
+"""ModelNew for KernelBench L2 #62 and #75, and for any problem file (``model_new_for``).
 
 Each class takes its problem Model's constructor arguments and creates the same parameters, in
 the same order, with the same initialisers and names, so seeded construction gives identical
@@ -19,7 +19,9 @@ import torch
 import torch.nn as nn
 
 from gemmfuse.epilogue import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse.modules import FusedLinear
 from gemmfuse.ops import SplitWeightCache, fused_linear_with_path
+from gemmfuse.optimize import optimize
 
 
 @functools.lru_cache(maxsize=64)
@@ -89,3 +91,43 @@ class ModelNew75(nn.Module):
             precision=self.precision,
         )  # fmt: skip
         return out
+
+
+def model_new_for(model_cls: type[nn.Module]) -> type[nn.Module]:
+    """The ModelNew of any KernelBench problem: ``model_cls`` whose first call optimizes it.
+
+    ModelNew has Model's constructor (seeded construction gives identical weights under the same
+    state_dict keys). Its first call runs ``optimize`` on the model itself and those inputs,
+    tracing ``model_cls.forward``; the rewritten module shares the model's parameters and
+    buffers and is kept in ``__dict__``, outside the module tree (no duplicate state_dict keys).
+    ``kernel`` and ``precision`` are read at each call; ``last_path`` joins the paths its
+    FusedLinears took ("fused", "torch", "fallback"); ``gemmfuse_report`` is optimize's report.
+    """
+
+    class ModelNew(model_cls):
+        kernel = "auto"
+        precision = "fp32"
+        last_path = None
+
+        def forward(self, *inputs):
+            state = self.__dict__.get("_gemmfuse")
+            if state is None:
+                optimized, report = optimize(
+                    self, inputs, kernel=self.kernel, precision=self.precision,
+                    forward=model_cls.forward,
+                )  # fmt: skip
+                fused = [m for m in optimized.modules() if isinstance(m, FusedLinear)]
+                state = self.__dict__["_gemmfuse"] = (optimized, report, fused)
+            optimized, _, fused = state
+            for m in fused:
+                m.kernel, m.precision = self.kernel, self.precision
+            out = optimized(*inputs)
+            self.last_path = "/".join(sorted({m.last_path for m in fused})) or "torch"
+            return out
+
+        @property
+        def gemmfuse_report(self):
+            state = self.__dict__.get("_gemmfuse")
+            return None if state is None else state[1]
+
+    return ModelNew

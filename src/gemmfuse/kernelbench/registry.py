@@ -17,7 +17,7 @@ class Problem:
     name: str
     module: str  # under gemmfuse.kernelbench.problems
     model_new: type
-    epilogue_fn: Callable[..., Epilogue]  # builds the chain ModelNew runs; exports carry it
+    epilogue_fn: Callable[..., Epilogue]  # builds the chain ModelNew runs; exports copy it
     epilogue_args: tuple  # any valid arguments of epilogue_fn (values do not matter)
     small_init: tuple  # constructor arguments of a CPU-sized instance
 
@@ -26,7 +26,7 @@ class Problem:
 
     @property
     def structures(self) -> tuple[Epilogue, ...]:
-        """Every kernel structure ModelNew can launch (exports embed exactly these)."""
+        """Every kernel structure ModelNew can launch (the GPU scripts build and check these)."""
         return (self.epilogue_fn(*self.epilogue_args).structure,)
 
 

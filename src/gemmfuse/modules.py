@@ -1,0 +1,257 @@
+"""``FusedLinear``: an ``nn.Linear`` and the chain after it, run by ``fused_linear``.
+
+``gemmfuse.optimize`` builds these; each replaces one Linear of a traced model together with the
+ops after it that the epilogue grammar expresses. A FusedLinear is a second view on the model's
+own state, never a copy of it:
+
+- it registers the Linear's parameter dict itself (``weight``, ``bias``: the same Parameter
+  objects, under the Linear's state_dict keys), so optimizer steps and ``.to()`` reach both;
+- it holds the GroupNorm module and the pointwise modules of the chain by reference, without
+  registering them (they stay registered at their own paths), and reads their settings
+  (``num_groups``, ``eps``, ``weight``, ``bias``, a LeakyReLU's slope...) at each call;
+- it reads each tensor operand (a parameter, buffer or tensor attribute of the model) at each
+  call from the module that holds it, so a buffer that ``.to()`` replaced is seen.
+
+Whenever the fused call's preconditions do not hold at run time (an input that is not 2-D,
+GroupNorm settings that no longer divide the channels, an operand of another dtype...), the
+original chain runs instead: an fx GraphModule of the model's own nodes (``last_path ==
+"fallback"``), which computes exactly what the model computed.
+
+This module imports only torch and the standard library (plus the package's own standalone-safe
+modules): ``gemmfuse export`` inlines it into standalone files.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from gemmfuse.epilogue import Epilogue, GroupNormSpec, Pointwise, Reduction
+from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear_with_path
+from gemmfuse.reference import linear_epilogue
+
+_GELU = {"none": "gelu", "tanh": "gelu_tanh"}
+
+# The pointwise modules a chain may hold: class -> (op name, float arguments) of an instance,
+# read at each call. A name of None means the instance's settings are outside the grammar.
+MODULE_OPS: dict[type, Callable[[nn.Module], tuple[str | None, tuple[float, ...]]]] = {
+    nn.ReLU: lambda m: ("relu", ()),
+    nn.ReLU6: lambda m: ("hardtanh", (float(m.min_val), float(m.max_val))),
+    nn.Hardtanh: lambda m: ("hardtanh", (float(m.min_val), float(m.max_val))),
+    nn.LeakyReLU: lambda m: ("leaky_relu", (float(m.negative_slope),)),
+    nn.GELU: lambda m: (_GELU.get(m.approximate), ()),
+    nn.SiLU: lambda m: ("silu", ()),
+    nn.Mish: lambda m: ("mish", ()),
+    nn.Tanh: lambda m: ("tanh", ()),
+    nn.Sigmoid: lambda m: ("sigmoid", ()),
+    nn.Hardswish: lambda m: ("hardswish", ()),
+    nn.Hardsigmoid: lambda m: ("hardsigmoid", ()),
+    nn.Softplus: lambda m: ("softplus", (float(m.beta), float(m.threshold))),
+    nn.ELU: lambda m: ("elu", (float(m.alpha),)),
+}
+
+_STAGES = ("pre", "post", "tail")
+_MAX_EPILOGUES = 64  # distinct settings cached per module (a slope swept every call stays bounded)
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class ChainOp:
+    """One pointwise op of a chain: fixed ``name``/``args``, or a ``module`` read at each call.
+
+    ``args`` holds floats and :class:`gemmfuse.Param` indices into the FusedLinear's operands.
+    """
+
+    stage: str  # "pre" (before the GroupNorm), "post" (after it) or "tail" (after the reduction)
+    name: str = ""
+    args: tuple = ()
+    module: nn.Module | None = None
+
+    def __post_init__(self):
+        if self.stage not in _STAGES:
+            raise ValueError(f"stage must be one of {_STAGES}, got {self.stage!r}")
+        if self.module is not None and type(self.module) not in MODULE_OPS:
+            raise TypeError(f"module must be one of {[c.__name__ for c in MODULE_OPS]}")
+
+    def current(self) -> tuple[str | None, tuple]:
+        if self.module is None:
+            return self.name, self.args
+        return MODULE_OPS[type(self.module)](self.module)
+
+
+@dataclass(frozen=True)
+class ChainNorm:
+    """The chain's GroupNorm: an ``nn.GroupNorm`` read at each call, or ``F.group_norm``'s
+    constant ``num_groups``/``eps`` with its weight and bias as operand indices (or None)."""
+
+    module: nn.GroupNorm | None = None
+    num_groups: int = 1
+    eps: float = 1e-5
+    weight: int | None = None
+    bias: int | None = None
+
+    def current(self, operands: Sequence) -> tuple:
+        """(num_groups, eps, weight, bias) as the model would use them now."""
+        m = self.module
+        if m is not None:
+            return m.num_groups, m.eps, m.weight, m.bias
+        pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
+        return (self.num_groups, self.eps, *pick)
+
+
+class FusedLinear(nn.Module):
+    """``linear`` and the chain after it as one ``fused_linear`` call (see the module docstring).
+
+    Args:
+        linear: the ``nn.Linear``; its parameter dict becomes this module's.
+        ops, norm, reduce: the chain: pointwise :class:`ChainOp` s (stages in order), an optional
+            :class:`ChainNorm`, an optional :class:`gemmfuse.Reduction` over channels.
+        operands: (module, attribute name) of each tensor operand, the ``Param`` indices' order.
+        fallback: the original chain, called as ``fallback(x, weight, bias, *operands)``.
+        labels: the chain in model terms, for ``repr`` and reports.
+        kernel, precision: as in ``fused_linear``; attributes, changeable later.
+    """
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        *,
+        ops: Sequence[ChainOp] = (),
+        norm: ChainNorm | None = None,
+        reduce: Reduction | None = None,
+        operands: Sequence[tuple[nn.Module, str]] = (),
+        fallback: Callable[..., torch.Tensor],
+        labels: Sequence[str] = (),
+        kernel: str = "auto",
+        precision: str = "fp32",
+    ):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        self._parameters = linear._parameters  # the Linear's own dict: one state, two views
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._ops = tuple(ops)
+        self._norm = norm
+        self._reduce = reduce
+        self._operands = tuple(operands)
+        # Not an attribute assignment: nn.Module would register the GraphModule (and with it
+        # the chain's modules) a second time, adding duplicate state_dict keys.
+        object.__setattr__(self, "_fallback", fallback)
+        self.labels = tuple(labels)
+        self.weight_split = SplitWeightCache()
+        self.kernel = kernel
+        self.precision = precision
+        self.last_path: str | None = None
+        self._epilogues: dict = {}
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, chain={' -> '.join(self.labels)}, "
+            f"kernel={self.kernel}, precision={self.precision}"
+        )
+
+    @property
+    def epilogue(self) -> Epilogue | None:
+        """The chain with the current settings (None when they are outside the grammar)."""
+        return self._state()[2]
+
+    def _state(self):
+        """(operands, GroupNorm values or None, epilogue or None) as of now."""
+        operands = [getattr(owner, name) for owner, name in self._operands]
+        norm = None if self._norm is None else self._norm.current(operands)
+        key = (
+            tuple(op.current() for op in self._ops),
+            None if norm is None else (norm[0], norm[1], norm[2] is not None),
+        )
+        epilogue = self._epilogues.get(key, _MISSING)
+        if epilogue is _MISSING:
+            epilogue = self._build_epilogue(*key)
+            if len(self._epilogues) >= _MAX_EPILOGUES:
+                self._epilogues.clear()
+            self._epilogues[key] = epilogue
+        return operands, norm, epilogue
+
+    def _build_epilogue(self, ops, norm) -> Epilogue | None:
+        """The Epilogue of these settings; None when they are outside the grammar."""
+        stages = {stage: [] for stage in _STAGES}
+        try:
+            for op, (name, args) in zip(self._ops, ops, strict=True):
+                stages[op.stage].append(Pointwise(name, tuple(args)))
+            return Epilogue(
+                pre=tuple(stages["pre"]),
+                norm=None if norm is None else GroupNormSpec(*norm),
+                post=tuple(stages["post"]),
+                reduce=self._reduce,
+                tail=tuple(stages["tail"]),
+            )
+        except (TypeError, ValueError):  # e.g. a GELU set to approximate="sigmoid" after tracing
+            return None
+
+    def _fused_problem(self, x, weight, bias, operands, norm, epilogue) -> str:
+        """Why the fused call cannot stand in for the chain now ("" when it can)."""
+        if epilogue is None:
+            return "the chain's current module settings are outside the epilogue grammar"
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            return f"the input {shape} is not a 2-D tensor"
+        (m, k), n = x.shape, weight.shape[0]
+        like = (x.dtype, x.device)
+        if k != weight.shape[1] or (weight.dtype, weight.device) != like:
+            return "the input does not match the weight's size, dtype or device"
+        vectors = [bias] + ([norm[2], norm[3]] if norm is not None else [])
+        for t in vectors:
+            if t is not None and (t.shape != (n,) or (t.dtype, t.device) != like):
+                return "a bias or GroupNorm vector does not match the weight"
+        if norm is not None:
+            groups = norm[0]
+            if not isinstance(groups, int) or groups < 1 or n % groups or m * (n // groups) == 1:
+                return f"GroupNorm's num_groups={groups!r} does not fit {n} channels x {m} rows"
+            if (norm[2] is None) != (norm[3] is None):
+                return "the GroupNorm has a weight or a bias but not both"
+        for i in epilogue.channel_params + epilogue.tail_params:
+            t = operands[i]
+            if not isinstance(t, torch.Tensor) or t.dtype != x.dtype:
+                return f"operand {self._operands[i][1]!r} is no longer a tensor of x's dtype"
+        for i in epilogue.channel_params:  # the IR's rule: pre/post operands keep (M, N)
+            if torch.broadcast_shapes(operands[i].shape, (m, n)) != (m, n):
+                return f"operand {self._operands[i][1]!r} no longer broadcasts to ({m}, {n})"
+        return ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        operands, norm, epilogue = self._state()
+        try:
+            problem = self._fused_problem(x, weight, bias, operands, norm, epilogue)
+        except RuntimeError as exc:  # torch.broadcast_shapes: the shapes no longer broadcast
+            problem = str(exc)
+        if problem:
+            if isinstance(x, torch.Tensor) and x.is_cuda:
+                warnings.warn(
+                    f"gemmfuse: {problem}; the original PyTorch chain runs",
+                    FallbackWarning,
+                    stacklevel=2,
+                )
+            self.last_path = "fallback"
+            return self._fallback(x, weight, bias, *operands)
+        gn_weight, gn_bias = (None, None) if norm is None else norm[2:]
+        out, self.last_path = fused_linear_with_path(
+            x, weight, bias, epilogue, gn_weight, gn_bias, params=operands,
+            weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
+        )  # fmt: skip
+        return out
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The chain evaluated by ``gemmfuse.reference`` with the current settings: what the
+        fused path computes, in plain PyTorch (``optimize`` checks it against the model)."""
+        operands, norm, epilogue = self._state()
+        if epilogue is None:
+            raise ValueError("the chain's current module settings are outside the grammar")
+        gn_weight, gn_bias = (None, None) if norm is None else norm[2:]
+        return linear_epilogue(
+            x, self.weight, self.bias, epilogue, gn_weight, gn_bias, params=operands
+        )

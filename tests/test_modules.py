@@ -1,0 +1,150 @@
+"""FusedLinear on CPU: shared state, settings read at each call, the exact fallback, repr."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from model_files import build
+
+import gemmfuse.modules
+from gemmfuse import Epilogue, FusedLinear, GroupNormSpec, Pointwise, optimize
+
+
+def optimized(name):
+    _, model, inputs = build(name)
+    new, _ = optimize(model, inputs)
+    return model, new, inputs
+
+
+def test_registers_the_linears_own_parameters():
+    model, new, _ = optimized("groupnorm_affine_post")
+    fused = new.fc
+    assert isinstance(fused, FusedLinear)
+    assert fused.weight is model.fc.weight and fused.bias is model.fc.bias
+    assert list(fused.state_dict()) == ["weight", "bias"]
+    assert dict(fused.named_children()) == {}  # the GroupNorm and SiLU stay where they were
+    fused.weight = nn.Parameter(torch.zeros_like(fused.weight))  # one dict: both views see it
+    assert model.fc.weight is fused.weight
+
+
+def test_repr_shows_the_chain():
+    _, new, _ = optimized("gemm_groupnorm_min_bias")
+    assert repr(new.gemm) == (
+        "FusedLinear(in_features=96, out_features=128, bias=True, chain=gemm -> group_norm -> "
+        "min(dim=1, keepdim=True) -> x + bias, kernel=auto, precision=fp32)"
+    )
+    assert new.gemm.epilogue == Epilogue(
+        norm=GroupNormSpec(16, 1e-5, True),
+        reduce=new.gemm.epilogue.reduce,
+        tail=(Pointwise("add", (gemmfuse.Param(0),)),),
+    )
+
+
+def test_calls_fused_linear_with_its_operands_and_settings(monkeypatch):
+    model, new, inputs = optimized("per_channel_operands")
+    seen = {}
+
+    def spy(x, weight, bias, epilogue, gn_weight, gn_bias, **kwargs):
+        seen.update(kwargs, weight=weight, gn_weight=gn_weight, epilogue=epilogue)
+        return torch.zeros(1), "fused"
+
+    monkeypatch.setattr(gemmfuse.modules, "fused_linear_with_path", spy)
+    new.fc.kernel, new.fc.precision = "portable", "tf32"
+    new(*inputs)
+    assert new.fc.last_path == "fused"
+    assert seen["kernel"] == "portable" and seen["precision"] == "tf32"
+    assert seen["weight"] is model.fc.weight and seen["gn_weight"] is model.gn.weight
+    assert seen["weight_cache"] is new.fc.weight_split
+    names = ["scale", "shift", "offset", "divisor", "numerator"]
+    assert [p is getattr(model, n) for p, n in zip(seen["params"], names, strict=True)]
+    assert seen["epilogue"] == new.fc.epilogue
+
+
+def test_cpu_runs_the_reference_path():
+    model, new, inputs = optimized("groupnorm_wide_functional")
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+    assert new.fc.last_path == "torch"
+
+
+def test_a_3d_input_runs_the_original_chain():
+    model, new, inputs = optimized("activations_no_norm")
+    x = inputs[0].reshape(4, -1, inputs[0].shape[1])
+    with torch.no_grad():
+        got = new.fc(x)
+        torch.testing.assert_close(got, model(x), rtol=0, atol=0)
+    assert new.fc.last_path == "fallback" and got.shape == (4, 16, 128)
+
+
+def test_groupnorm_settings_are_read_at_each_call():
+    model, new, inputs = optimized("groupnorm_affine_post")
+    for groups, eps in [(4, 1e-5), (2, 0.5), (128, 1e-5)]:
+        model.gn.num_groups, model.gn.eps = groups, eps
+        with torch.no_grad():
+            torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+        assert new.fc.last_path == "torch"
+        assert new.fc.epilogue.norm == GroupNormSpec(groups, eps, True)
+    model.gn.num_groups = 3  # does not divide 128: PyTorch's own error, from the fallback
+    with pytest.raises(RuntimeError) as expected:
+        model(*inputs)
+    with pytest.raises(RuntimeError, match=str(expected.value).splitlines()[0][:40]):
+        new(*inputs)
+    assert new.fc.last_path == "fallback"
+
+
+def test_affine_removed_after_optimize():
+    model, new, inputs = optimized("gemm_groupnorm_min_bias")
+    model.group_norm.weight = None  # weight without bias: outside the grammar, PyTorch runs it
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+    assert new.gemm.last_path == "fallback"
+    model.group_norm.bias = None  # now a plain GroupNorm: fused again
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+    assert new.gemm.last_path == "torch" and not new.gemm.epilogue.norm.affine
+
+
+def test_activation_module_settings_are_read_at_each_call():
+    model, new, inputs = optimized("groupnorm_one_group_plain")
+    model.softplus.beta, model.relu6.max_val = 0.5, 4.0
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+    assert new.fc.last_path == "torch"
+    model2, new2, inputs2 = optimized("activations_no_norm")
+    model2.gelu_tanh.approximate = "none"
+    with torch.no_grad():
+        torch.testing.assert_close(new2(*inputs2), model2(*inputs2), rtol=0, atol=0)
+    assert [op.name for op in new2.fc.epilogue.pre].count("gelu") == 2
+    model2.gelu_tanh.approximate = "sigmoid"  # outside the grammar (and PyTorch's)
+    assert new2.fc.epilogue is None
+    with pytest.raises(RuntimeError):
+        new2(*inputs2)
+    assert new2.fc.last_path == "fallback"
+
+
+@pytest.mark.parametrize(
+    "temperature, path",
+    [
+        (torch.rand(32, 64) + 1, "torch"),  # per row and channel: the IR keeps any (M, N)
+        (torch.rand(2, 1, 64) + 1, "fallback"),  # grows the shape
+        (torch.tensor(2.0, dtype=torch.float64), "fallback"),  # another dtype
+        (torch.rand(64, dtype=torch.float64) + 1, "fallback"),  # promotes the result
+    ],
+)
+def test_an_operand_that_no_longer_fits_runs_the_original_chain(temperature, path):
+    model, new, inputs = optimized("scalar_tensor_attributes")
+    model.temperature = temperature  # a buffer: the models share it
+    with torch.no_grad():
+        got, expect = new(*inputs), model(*inputs)
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    assert new.fc.last_path == path
+
+
+def test_constructor_arguments_are_checked():
+    with pytest.raises(TypeError, match="linear must be an nn.Linear"):
+        FusedLinear(nn.ReLU(), fallback=lambda *a: None)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        gemmfuse.modules.ChainOp("middle", "relu")
+    with pytest.raises(TypeError, match="module must be one of"):
+        gemmfuse.modules.ChainOp("pre", module=nn.Softmax(1))

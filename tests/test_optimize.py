@@ -1,0 +1,639 @@
+"""gemmfuse.optimize on CPU: the rewritten model computes what the model computes (the same torch
+ops, so exactly), keeps its state, and reports each decision."""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from model_files import FIT, UNFIT, build
+
+from gemmfuse import POINTWISE, REDUCTIONS, FusedLinear, OptimizeReport, optimize
+from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS
+
+# Per model file: (Linear, fused, chain, how the chain ended or why it was not swapped).
+EXPECTED = {
+    "activations_no_norm": [
+        ("fc", True, "fc -> relu -> x * 0.5 -> gelu -> gelu_tanh -> tanh -> sigmoid -> x - 0.25",
+         "ends at the model's output"),
+    ],
+    "gemm_groupnorm_min_bias": [
+        ("gemm", True, "gemm -> group_norm -> min(dim=1, keepdim=True) -> x + bias",
+         "ends at the model's output"),
+    ],
+    "groupnorm_affine_post": [
+        ("fc", True, "fc -> gn -> silu -> clamp(-0.5, 2.0) -> hardsigmoid -> 2.0 - x -> x + x",
+         "ends at the model's output"),
+    ],
+    "groupnorm_one_group_plain": [
+        ("fc", True, "fc -> x + 1.0 -> gn -> softplus(2.0, 10.0) -> elu(0.5) -> "
+         "hardtanh(0.0, 6.0) -> x / 3.0", "ends at the model's output"),
+    ],
+    "groupnorm_wide_functional": [
+        ("fc", True, "fc -> group_norm(2, eps=0.0001) -> leaky_relu(0.2) -> hardswish -> mish "
+         "-> x * scale", "ends at the model's output"),
+    ],
+    "inplace_methods": [
+        ("fc", True, "fc -> x * 2.0 -> x + bias2 -> relu -> sigmoid -> clamp(0.1, 0.9) -> log "
+         "-> exp -> x / 3.0 -> clamp(-0.05, inf) -> clamp(-inf, 0.2)",
+         "ends at the model's output"),
+    ],
+    "max_values_tail": [
+        ("fc", True, "fc -> relu -> max(dim=1) -> x * 2.0 -> sigmoid -> x - shift",
+         "ends at the model's output"),
+    ],
+    "mixed_blocks": [
+        ("fc1", True, "fc1 -> relu",
+         "stopped at softmax (torch.softmax): not in the epilogue grammar"),
+        ("fc2", False, "", "its input is 3-D (32, 1, 64); the fused kernel takes (batch, "
+         "features) inputs"),
+        ("fc3", True, "fc3", "stopped after fc3: its result is used 2 times"),
+        ("block.fc", True, "block.fc -> block.norm -> tanh",
+         "stopped at linear (F.linear): not in the epilogue grammar"),
+        ("linear", False, "", "F.linear calls are not rewritten (nn.Linear is)"),
+    ],
+    "per_channel_operands": [
+        ("fc", True, "fc -> x * scale -> x + shift -> offset - x -> tanh -> exp -> gn -> sigmoid "
+         "-> x + 0.5 -> 1.5 / x -> x / divisor -> x + 1.0 -> numerator / x -> sigmoid -> log",
+         "ends at the model's output"),
+    ],
+    "reductions": [
+        (f"fcs.{i}", True, f"fcs.{i} -> {chain}",
+         f"stopped at reshape{f'_{i}' if i else ''} (Tensor.reshape): not in the epilogue grammar")
+        for i, chain in enumerate([
+            "min(dim=1)", "min(dim=1, keepdim=True)", "max(dim=1)", "max(dim=1, keepdim=True)",
+            "gn -> sum(dim=1)", "sum(dim=1, keepdim=True)", "mean(dim=1)",
+            "tanh -> mean(dim=1, keepdim=True)", "logsumexp(dim=1)",
+            "logsumexp(dim=1, keepdim=True)",
+        ])
+    ],
+    "scalar_tensor_attributes": [
+        ("fc", True, "fc -> x / temperature -> x * factor -> relu", "ends at the model's output"),
+    ],
+    "unfit_batched_linear": [
+        ("fc", False, "", "its input is 3-D (8, 16, 32); the fused kernel takes (batch, "
+         "features) inputs"),
+    ],
+}  # fmt: skip
+
+
+def test_every_model_file_has_expectations():
+    assert sorted(EXPECTED) == sorted(FIT + UNFIT)
+
+
+@pytest.mark.parametrize("name", FIT)
+def test_optimized_model_computes_what_the_model_computes(name):
+    _, model, inputs = build(name)
+    new, _ = optimize(model, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+        fewer_rows = [t[:5] for t in inputs]  # another batch size than the example's
+        torch.testing.assert_close(new(*fewer_rows), model(*fewer_rows), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", FIT + UNFIT)
+def test_report_says_what_happened_to_each_linear(name):
+    _, model, inputs = build(name)
+    new, report = optimize(model, inputs)
+    assert isinstance(report, OptimizeReport)
+    got = [(r.name, r.fused, " -> ".join(r.chain), r.stopped if r.fused else r.reason)
+           for r in report.linears]  # fmt: skip
+    assert got == EXPECTED[name]
+    assert all(r.verified is (True if r.fused else None) for r in report.linears)
+    fused = {path for path, m in new.named_modules() if isinstance(m, FusedLinear)}
+    assert fused == {r.name for r in report.fused}
+    text = str(report)
+    assert f"{len(report.fused)} of {len(report.linears)} Linear call(s) fused" in text
+    for line, entry in zip(text.splitlines()[1:], report.linears, strict=True):
+        assert line.strip() == str(entry)
+
+
+@pytest.mark.parametrize("name", FIT)
+def test_state_dict_keys_and_parameters_are_the_models(name):
+    _, model, inputs = build(name)
+    new, _ = optimize(model, inputs)
+    assert list(new.state_dict()) == list(model.state_dict())
+    ours = dict(new.named_parameters(remove_duplicate=False))
+    for key, p in model.named_parameters(remove_duplicate=False):
+        assert ours[key] is p, key
+    theirs = dict(model.named_buffers())
+    for key, b in new.named_buffers():
+        assert theirs[key] is b, key
+
+
+def test_every_grammar_op_and_reduction_appears_in_the_model_files():
+    ops, reductions, norms = set(), set(), set()
+    for name in FIT:
+        _, model, inputs = build(name)
+        new, _ = optimize(model, inputs)
+        for m in new.modules():
+            if isinstance(m, FusedLinear):
+                epi = m.epilogue
+                ops |= {op.name for op in epi.pre + epi.post + epi.tail}
+                if epi.reduce:
+                    reductions.add((epi.reduce.op, epi.reduce.keepdim))
+                if epi.norm:
+                    n = m.out_features // epi.norm.num_groups
+                    norms |= {("affine", epi.norm.affine), ("one group", epi.norm.num_groups == 1)}
+                    norms.add(("wider than 128", n > 128))
+    assert ops >= set(POINTWISE)
+    assert reductions == {(op, keepdim) for op in REDUCTIONS for keepdim in (True, False)}
+    assert norms == {(k, v) for k in ("affine", "one group", "wider than 128") for v in (0, 1)}
+
+
+def test_in_place_updates_to_the_models_parameters_reach_the_optimized_model():
+    _, model, inputs = build("gemm_groupnorm_min_bias")
+    new, _ = optimize(model, inputs)
+    with torch.no_grad():
+        before = new(*inputs).clone()
+        model.gemm.weight.add_(0.5)  # an optimizer step, as far as the tensors know
+        model.group_norm.bias.sub_(0.25)
+        model.bias.mul_(2.0)
+        after = new(*inputs)
+        assert not torch.equal(before, after)
+        torch.testing.assert_close(after, model(*inputs), rtol=0, atol=0)
+
+
+def test_gradients_reach_the_models_parameters():
+    _, model, inputs = build("groupnorm_wide_functional")
+    new, _ = optimize(model, inputs)
+    new(*inputs).square().sum().backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    model(*inputs).square().sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, msg=k)
+
+
+def test_to_moves_parameters_and_buffers_of_both_views():
+    """.to() replaces buffers: the chain reads its operands from their owner at each call."""
+    _, model, inputs = build("per_channel_operands")
+    new, _ = optimize(model, inputs)
+    new.double()
+    assert model.shift.dtype == model.fc.weight.dtype == torch.float64
+    x = [t.double() for t in inputs]
+    with torch.no_grad():
+        torch.testing.assert_close(new(*x), model(*x), rtol=0, atol=0)
+    assert new.fc.last_path == "torch"
+
+
+def test_unused_modules_plain_attributes_and_non_persistent_buffers_are_kept():
+    _, model, inputs = build("scalar_tensor_attributes")
+    new, _ = optimize(model, inputs)
+    assert new.unused is model.unused
+    assert "temperature" not in new.state_dict() and new.temperature is model.temperature
+    assert new.factor is model.factor and "factor" not in new.state_dict()
+    assert list(new.state_dict()) == ["fc.weight", "unused.weight", "unused.bias"]
+
+
+def test_the_model_itself_is_left_unchanged():
+    _, model, inputs = build("mixed_blocks")
+    before = {k: type(m) for k, m in model.named_modules()}
+    attributes = set(model.__dict__)
+    optimize(model, inputs)
+    assert {k: type(m) for k, m in model.named_modules()} == before
+    assert set(model.__dict__) == attributes
+    assert type(model.block.fc) is nn.Linear
+
+
+def test_deepcopy_keeps_the_whole_tree():
+    _, model, inputs = build("scalar_tensor_attributes")
+    new, _ = optimize(model, inputs)
+    twin = copy.deepcopy(new)
+    assert list(twin.state_dict()) == list(new.state_dict())
+    assert twin.fc.weight is not model.fc.weight
+    with torch.no_grad():
+        torch.testing.assert_close(twin(*inputs), new(*inputs), rtol=0, atol=0)
+        twin.fc.weight.add_(1.0)  # the copy's chain reads the copy's parameters
+        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+        assert not torch.equal(twin(*inputs), new(*inputs))
+
+
+def test_training_mode_is_the_models():
+    _, model, inputs = build("activations_no_norm")
+    model.eval()
+    new, _ = optimize(model, inputs)
+    assert not new.training
+
+
+def test_meta_tensors_give_an_unverified_report():
+    module = __import__("model_files").load("gemm_groupnorm_min_bias")
+    with torch.device("meta"):
+        model = module.Model(*module.get_init_inputs())
+        inputs = module.get_inputs()
+    new, report = optimize(model, inputs)
+    assert [r.verified for r in report.linears] == [None]
+    assert "not verified: meta tensors" in str(report)
+    assert isinstance(new.gemm, FusedLinear)
+
+
+def test_a_chain_that_does_not_reproduce_the_model_keeps_pytorch(monkeypatch):
+    _, model, inputs = build("groupnorm_affine_post")
+    monkeypatch.setattr(FusedLinear, "reference", lambda self, x: torch.zeros(1))
+    new, report = optimize(model, inputs)
+    (entry,) = report.linears
+    assert not entry.fused and entry.verified is False
+    assert "did not reproduce the model on example_inputs" in entry.reason
+    assert type(new.fc) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+
+
+def test_forward_traces_the_given_function():
+    class Base(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 16)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Child(Base):
+        def forward(self, x):
+            raise AssertionError("optimize must trace Base.forward")
+
+    model = Child()
+    x = torch.randn(4, 8)
+    new, report = optimize(model, (x,), forward=Base.forward)
+    assert [r.chain for r in report.linears] == [("fc", "relu")]
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), Base.forward(model, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda m, x: optimize("model", (x,)), TypeError, "model must be a torch.nn.Module"),
+        (lambda m, x: optimize(m, x), TypeError, "example_inputs must be a tuple or list"),
+        (lambda m, x: optimize(m, (x,), kernel="fast"), ValueError, "kernel must be one of"),
+        (lambda m, x: optimize(m, (x,), precision="fp16"), ValueError, "precision must be"),
+        (lambda m, x: optimize(m, (x,), forward=len), TypeError, "forward must be a Python"),
+        (lambda m, x: optimize(m, (x[:, :3],)), ValueError, "example_inputs: running the"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(call, error, message):
+    model = nn.Sequential(nn.Linear(8, 4))
+    with pytest.raises(error, match=message):
+        call(model, torch.randn(2, 8))
+
+
+def test_untraceable_model_says_tracing_failed_and_why():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) if x.sum() > 0 else x
+
+    with pytest.raises(ValueError, match=r"tracing Branchy.forward with torch.fx failed \("):
+        optimize(Branchy(), (torch.randn(2, 4),))
+
+
+class Chain(nn.Module):
+    """Linear, then ``body(self, x)``; tensor members become buffers."""
+
+    def __init__(self, body, n=16, **members):
+        super().__init__()
+        self.fc = nn.Linear(8, n)
+        self.body = body
+        for name, value in members.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                self.register_buffer(name, value)
+            else:
+                setattr(self, name, value)
+
+    def forward(self, x):
+        return self.body(self, self.fc(x))
+
+
+def stops(body, n=16, m=6, **members):
+    """(the report entry, the optimized output equals the model's) for Linear -> body."""
+    model = Chain(body, n, **members)
+    x = torch.randn(m, 8)
+    new, report = optimize(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0, equal_nan=True)
+    (entry,) = report.linears
+    return entry
+
+
+def p(*shape, dtype=torch.float32):
+    return nn.Parameter(torch.rand(*shape, dtype=dtype) + 0.5)
+
+
+def buffer(*shape):  # Chain registers plain tensors as buffers
+    return torch.rand(*shape) + 0.5
+
+
+@pytest.mark.parametrize(
+    "body, members, chain, stopped",
+    [
+        (lambda s, x: torch.softmax(x, 1), {}, "fc", "stopped at softmax (torch.softmax): "
+         "not in the epilogue grammar"),
+        (lambda s, x: x * x, {}, "fc", "x * x is not in the grammar (x + x is)"),
+        (lambda s, x: x * s.g(x), {"g": nn.Identity()}, "fc", "stopped after fc: its result "
+         "is used 2 times"),
+        (lambda s, x: x + 2 * x.mean(), {}, "fc", "used 2 times"),
+        (lambda s, x: torch.relu(x) + s.b * 2.0, {"b": p(16)}, "fc -> relu", "stopped at add "
+         "(operator.add): operand mul is computed in the forward pass"),
+        (lambda s, x: s.g2(s.g1(x)), {"g1": nn.GroupNorm(4, 16), "g2": nn.GroupNorm(2, 16)},
+         "fc -> g1", "stopped at g2 (nn.GroupNorm): a second GroupNorm"),
+        (lambda s, x: x.sum(1, keepdim=True).amax(1), {}, "fc -> sum(dim=1, keepdim=True)",
+         "stopped at amax (Tensor.amax): a second reduction"),
+        (lambda s, x: torch.max(x, 1)[1], {}, "fc", "its indices are used"),
+        (lambda s, x: torch.max(x, torch.zeros(1)), {}, "fc", "elementwise"),
+        (lambda s, x: x.sum(0), {}, "fc", "dim=0, not the channels"),
+        (lambda s, x: x.sum(), {}, "fc", "more than the channel dimension"),
+        (lambda s, x: torch.add(x, 1.0, alpha=2), {}, "fc", "alpha= or rounding_mode="),
+        (lambda s, x: x + s.t3, {"t3": p(2, 1, 16)}, "fc", "changes the shape (6, 16) to "
+         "(2, 6, 16) before the reduction"),
+        (lambda s, x: x * s.d, {"d": p(16, dtype=torch.float64)}, "fc", "its result is not a "
+         "torch.float32 tensor"),
+        (lambda s, x: x + s.b.add_(0.0), {"b": buffer(16)}, "fc", "computed in the forward"),
+        (lambda s, x: (s.b.mul_(1.0), x + s.b)[1], {"b": buffer(16)}, "fc",
+         "computed in the forward pass"),
+        (lambda s, x: F.group_norm(x, 4, s.w), {"w": p(16)}, "fc", "a weight but no bias"),
+        (lambda s, x: s.act(x), {"act": nn.Softmax(1)}, "fc", "stopped at act (nn.Softmax)"),
+        (lambda s, x: torch.clamp(x, min=s.w), {"w": p(16)}, "fc", "argument min is computed"),
+        (lambda s, x: torch.min(x, 1, True)[0] + s.t.add_(0.0), {"t": buffer(1)},
+         "fc -> min(dim=1, keepdim=True)", "computed in the forward pass"),
+    ],
+)  # fmt: skip
+def test_where_chains_stop(body, members, chain, stopped):
+    entry = stops(body, **members)
+    assert entry.fused and " -> ".join(entry.chain) == chain
+    assert stopped in entry.stopped
+
+
+def test_an_operand_modified_in_place_elsewhere_in_forward_is_not_fused():
+    def body(s, x):
+        y = x * s.scale
+        s.scale.mul_(1.0)  # the forward writes the parameter after the op read it
+        return y
+
+    entry = stops(body, scale=buffer(16))
+    assert entry.chain == ("fc",)
+    assert "operand scale is modified in place in the forward pass" in entry.stopped
+
+
+def test_a_forward_writing_a_plain_tensor_attribute_is_refused():
+    model = Chain(lambda s, x: x + s.t.add_(1.0))
+    model.t = torch.zeros(16)  # not a buffer: fx would run the write once, while tracing
+    with pytest.raises(ValueError, match=r"writes in place to the tensor attribute\(s\) \['t'\]"):
+        optimize(model, (torch.randn(2, 8),))
+
+
+def test_too_many_float_or_tensor_arguments_stop_the_chain():
+    def floats(s, x):
+        for i in range(MAX_SCALARS + 1):
+            x = x + float(i)
+        return x
+
+    entry = stops(floats)
+    assert len(entry.chain) == 1 + MAX_SCALARS
+    assert f"the kernel takes at most {MAX_SCALARS} float arguments" in entry.stopped
+
+    def tensors(s, x):
+        for t in s.ts:
+            x = x * t
+        return x
+
+    entry = stops(tensors, ts=nn.ParameterList(p(16) for _ in range(MAX_TENSORS + 1)))
+    assert len(entry.chain) == 1 + MAX_TENSORS
+    assert f"at most {MAX_TENSORS} tensor arguments" in entry.stopped
+
+    def after_reduction(s, x):  # tail ops run in PyTorch: no limit there
+        x = x.amax(1)
+        for i in range(MAX_SCALARS + 2):
+            x = x * float(i + 1)
+        return x
+
+    assert stops(after_reduction).stopped == "ends at the model's output"
+
+
+def test_linears_that_are_not_swapped():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.fc(x)))
+
+    _, report = optimize(Twice(), (torch.randn(3, 8),))
+    assert [r.reason for r in report.linears] == [
+        "the module is called 2 times in forward (each call needs its chain)"
+    ] * 2
+
+    hooked = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    hooked[0].register_forward_hook(lambda m, i, o: o * 2)
+    new, report = optimize(hooked, (torch.randn(3, 8),))
+    assert report.linears[0].reason == "the module has forward hooks"
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(new(x), hooked(x), rtol=0, atol=0)
+
+
+def test_a_chain_module_with_hooks_stops_the_chain():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.ReLU())
+    model[2].register_forward_pre_hook(lambda m, i: (i[0] + 1,))
+    x = torch.randn(3, 8)
+    new, report = optimize(model, (x,))
+    assert report.linears[0].chain == ("0", "tanh")
+    assert "the module has forward hooks" in report.linears[0].stopped
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
+# ---- property: any chain of the grammar, written any supported way, is fused whole
+
+ACTIVATIONS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "mish", "tanh", "sigmoid",
+               "hardtanh", "relu6", "hardswish", "hardsigmoid", "softplus", "elu", "exp",
+               "log", "clamp"]  # fmt: skip
+
+
+class Drawn(nn.Module):
+    """Linear, then ``steps`` applied in turn (fx traces through the Python loop)."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.steps = []
+        self.registered = 0
+
+    def register(self, value) -> str:
+        self.registered += 1
+        name = f"r{self.registered}"
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            self.register_buffer(name, value)
+        else:
+            setattr(self, name, value)
+        return name
+
+    def forward(self, x):
+        x = self.fc(x)
+        for step in self.steps:
+            x = step(self, x)
+        return x
+
+
+def module_step(model, module):
+    name = model.register(module)
+    return lambda s, v: getattr(s, name)(v)
+
+
+def floats(lo, hi):
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+
+
+def draw_activation(draw, model):
+    """(step, float arguments) for one activation, in a form drawn among its spellings."""
+    name = draw(st.sampled_from(ACTIVATIONS))
+    a = draw(floats(0.05, 2.0))
+    b = a + draw(floats(0.1, 2.0))
+    forms = {
+        "relu": [lambda: module_step(model, nn.ReLU()),
+                 lambda: module_step(model, nn.ReLU(inplace=True)),
+                 lambda: lambda s, v: F.relu(v), lambda: lambda s, v: torch.relu(v),
+                 lambda: lambda s, v: v.relu(), lambda: lambda s, v: v.relu_(),
+                 lambda: lambda s, v: F.relu(v, inplace=True)],
+        "leaky_relu": [lambda: module_step(model, nn.LeakyReLU(a)),
+                       lambda: lambda s, v: F.leaky_relu(v, a),
+                       lambda: lambda s, v: F.leaky_relu(v, negative_slope=a, inplace=True)],
+        "gelu": [lambda: module_step(model, nn.GELU()), lambda: lambda s, v: F.gelu(v)],
+        "gelu_tanh": [lambda: module_step(model, nn.GELU(approximate="tanh")),
+                      lambda: lambda s, v: F.gelu(v, approximate="tanh")],
+        "silu": [lambda: module_step(model, nn.SiLU()), lambda: lambda s, v: F.silu(v)],
+        "mish": [lambda: module_step(model, nn.Mish()), lambda: lambda s, v: F.mish(v)],
+        "tanh": [lambda: module_step(model, nn.Tanh()), lambda: lambda s, v: torch.tanh(v),
+                 lambda: lambda s, v: v.tanh_()],
+        "sigmoid": [lambda: module_step(model, nn.Sigmoid()),
+                    lambda: lambda s, v: torch.sigmoid(v), lambda: lambda s, v: v.sigmoid()],
+        "hardtanh": [lambda: module_step(model, nn.Hardtanh(-a, b)),
+                     lambda: lambda s, v: F.hardtanh(v, -a, b)],
+        "relu6": [lambda: module_step(model, nn.ReLU6()), lambda: lambda s, v: F.relu6(v)],
+        "hardswish": [lambda: module_step(model, nn.Hardswish()),
+                      lambda: lambda s, v: F.hardswish(v)],
+        "hardsigmoid": [lambda: module_step(model, nn.Hardsigmoid()),
+                        lambda: lambda s, v: F.hardsigmoid(v)],
+        "softplus": [lambda: module_step(model, nn.Softplus(a, 10 * b)),
+                     lambda: lambda s, v: F.softplus(v, beta=a, threshold=10 * b)],
+        "elu": [lambda: module_step(model, nn.ELU(a)), lambda: lambda s, v: F.elu(v, a)],
+        "exp": [lambda: lambda s, v: torch.exp(v), lambda: lambda s, v: v.exp()],
+        "log": [lambda: lambda s, v: torch.log(v), lambda: lambda s, v: v.log_()],
+        "clamp": [lambda: lambda s, v: torch.clamp(v, -a, b),
+                  lambda: lambda s, v: v.clamp(min=-a), lambda: lambda s, v: v.clamp_max(b),
+                  lambda: lambda s, v: torch.clip(v, max=b), lambda: lambda s, v: v.clamp_(-a, b)],
+    }  # fmt: skip
+    n_floats = {"leaky_relu": 1, "hardtanh": 2, "relu6": 2, "softplus": 2, "elu": 1, "clamp": 2}
+    return draw(st.sampled_from(forms[name]))(), n_floats.get(name, 0)
+
+
+def draw_arithmetic(draw, model, shapes, tail):
+    """(step, floats, tensors) for one binary op with a float or a tensor of a drawn shape
+    (after the reduction, in-place forms take floats only: the grammar's rule)."""
+    op = draw(st.sampled_from(["add", "sub", "mul", "div", "x + x"]))
+    if op == "x + x":
+        return draw(st.sampled_from([lambda s, v: v + v, lambda s, v: torch.add(v, v)])), 0, 0
+    if draw(st.booleans()):
+        t = torch.randn(draw(st.sampled_from(shapes)))
+        holder = draw(st.sampled_from([nn.Parameter, lambda t: t]))  # a parameter or a buffer
+        name = model.register(holder(t))
+        operand, tensors = (lambda s: getattr(s, name)), 1
+    else:
+        value = draw(floats(-3.0, 3.0))
+        operand, tensors = (lambda s: value), 0
+    fn = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[op]
+    method = {"add": "add", "sub": "sub", "mul": "mul", "div": "div"}[op]
+    symbol = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
+              "div": operator.truediv}[op]  # fmt: skip
+    forms = [
+        lambda s, v: symbol(v, operand(s)),
+        lambda s, v: symbol(operand(s), v),
+        lambda s, v: fn(v, operand(s)),
+        lambda s, v: getattr(v, method)(operand(s)),
+    ]
+    if not (tail and tensors):
+        forms.append(lambda s, v: getattr(v, method + "_")(operand(s)))
+    if op == "sub":
+        forms.append(lambda s, v: torch.rsub(v, operand(s)))
+    return draw(st.sampled_from(forms)), 1 - tensors, tensors
+
+
+def draw_pointwise(draw, model, shapes, tail):
+    if draw(st.booleans()):
+        step, n_floats = draw_activation(draw, model)
+        return step, n_floats, 0
+    return draw_arithmetic(draw, model, shapes, tail)
+
+
+REDUCTION_FORMS = {
+    "min": [lambda v, k: torch.min(v, 1, keepdim=k)[0],
+            lambda v, k: v.min(dim=-1, keepdim=k).values,
+            lambda v, k: torch.amin(v, dim=1, keepdim=k), lambda v, k: v.amin(1, k)],
+    "max": [lambda v, k: torch.max(v, dim=1, keepdim=k).values, lambda v, k: v.max(1, k)[0],
+            lambda v, k: torch.amax(v, (1,), k)],
+    "sum": [lambda v, k: torch.sum(v, 1, keepdim=k), lambda v, k: v.sum(dim=-1, keepdim=k)],
+    "mean": [lambda v, k: torch.mean(v, dim=1, keepdim=k), lambda v, k: v.mean(1, k)],
+    "logsumexp": [lambda v, k: torch.logsumexp(v, 1, k),
+                  lambda v, k: v.logsumexp(dim=1, keepdim=k)],
+}  # fmt: skip
+
+
+@st.composite
+def drawn_chains(draw):
+    m, k = draw(st.integers(2, 7)), draw(st.integers(1, 12))
+    n = draw(st.sampled_from([8, 12, 16, 24]))
+    model = Drawn(k, n)
+    budget = {"floats": MAX_SCALARS, "tensors": MAX_TENSORS}
+    per_channel = [(n,), (1, n), (), (1,)]
+
+    def pointwise(count, shapes, limited=True):
+        for _ in range(count):
+            step, n_floats, n_tensors = draw_pointwise(draw, model, shapes, not limited)
+            if limited:
+                if n_floats > budget["floats"] or n_tensors > budget["tensors"]:
+                    continue
+                budget["floats"] -= n_floats
+                budget["tensors"] -= n_tensors
+            model.steps.append(step)
+
+    pointwise(draw(st.integers(0, 3)), per_channel)
+    if draw(st.booleans()):
+        groups = draw(st.sampled_from([g for g in (1, 2, 4, 8) if n % g == 0]))
+        if draw(st.booleans()):
+            model.steps.append(
+                module_step(model, nn.GroupNorm(groups, n, affine=draw(st.booleans())))
+            )
+        else:
+            w, b = (model.register(nn.Parameter(torch.randn(n))) for _ in range(2))
+            eps = draw(st.sampled_from([1e-5, 1e-3]))
+            model.steps.append(
+                lambda s, v: F.group_norm(v, groups, getattr(s, w), getattr(s, b), eps)
+            )
+        pointwise(draw(st.integers(0, 3)), per_channel)
+    if draw(st.booleans()):
+        op = draw(st.sampled_from(sorted(REDUCTION_FORMS)))
+        form, keepdim = draw(st.sampled_from(REDUCTION_FORMS[op])), draw(st.booleans())
+        model.steps.append(lambda s, v: form(v, keepdim))
+        pointwise(draw(st.integers(0, 2)), [(), (1,), (1, 1), (3, 1, 1)], limited=False)
+    return model, torch.randn(m, k)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn_chains())
+def test_every_drawn_chain_is_fused_whole_and_computes_the_same(drawn):
+    model, x = drawn
+    new, report = optimize(model, (x,))
+    (entry,) = report.linears
+    assert entry.fused and entry.stopped == "ends at the model's output", str(report)
+    assert len(entry.chain) == 1 + len(model.steps), str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0, equal_nan=True)
