@@ -66,7 +66,8 @@ std::vector<torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args, const tor
     keep.push_back(torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32));
     args.norm_stats = reinterpret_cast<float2*>(keep.back().data_ptr<float>());
   } else if (reduce != 0) {
-    keep.push_back(torch::empty({reduce == 5 ? 2 * n_tiles : n_tiles, M}, f32));
+    // (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh): twice the partials.
+    keep.push_back(torch::empty({reduce >= 3 ? 2 * n_tiles : n_tiles, M}, f32));
     args.row_partial = keep.back().data_ptr<float>();
     args.row_counter = row_counters(x, m_tiles, stream);
   } else if (out_dtype != torch::kBFloat16) {

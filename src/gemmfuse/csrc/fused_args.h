@@ -42,7 +42,7 @@ struct FusedArgs {
   const float* gn_bias;      // [N] or nullptr
   float* out;                // [M, N] when the epilogue does not reduce (fp32 models)
   __nv_bfloat16* out_bf16;   // [M, N] when it does not reduce (bf16 models)
-  float* row_partial;        // [N tiles, M] when it reduces ([2, N tiles, M] for logsumexp)
+  float* row_partial;        // [N tiles, M] when it reduces ([2, N tiles, M] for sum/mean/lse)
   float* row_out;            // [M] when it reduces
   int* row_counter;          // [M tiles], zero on entry, left zero on exit
   int M, N, k_padded, group_size;

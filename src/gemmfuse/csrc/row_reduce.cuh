@@ -5,11 +5,20 @@
 
 namespace gemmfuse {
 
-// m: the running min / max / sum, or for logsumexp the running max; s: for logsumexp only,
-// the sum of exp(x - lse_shift(m)).
+// m: the running min / max / sum, or for logsumexp the running max. s: for sum and mean, the
+// rounding error of m (the sum is m + s, compensated: a row of values that cancel, such as a
+// GroupNorm output, keeps its few remaining bits); for logsumexp, the sum of exp(x - shift(m)).
 struct RowAcc {
   float m, s;
 };
+
+// a + b = sum + err exactly (Knuth's TwoSum; nvcc does not reassociate without fast-math).
+// An infinite or NaN sum carries no error term, so inf stays inf as in PyTorch's sum.
+__device__ __forceinline__ float two_sum(float a, float b, float& err) {
+  const float sum = a + b, bb = sum - a;
+  err = isfinite(sum) ? (a - (sum - bb)) + (b - bb) : 0.f;
+  return sum;
+}
 
 // PyTorch's logsumexp shifts by the max unless it is infinite (then by 0).
 __device__ __forceinline__ float lse_shift(float m) { return isinf(m) ? 0.f : m; }
@@ -32,7 +41,9 @@ __device__ __forceinline__ void row_acc_push(RowAcc& a, float x) {
   } else if constexpr (kKind == 2) {
     a.m = max_nan(a.m, x);
   } else if constexpr (kKind == 3 || kKind == 4) {
-    a.m += x;
+    float err;
+    a.m = two_sum(a.m, x, err);
+    a.s += err;
   } else {
     if (x > a.m) {  // a new maximum: rescale what was summed so far
       const float c = lse_shift(x);
@@ -49,7 +60,11 @@ template <int kKind>
 __device__ __forceinline__ RowAcc row_acc_merge(RowAcc a, RowAcc b) {
   if constexpr (kKind == 1) return {min_nan(a.m, b.m), 0.f};
   if constexpr (kKind == 2) return {max_nan(a.m, b.m), 0.f};
-  if constexpr (kKind == 3 || kKind == 4) return {a.m + b.m, 0.f};
+  if constexpr (kKind == 3 || kKind == 4) {
+    float err;
+    const float m = two_sum(a.m, b.m, err);
+    return {m, a.s + b.s + err};
+  }
   const float m = max_nan(a.m, b.m), c = lse_shift(m);
   // An empty side (s == 0) adds nothing, even where exp of its shift would overflow.
   const float sa = a.s == 0.f ? 0.f : a.s * expf(lse_shift(a.m) - c);
@@ -59,7 +74,8 @@ __device__ __forceinline__ RowAcc row_acc_merge(RowAcc a, RowAcc b) {
 
 template <int kKind>
 __device__ __forceinline__ float row_acc_finish(RowAcc a, int n) {
-  if constexpr (kKind == 4) return a.m * (1.f / static_cast<float>(n));
+  if constexpr (kKind == 3) return a.m + a.s;
+  if constexpr (kKind == 4) return (a.m + a.s) * (1.f / static_cast<float>(n));
   if constexpr (kKind == 5) return a.m != a.m ? a.m : logf(a.s) + lse_shift(a.m);
   return a.m;
 }

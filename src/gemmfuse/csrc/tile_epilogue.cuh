@@ -121,7 +121,9 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     store(args.out_bf16 != nullptr);
   } else {
     constexpr int kind = Epi::kReduce;
-    const int64_t lse_half = static_cast<int64_t>(tc.n_tiles) * args.M;  // logsumexp's s part
+    // Partials are (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh), m alone otherwise.
+    constexpr bool kPairs = kind >= 3;
+    const int64_t s_half = static_cast<int64_t>(tc.n_tiles) * args.M;
     for (int r = warp; r < rows_here; r += kThreads / 32) {
       RowAcc acc = row_acc_empty<kind>();
       for (int c = lane; c < cols_here; c += 32) row_acc_push<kind>(acc, tile[r * kEpiStride + c]);
@@ -129,7 +131,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       if (lane == 0) {
         const int64_t at = static_cast<int64_t>(tc.n_idx) * args.M + tc.m0 + r;
         args.row_partial[at] = acc.m;
-        if constexpr (kind == 5) args.row_partial[lse_half + at] = acc.s;
+        if constexpr (kPairs) args.row_partial[s_half + at] = acc.s;
       }
     }
     __shared__ bool is_last;
@@ -147,7 +149,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
         for (int tn = 0; tn < tc.n_tiles; ++tn) {
           const int64_t at = static_cast<int64_t>(tn) * args.M + tc.m0 + r;
           RowAcc part{__ldcg(args.row_partial + at), 0.f};
-          if constexpr (kind == 5) part.s = __ldcg(args.row_partial + lse_half + at);
+          if constexpr (kPairs) part.s = __ldcg(args.row_partial + s_half + at);
           acc = tn == 0 ? part : row_acc_merge<kind>(acc, part);
         }
         args.row_out[tc.m0 + r] = row_acc_finish<kind>(acc, args.N);
