@@ -1,9 +1,12 @@
 import pytest
 
+from gemmfuse.chains import chain_pool
 from gemmfuse.epilogue import (
     POINTWISE,
+    REDUCTIONS,
     Epilogue,
     GroupNormSpec,
+    Param,
     Pointwise,
     Reduction,
     cuda_epilogue,
@@ -64,3 +67,57 @@ def test_every_op_has_both_meanings():
     for name, op in POINTWISE.items():
         assert "{v}" in op.cuda, name
         assert all(f"{{a{i}}}" in op.cuda for i in range(op.n_args)), name
+
+
+def test_tensor_arguments_read_per_channel_in_order():
+    epi = Epilogue(
+        pre=(Pointwise("mul", (Param(3),)), Pointwise("add", (2.0,))),
+        norm=GroupNormSpec(2),
+        post=(Pointwise("div", (Param(1),)), Pointwise("div", (4.0,))),
+    )
+    assert epi.channel_params == (3, 1) and epi.scalars == (2.0, 4.0)
+    code = cuda_epilogue(epi)
+    assert "(v * __ldg(p.vec[0] + col))" in code and "(v / __ldg(p.vec[1] + col))" in code
+    # a float divisor is a multiplication by its float reciprocal, as PyTorch computes it
+    assert "(v * (1.f / p.scalar[1]))" in code
+
+
+def test_structure_leaves_out_values_param_indices_and_tail():
+    def chain(scale, index, tail):
+        return Epilogue(
+            pre=(Pointwise("mul", (Param(index),)),),
+            norm=GroupNormSpec(4, 1e-3),
+            post=(Pointwise("leaky_relu", (scale,)),),
+            reduce=Reduction("sum", keepdim=True),
+            tail=tail,
+        )
+
+    a = chain(0.1, 0, ())
+    b = chain(0.3, 5, (Pointwise("add", (Param(0),)),))
+    assert a.structure == b.structure
+    assert a.structure != Epilogue(pre=a.pre, norm=GroupNormSpec(4), reduce=Reduction("min"))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Pointwise("relu", (Param(0),)), "takes 0 argument"),
+        (lambda: Pointwise("leaky_relu", (Param(0),)), "float arguments only"),
+        (lambda: Pointwise("add", ("1",)), "floats or Param"),
+        (lambda: Pointwise("add", (True,)), "floats or Param"),
+        (lambda: Param(-1), "Param index"),
+        (lambda: Epilogue(tail=(Pointwise("relu"),)), "tail ops need a reduction"),
+        (lambda: Epilogue(pre=(Pointwise("add", (Param(0),)),) * 9), "at most 8 tensor"),
+    ],
+)
+def test_bad_arguments_raise(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_chain_pool_covers_the_grammar():
+    """The GPU property tests draw from this pool: every op must reach a kernel."""
+    pool = chain_pool()
+    in_kernel = {op.name for spec in pool for op in spec.pre + spec.post}
+    assert in_kernel == set(POINTWISE)
+    assert {spec.reduce for spec in pool} >= set(REDUCTIONS)

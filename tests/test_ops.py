@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from gemmfuse import Epilogue, GroupNormSpec, fused_linear, fused_linear_with_path
-from gemmfuse.ops import SplitWeightCache, select_path
+from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, fused_linear, fused_linear_with_path
+from gemmfuse.ops import SplitWeightCache, _channel_param_problem, select_path
 
 EPI = Epilogue(norm=GroupNormSpec(4))
 
@@ -98,3 +98,31 @@ def test_bad_kernel_or_precision_raises(kwargs, message):
     x, w, b, gw, gb = args()
     with pytest.raises(ValueError, match=message):
         fused_linear(x, w, b, EPI, gw, gb, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "params, error, message",
+    [
+        ({"a": 1}, TypeError, "params must be a tuple or list"),
+        ((3.0,), TypeError, r"params\[0\] must be a torch.Tensor"),
+        ((), ValueError, r"reads params\[0\] but 0 tensor"),
+    ],
+)
+def test_bad_params_raise(params, error, message):
+    x, w, b, gw, gb = args()
+    epi = Epilogue(norm=GroupNormSpec(4), post=(Pointwise("mul", (Param(0),)),))
+    with pytest.raises(error, match=message):
+        fused_linear(x, w, b, epi, gw, gb, params=params)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, fits",
+    [((16,), torch.float32, True), ((1, 16), torch.float32, True), ((1,), torch.float32, True),
+     ((), torch.float32, True), ((5, 16), torch.float32, False), ((16, 1), torch.float32, False),
+     ((1, 1, 16), torch.float32, False), ((16,), torch.float64, False)],
+)  # fmt: skip
+def test_only_per_channel_params_of_x_dtype_reach_the_kernel(shape, dtype, fits):
+    x, w, _, _, _ = args()
+    epi = Epilogue(pre=(Pointwise("add", (Param(0),)),))
+    problem = _channel_param_problem(epi, (torch.ones(shape, dtype=dtype),), x, 16)
+    assert (problem == "") == fits, problem

@@ -1,8 +1,14 @@
+import random
+
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gemmfuse.epilogue import Epilogue, GroupNormSpec, Pointwise, Reduction
+from gemmfuse import fused_linear
+from gemmfuse.chains import random_chain
+from gemmfuse.epilogue import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.reference import linear_epilogue
 
 
@@ -24,16 +30,87 @@ def test_matches_torch_modules(m, k, n, groups):
     )
 
 
-@pytest.mark.parametrize("op", ["min", "max", "sum"])
+@pytest.mark.parametrize("op", ["min", "max", "sum", "mean", "logsumexp"])
 @pytest.mark.parametrize("keepdim", [True, False])
 def test_reductions(op, keepdim):
     torch.manual_seed(0)
     fc, gn = nn.Linear(16, 32), nn.GroupNorm(4, 32, affine=False)
     x = torch.randn(9, 16)
-    expect = getattr(torch, {"min": "amin", "max": "amax", "sum": "sum"}[op])(
-        gn(fc(x)), dim=1, keepdim=keepdim
-    )
+    fn = {"min": torch.amin, "max": torch.amax, "sum": torch.sum, "mean": torch.mean,
+          "logsumexp": torch.logsumexp}[op]  # fmt: skip
+    expect = fn(gn(fc(x)), dim=1, keepdim=keepdim)
     epi = Epilogue(norm=GroupNormSpec(4, affine=False), reduce=Reduction(op, keepdim))
     got = linear_epilogue(x, fc.weight, fc.bias, epi)
     assert got.shape == expect.shape
     torch.testing.assert_close(got, expect, rtol=0, atol=0)
+
+
+def test_per_channel_params_and_tail_broadcast_like_75():
+    """#75's tail: (M, 1) + (1, C, 1, 1) -> (1, C, M, 1), and per-channel operands before it."""
+    torch.manual_seed(1)
+    fc, gn = nn.Linear(16, 32), nn.GroupNorm(4, 32)
+    scale, shift, bias = torch.randn(32), torch.randn(1, 32), torch.randn(1, 5, 1, 1)
+    x = torch.randn(7, 16)
+    epi = Epilogue(
+        pre=(Pointwise("mul", (Param(0),)),),
+        norm=GroupNormSpec(4),
+        post=(Pointwise("rsub", (Param(1),)), Pointwise("div", (3.0,))),
+        reduce=Reduction("min", keepdim=True),
+        tail=(Pointwise("add", (Param(2),)),),
+    )
+    got = linear_epilogue(x, fc.weight, fc.bias, epi, gn.weight, gn.bias, (scale, shift, bias))
+    expect = torch.min((shift - gn(fc(x) * scale)) / 3.0, dim=1, keepdim=True)[0] + bias
+    assert got.shape == expect.shape == (1, 5, 7, 1)
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)
+
+
+# Each op through PyTorch's module or method API, written independently of POINTWISE.
+def independent_op(name, args):
+    a = args[0] if args else None
+    ops = {
+        "relu": lambda v: nn.ReLU()(v), "leaky_relu": lambda v: nn.LeakyReLU(a)(v),
+        "gelu": lambda v: nn.GELU()(v), "gelu_tanh": lambda v: nn.GELU("tanh")(v),
+        "silu": lambda v: nn.SiLU()(v), "mish": lambda v: nn.Mish()(v),
+        "tanh": lambda v: nn.Tanh()(v), "sigmoid": lambda v: nn.Sigmoid()(v),
+        "hardtanh": lambda v: nn.Hardtanh(*args)(v), "clamp": lambda v: v.clamp(*args),
+        "hardswish": lambda v: nn.Hardswish()(v), "hardsigmoid": lambda v: nn.Hardsigmoid()(v),
+        "softplus": lambda v: nn.Softplus(*args)(v), "elu": lambda v: nn.ELU(a)(v),
+        "exp": torch.exp, "log": torch.log, "add_self": lambda v: v.add(v),
+        "add": lambda v: torch.add(v, a), "sub": lambda v: torch.sub(v, a),
+        "rsub": lambda v: torch.rsub(v, a), "mul": lambda v: torch.mul(v, a),
+        "div": lambda v: torch.div(v, a),
+        "rdiv": lambda v: torch.div(a, v) if isinstance(a, torch.Tensor) else v.reciprocal() * a,
+    }  # fmt: skip
+    return ops[name]
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), m=st.integers(1, 9), groups=st.integers(1, 4),
+       group_size=st.integers(2, 12))  # fmt: skip
+def test_random_chains_match_pytorch_modules(seed, m, groups, group_size):
+    """Chains drawn from the grammar: the reference (CPU path) against module-by-module torch."""
+    spec = random_chain(random.Random(seed))
+    gen = torch.Generator().manual_seed(seed)
+    n, k = groups * group_size, 6
+    epi, params = spec.instantiate(gen, n, groups)
+    fc, gn = nn.Linear(k, n), nn.GroupNorm(groups, n, affine=spec.affine)
+    x = torch.randn(m, k, generator=gen)
+
+    def run(ops, v):
+        for op in ops:
+            args = tuple(params[a.index] if isinstance(a, Param) else a for a in op.args)
+            v = independent_op(op.name, args)(v)
+        return v
+
+    v = run(epi.pre, fc(x))
+    if epi.norm:
+        v = run(epi.post, gn(v))
+    if epi.reduce:
+        reduce = {"min": lambda t, d, kd: torch.min(t, d, kd)[0],
+                  "max": lambda t, d, kd: torch.max(t, d, kd)[0],
+                  "sum": torch.sum, "mean": torch.mean, "logsumexp": torch.logsumexp}  # fmt: skip
+        v = run(epi.tail, reduce[epi.reduce.op](v, 1, epi.reduce.keepdim))
+    with torch.no_grad():
+        gn_args = (gn.weight, gn.bias) if epi.norm else (None, None)
+        got = fused_linear(x, fc.weight, fc.bias, epi, *gn_args, params=params)
+    torch.testing.assert_close(got, v.detach(), rtol=0, atol=0, equal_nan=True)
