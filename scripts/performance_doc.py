@@ -10,7 +10,15 @@ import datetime
 import json
 from pathlib import Path
 
-from gemmfuse.bench import ModeResult, Result, format_modes, format_sweep, format_table
+from gemmfuse.bench import (
+    CHAIN_GROUPS,
+    ModeResult,
+    Result,
+    format_chains,
+    format_modes,
+    format_sweep,
+    format_table,
+)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md"
 FLOP = 2 * 1024 * 8192 * 8192  # both problems: M=1024, K=N=8192
@@ -25,6 +33,7 @@ def main() -> None:
     results = [Result(**r) for r in data["results"]]
     modes = [ModeResult(**m) for m in data.get("modes", [])]
     sweep = data.get("sweep", [])
+    chains = data.get("chains", [])
     tflops = "\n".join(
         f"| #{r.problem} | {r.ms['gemmfuse']:.3f} | {FLOP / r.ms['gemmfuse'] / 1e9:.0f} "
         f"| {3 * FLOP / r.ms['gemmfuse'] / 1e9:.0f} |"
@@ -76,6 +85,17 @@ threshold (ops.MIN_FUSED_WORK), which run the same PyTorch code as eager, so the
 the timing noise and gemmfuse's host-side dispatch cost at that size.
 
 {format_sweep(sweep) if sweep else "(not run)"}
+
+## Random chains from the epilogue grammar
+
+Each chain of `gemmfuse.chains.chain_pool()` (7 structures covering every pointwise op and
+reduction), with argument values drawn once, at M=1024, K=N=8192, input `torch.randn`, with
+{", ".join(str(g) for g in CHAIN_GROUPS)} GroupNorm groups (group sizes 8192 and 512 straddle the
+128-channel tiles and take the cross-tile statistics; 16 fits a tile). "fp32 ops alone" is the
+error of eager's fp32 ops run on the float64 GEMM result rounded to fp32: the part of any fp32
+evaluation's error that does not come from the GEMM.
+
+{format_chains(chains) if chains else "(not run)"}
 """
     )
     print(f"wrote {DOC}")
