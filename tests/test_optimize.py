@@ -418,6 +418,19 @@ def test_too_many_float_or_tensor_arguments_stop_the_chain():
     assert stops(after_reduction).stopped == "ends at the model's output"
 
 
+def test_consecutive_linears_are_each_fused_and_checked():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sigmoid(), nn.Linear(16, 4), nn.Tanh())
+    x = torch.randn(5, 8)
+    new, report = optimize(model, (x,))
+    assert [(r.chain, r.verified) for r in report.linears] == [
+        (("0", "sigmoid"), True),
+        (("2", "tanh"), True),
+    ]
+    assert "stopped at 2 (nn.Linear): not in the epilogue grammar" in report.linears[0].stopped
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
 def test_linears_that_are_not_swapped():
     class Twice(nn.Module):
         def __init__(self):
@@ -627,7 +640,7 @@ def drawn_chains(draw):
     return model, torch.randn(m, k)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(drawn_chains())
 def test_every_drawn_chain_is_fused_whole_and_computes_the_same(drawn):
     model, x = drawn

@@ -354,6 +354,7 @@ class _Step:
 class _Chain:
     linear: fx.Node
     path: str
+    input: fx.Node  # the Linear's input as traced (an earlier rewrite may replace it)
     nodes: list[fx.Node] = field(default_factory=list)  # after the Linear, in order
     ops: list[ChainOp] = field(default_factory=list)
     norm: ChainNorm | None = None
@@ -631,7 +632,7 @@ class _Analysis:
         return sum(isinstance(a, Param) for a in op.current()[1])
 
     def chain(self, linear: fx.Node, path: str) -> _Chain:
-        chain = _Chain(linear, path, labels=[path])
+        chain = _Chain(linear, path, _input(linear), labels=[path])
         stage, v = "pre", linear
         while True:
             users = list(v.users)
@@ -647,7 +648,8 @@ class _Analysis:
                 end = self._select(u) if step.selects else u
                 stage = self._accept(chain, step, end, stage)
             except _Refused as refused:
-                chain.stopped = f"stopped at {u.name} ({self._describe(u)}): {refused}"
+                where = u.target if u.op == "call_module" else u.name  # a path, or fx's name
+                chain.stopped = f"stopped at {where} ({self._describe(u)}): {refused}"
                 break
             chain.nodes += [u] if end is u else [u, end]
             chain.labels.append(step.label)
@@ -847,7 +849,7 @@ def optimize(
         mismatch = ""
         if verify:
             with torch.no_grad():
-                mismatch = _verify(fused, recorder.values[_input(node)], recorder.values[chain.end])
+                mismatch = _verify(fused, recorder.values[chain.input], recorder.values[chain.end])
         report = LinearReport(
             chain.path,
             not mismatch,
