@@ -142,8 +142,10 @@ def test_an_operand_that_no_longer_fits_runs_the_original_chain(temperature, pat
 
 
 def test_constructor_arguments_are_checked():
-    with pytest.raises(TypeError, match="linear must be an nn.Linear"):
+    with pytest.raises(TypeError, match="give an nn.Linear as linear, or linear=None"):
         FusedLinear(nn.ReLU(), fallback=lambda *a: None)
+    with pytest.raises(TypeError, match="linear=None needs weight"):
+        FusedLinear(None, fallback=lambda *a: None)
     with pytest.raises(ValueError, match="stage must be one of"):
         gemmfuse.modules.ChainOp("middle", "relu")
     with pytest.raises(TypeError, match="module must be one of"):

@@ -56,7 +56,9 @@ EXPECTED = {
         ("fc3", True, "fc3", "stopped after fc3: its result is used 2 times"),
         ("block.fc", True, "block.fc -> block.norm -> tanh",
          "stopped at linear (F.linear): not in the epilogue grammar"),
-        ("linear", False, "", "F.linear calls are not rewritten (nn.Linear is)"),
+        ("linear", True, "F.linear(proj)", "stopped at add_2 (operator.add): operand add_1 is "
+         "computed in the forward pass (fused operands are numbers, parameters, buffers and "
+         "tensor attributes)"),
     ],
     "per_channel_operands": [
         ("fc", True, "fc -> x * scale -> x + shift -> offset - x -> tanh -> exp -> gn -> sigmoid "
@@ -107,7 +109,8 @@ def test_report_says_what_happened_to_each_linear(name):
     assert got == EXPECTED[name]
     assert all(r.verified is (True if r.fused else None) for r in report.linears)
     fused = {path for path, m in new.named_modules() if isinstance(m, FusedLinear)}
-    assert fused == {r.name for r in report.fused}
+    assert fused == {r.module for r in report.fused}
+    assert all(r.module == r.name for r in report.fused if not r.chain[0].startswith("F."))
     text = str(report)
     assert f"{len(report.fused)} of {len(report.linears)} Linear call(s) fused" in text
     for line, entry in zip(text.splitlines()[1:], report.linears, strict=True):
@@ -431,6 +434,35 @@ def test_consecutive_linears_are_each_fused_and_checked():
         torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
 
 
+def test_f_linear_on_the_models_tensors_is_fused_reading_them_at_each_call():
+    def body(s, x):
+        return torch.relu(F.linear(x, s.w, s.b)) * 2.0
+
+    model = Chain(body, w=p(16, 8), b=p(16))
+    model.fc = nn.Identity()  # the F.linear is the only Linear
+    x = torch.randn(5, 8)
+    new, report = optimize(model, (x,))
+    (entry,) = report.linears
+    assert entry.name == "linear" and entry.chain == ("F.linear(w)", "relu", "x * 2.0")
+    assert list(new.state_dict()) == list(model.state_dict()) == ["w", "b"]
+    fused = new.linear_fused
+    assert isinstance(fused, FusedLinear) and "bias=True" in repr(fused)
+    with torch.no_grad():
+        model.w.mul_(-1.0)
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+    new.double()
+    with torch.no_grad():
+        torch.testing.assert_close(new(x.double()), model(x.double()), rtol=0, atol=0)
+
+    computed = Chain(lambda s, x: F.linear(x, s.w.t()), w=p(8, 16))
+    computed.fc = nn.Identity()
+    _, report = optimize(computed, (x,))
+    assert report.linears[0].reason == (
+        "its weight is computed in the forward pass (F.linear is fused on parameters, buffers "
+        "and tensor attributes)"
+    )
+
+
 def test_linears_that_are_not_swapped():
     class Twice(nn.Module):
         def __init__(self):
@@ -473,11 +505,13 @@ ACTIVATIONS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "mish", "tanh"
 
 
 class Drawn(nn.Module):
-    """Linear, then ``steps`` applied in turn (fx traces through the Python loop)."""
+    """Linear (the module, or F.linear on its tensors), then ``steps`` applied in turn (fx
+    traces through the Python loop)."""
 
-    def __init__(self, k, n):
+    def __init__(self, k, n, functional):
         super().__init__()
         self.fc = nn.Linear(k, n)
+        self.functional = functional
         self.steps = []
         self.registered = 0
 
@@ -491,7 +525,7 @@ class Drawn(nn.Module):
         return name
 
     def forward(self, x):
-        x = self.fc(x)
+        x = F.linear(x, self.fc.weight, self.fc.bias) if self.functional else self.fc(x)
         for step in self.steps:
             x = step(self, x)
         return x
@@ -604,7 +638,7 @@ REDUCTION_FORMS = {
 def drawn_chains(draw):
     m, k = draw(st.integers(2, 7)), draw(st.integers(1, 12))
     n = draw(st.sampled_from([8, 12, 16, 24]))
-    model = Drawn(k, n)
+    model = Drawn(k, n, draw(st.booleans()))
     budget = {"floats": MAX_SCALARS, "tensors": MAX_TENSORS}
     per_channel = [(n,), (1, n), (), (1,)]
 

@@ -1,11 +1,13 @@
-"""``FusedLinear``: an ``nn.Linear`` and the chain after it, run by ``fused_linear``.
+"""``FusedLinear``: an ``nn.Linear`` (or ``F.linear`` call) and the chain after it, run by
+``fused_linear``.
 
 ``gemmfuse.optimize`` builds these; each replaces one Linear of a traced model together with the
 ops after it that the epilogue grammar expresses. A FusedLinear is a second view on the model's
 own state, never a copy of it:
 
 - it registers the Linear's parameter dict itself (``weight``, ``bias``: the same Parameter
-  objects, under the Linear's state_dict keys), so optimizer steps and ``.to()`` reach both;
+  objects, under the Linear's state_dict keys), so optimizer steps and ``.to()`` reach both; an
+  ``F.linear`` call's weight and bias are read at each call from the module that holds them;
 - it holds the GroupNorm module and the pointwise modules of the chain by reference, without
   registering them (they stay registered at their own paths), and reads their settings
   (``num_groups``, ``eps``, ``weight``, ``bias``, a LeakyReLU's slope...) at each call;
@@ -107,7 +109,9 @@ class FusedLinear(nn.Module):
     """``linear`` and the chain after it as one ``fused_linear`` call (see the module docstring).
 
     Args:
-        linear: the ``nn.Linear``; its parameter dict becomes this module's.
+        linear: the ``nn.Linear``; its parameter dict becomes this module's. Or None, for an
+            ``F.linear`` call: then ``weight`` and ``bias`` give (module, attribute name) of its
+            tensors (``bias`` None for no bias), read at each call.
         ops, norm, reduce: the chain: pointwise :class:`ChainOp` s (stages in order), an optional
             :class:`ChainNorm`, an optional :class:`gemmfuse.Reduction` over channels.
         operands: (module, attribute name) of each tensor operand, the ``Param`` indices' order.
@@ -118,8 +122,10 @@ class FusedLinear(nn.Module):
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Linear | None,
         *,
+        weight: tuple[nn.Module, str] | None = None,
+        bias: tuple[nn.Module, str] | None = None,
         ops: Sequence[ChainOp] = (),
         norm: ChainNorm | None = None,
         reduce: Reduction | None = None,
@@ -130,10 +136,14 @@ class FusedLinear(nn.Module):
         precision: str = "fp32",
     ):
         super().__init__()
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        self._parameters = linear._parameters  # the Linear's own dict: one state, two views
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if linear is not None:
+            if not isinstance(linear, nn.Linear) or weight or bias:
+                raise TypeError("give an nn.Linear as linear, or linear=None and its weight")
+            self._parameters = linear._parameters  # the Linear's own dict: one state, two views
+        elif weight is None:
+            raise TypeError("linear=None needs weight=(module, attribute name)")
+        self._tensor_refs = (weight, bias)
+        self.out_features, self.in_features = self._linear()[0].shape
         self._ops = tuple(ops)
         self._norm = norm
         self._reduce = reduce
@@ -148,10 +158,17 @@ class FusedLinear(nn.Module):
         self.last_path: str | None = None
         self._epilogues: dict = {}
 
+    def _linear(self):
+        """(weight, bias) as of now."""
+        weight, bias = self._tensor_refs
+        if weight is None:
+            return self.weight, self.bias
+        return getattr(*weight), None if bias is None else getattr(*bias)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, chain={' -> '.join(self.labels)}, "
+            f"bias={self._linear()[1] is not None}, chain={' -> '.join(self.labels)}, "
             f"kernel={self.kernel}, precision={self.precision}"
         )
 
@@ -199,13 +216,17 @@ class FusedLinear(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             return f"the input {shape} is not a 2-D tensor"
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return "the weight is not a 2-D tensor"
         (m, k), n = x.shape, weight.shape[0]
         like = (x.dtype, x.device)
         if k != weight.shape[1] or (weight.dtype, weight.device) != like:
             return "the input does not match the weight's size, dtype or device"
         vectors = [bias] + ([norm[2], norm[3]] if norm is not None else [])
         for t in vectors:
-            if t is not None and (t.shape != (n,) or (t.dtype, t.device) != like):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.shape != (n,) or (t.dtype, t.device) != like:
                 return "a bias or GroupNorm vector does not match the weight"
         if norm is not None:
             groups = norm[0]
@@ -223,7 +244,7 @@ class FusedLinear(nn.Module):
         return ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+        weight, bias = self._linear()
         operands, norm, epilogue = self._state()
         try:
             problem = self._fused_problem(x, weight, bias, operands, norm, epilogue)
@@ -252,6 +273,4 @@ class FusedLinear(nn.Module):
         if epilogue is None:
             raise ValueError("the chain's current module settings are outside the grammar")
         gn_weight, gn_bias = (None, None) if norm is None else norm[2:]
-        return linear_epilogue(
-            x, self.weight, self.bias, epilogue, gn_weight, gn_bias, params=operands
-        )
+        return linear_epilogue(x, *self._linear(), epilogue, gn_weight, gn_bias, params=operands)

@@ -2,8 +2,8 @@
 
 ``optimize(model, example_inputs)`` traces the model's forward with ``torch.fx``, runs the trace
 once on the example inputs (under no_grad; recording each value's shape and dtype), and, for
-every ``nn.Linear`` applied to a 2-D input, extends the chain after it as far as the epilogue
-grammar goes::
+every ``nn.Linear`` (or ``F.linear`` on the model's own tensors) applied to a 2-D input, extends
+the chain after it as far as the epilogue grammar goes::
 
     Linear -> pointwise ops -> GroupNorm -> pointwise ops -> reduction over dim 1 -> tail ops
 
@@ -15,7 +15,8 @@ forward pass modifies in place. Each candidate is then checked on the example in
 chain's end (``torch.testing.assert_close``, default tolerances), else the Linear stays PyTorch.
 Meta tensors carry no values: their chains are not checked, and the report says so.
 
-The result is an ``fx.GraphModule`` with a ``FusedLinear`` at each swapped Linear's path. Its
+The result is an ``fx.GraphModule`` with a ``FusedLinear`` at each swapped Linear's path (for
+an ``F.linear`` call, a new stateless submodule of the root, ``<call>_fused``). Its
 module tree mirrors the model's: every submodule not on the way to a swapped Linear is the
 model's own object, the rest are shallow copies that share their parameter and buffer dicts, so
 every parameter and buffer keeps its state_dict key and is the model's own object (optimizer
@@ -203,6 +204,12 @@ def _input(node: fx.Node):
     return node.args[0] if node.args else node.kwargs.get("input")
 
 
+def _linear_args(node: fx.Node) -> dict:
+    """An F.linear call's arguments by name (input, weight, bias)."""
+    bound = dict(zip(("input", "weight", "bias"), node.args, strict=False))
+    return {"bias": None, **bound, **node.kwargs}
+
+
 def _thread_inplace(gm: fx.GraphModule) -> None:
     """Makes the uses of a tensor that follow an in-place op on it use the op's result (the same
     tensor), so ``x.mul_(2); x.add_(b); return x`` reads as the chain it is."""
@@ -225,12 +232,13 @@ def _thread_inplace(gm: fx.GraphModule) -> None:
 class LinearReport:
     """What ``optimize`` did with one Linear call."""
 
-    name: str  # the Linear's module path (or the F.linear node's name)
+    name: str  # the Linear's module path (or the F.linear call's node name)
     fused: bool  # replaced by a FusedLinear
     chain: tuple[str, ...]  # the ops the FusedLinear runs, in model terms, the Linear first
     stopped: str  # where the chain stopped, and why
     reason: str = ""  # why the Linear was not swapped ("" when it was)
     verified: bool | None = None  # checked on example_inputs; None: not checked
+    module: str = ""  # the FusedLinear's path in the result ("" when not swapped)
 
     def __str__(self) -> str:
         if not self.fused:
@@ -631,8 +639,8 @@ class _Analysis:
     def _tensors(op: ChainOp) -> int:
         return sum(isinstance(a, Param) for a in op.current()[1])
 
-    def chain(self, linear: fx.Node, path: str) -> _Chain:
-        chain = _Chain(linear, path, _input(linear), labels=[path])
+    def chain(self, linear: fx.Node, path: str, label: str) -> _Chain:
+        chain = _Chain(linear, path, _input(linear), labels=[label])
         stage, v = "pre", linear
         while True:
             users = list(v.users)
@@ -666,16 +674,28 @@ class _Analysis:
         return node.op
 
     def linear_problem(self, node: fx.Node, calls: int) -> str:
-        """Why this Linear call cannot be swapped ("" if it can)."""
-        module = self.gm.get_submodule(node.target)
-        if type(module).forward is not nn.Linear.forward:
-            return f"{type(module).__name__} overrides nn.Linear.forward"
-        if _has_hooks(module):
-            return "the module has forward hooks"
-        if calls > 1:
-            return f"the module is called {calls} times in forward (each call needs its chain)"
+        """Why this Linear call (a module's, or F.linear's) cannot be swapped ("" if it can)."""
         x = _input(node)
-        if node.kwargs.keys() - {"input"} or len(node.args) > 1 or x not in self.meta:
+        if node.op == "call_function":  # F.linear: on the model's own tensors only
+            args = _linear_args(node)
+            for key in ("weight", "bias"):
+                t = args[key]
+                if t is not None and not (isinstance(t, fx.Node) and t.op == "get_attr"):
+                    return (
+                        f"its {key} is computed in the forward pass (F.linear is fused on "
+                        "parameters, buffers and tensor attributes)"
+                    )
+        else:
+            module = self.gm.get_submodule(node.target)
+            if type(module).forward is not nn.Linear.forward:
+                return f"{type(module).__name__} overrides nn.Linear.forward"
+            if _has_hooks(module):
+                return "the module has forward hooks"
+            if calls > 1:
+                return f"the module is called {calls} times in forward (each call needs its chain)"
+            if node.kwargs.keys() - {"input"} or len(node.args) > 1:
+                return "its input is not a tensor of the forward pass"
+        if x not in self.meta:
             return "its input is not a tensor of the forward pass"
         shape = self.meta[x].shape
         if len(shape) != 2:
@@ -778,7 +798,8 @@ def optimize(
     _thread_inplace(gm)
     linears = [
         n for n in graph.nodes
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear)
+        if (n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear))
+        or (n.op == "call_function" and n.target is F.linear)
     ]  # fmt: skip
     keep = set()
     for node in linears:  # the inputs, and every node a chain can end at
@@ -804,22 +825,21 @@ def optimize(
     for node in linears:
         calls[node.target] = calls.get(node.target, 0) + 1
     decisions: dict[fx.Node, LinearReport | _Chain] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is F.linear:
-            decisions[node] = LinearReport(
-                node.name, False, (), "", "F.linear calls are not rewritten (nn.Linear is)"
-            )
-        elif node in linears:
-            problem = analysis.linear_problem(node, calls[node.target])
-            if problem:
-                decisions[node] = LinearReport(node.target, False, (), "", problem)
-            else:
-                decisions[node] = analysis.chain(node, node.target)
+    for node in linears:
+        problem = analysis.linear_problem(node, calls[node.target])
+        if node.op == "call_module":
+            name, label = node.target, node.target
+        else:
+            name, label = node.name, f"F.linear({_linear_args(node)['weight'].target})"
+        if problem:
+            decisions[node] = LinearReport(name, False, (), "", problem)
+        else:
+            decisions[node] = analysis.chain(node, name, label)
 
     # The result's module tree: the model's own, with shared copies above swapped Linears.
     attributes = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     chains = [c for c in decisions.values() if isinstance(c, _Chain)]
-    _mirror(model, gm, {c.path for c in chains})
+    _mirror(model, gm, {c.path for c in chains if c.linear.op == "call_module"})
     gm._parameters, gm._buffers = model._parameters, model._buffers
     gm._non_persistent_buffers_set = model._non_persistent_buffers_set
     gm.training = model.training
@@ -834,9 +854,23 @@ def optimize(
     for node, chain in list(decisions.items()):
         if not isinstance(chain, _Chain):
             continue
-        parent, name = _owner(gm, chain.path)
+        if chain.linear.op == "call_module":
+            target = chain.path
+            parent, name = _owner(gm, target)
+            linear = {"linear": parent._modules[name]}
+        else:  # F.linear: a new submodule of the root, reading the tensors from their owners
+            args = _linear_args(chain.linear)
+            parent, target = gm, f"{chain.path}_fused"
+            while hasattr(gm, target):
+                target += "_"
+            name = target
+            linear = {
+                "linear": None,
+                "weight": _owner(gm, args["weight"].target),
+                "bias": None if args["bias"] is None else _owner(gm, args["bias"].target),
+            }
         fused = FusedLinear(
-            parent._modules[name],
+            **linear,
             ops=chain.ops,
             norm=chain.norm,
             reduce=chain.reduce,
@@ -858,13 +892,14 @@ def optimize(
             f"the fused chain did not reproduce the model on example_inputs: {mismatch}"
             if mismatch else "",
             (True if verify else None) if not mismatch else False,
+            "" if mismatch else target,
         )  # fmt: skip
         decisions[node] = report
         if mismatch:
             continue
         parent._modules[name] = fused
         with graph.inserting_before(node):
-            call = graph.call_module(chain.path, (_input(node),))
+            call = graph.call_module(target, (_input(node),))
         chain.end.replace_all_uses_with(call)
         for n in reversed([node, *chain.nodes]):
             graph.erase_node(n)
