@@ -70,7 +70,8 @@ def independent_op(name, args):
     ops = {
         "relu": lambda v: nn.ReLU()(v), "leaky_relu": lambda v: nn.LeakyReLU(a)(v),
         "gelu": lambda v: nn.GELU()(v), "gelu_tanh": lambda v: nn.GELU("tanh")(v),
-        "silu": lambda v: nn.SiLU()(v), "mish": lambda v: nn.Mish()(v),
+        "silu": lambda v: nn.SiLU()(v), "swish": lambda v: v * nn.Sigmoid()(v),
+        "mish": lambda v: nn.Mish()(v),
         "tanh": lambda v: nn.Tanh()(v), "sigmoid": lambda v: nn.Sigmoid()(v),
         "hardtanh": lambda v: nn.Hardtanh(*args)(v), "clamp": lambda v: v.clamp(*args),
         "hardswish": lambda v: nn.Hardswish()(v), "hardsigmoid": lambda v: nn.Hardsigmoid()(v),

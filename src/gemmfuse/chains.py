@@ -56,7 +56,8 @@ def _p(lo, hi):
 def _units() -> list[tuple[OpSpec, ...]]:
     one = [
         OpSpec("relu"), OpSpec("leaky_relu", (_f(0.01, 0.3),)), OpSpec("gelu"),
-        OpSpec("gelu_tanh"), OpSpec("silu"), OpSpec("mish"), OpSpec("tanh"), OpSpec("sigmoid"),
+        OpSpec("gelu_tanh"), OpSpec("silu"), OpSpec("swish"), OpSpec("mish"), OpSpec("tanh"),
+        OpSpec("sigmoid"),
         OpSpec("hardtanh", (_f(-2, -0.5), _f(0.5, 2))), OpSpec("hardswish"),
         OpSpec("hardsigmoid"), OpSpec("clamp", (_f(-1.5, -0.2), _f(0.2, 1.5))),
         OpSpec("clamp", (_f(-0.5, 0.5), _f(math.inf))), OpSpec("softplus", (_f(0.5, 2), _f(5, 20))),

@@ -76,7 +76,10 @@ POINTWISE: dict[str, PointwiseDef] = {
     "div": PointwiseDef(
         1, "({v} / {a0})", lambda v, a: v / a, True, cuda_scalar="({v} * (1.f / {a0}))"
     ),
-    "rdiv": PointwiseDef(1, "({a0} / {v})", lambda v, a: a / v, True),
+    # PyTorch computes float / tensor as tensor.reciprocal() * float
+    "rdiv": PointwiseDef(
+        1, "({a0} / {v})", lambda v, a: a / v, True, cuda_scalar="((1.f / {v}) * {a0})"
+    ),
     "add_self": PointwiseDef(0, "({v} + {v})", lambda v: v + v),
     # activations
     "relu": PointwiseDef(0, "(({v} > 0.f || {v} != {v}) ? {v} : 0.f)", F.relu),
@@ -91,6 +94,12 @@ POINTWISE: dict[str, PointwiseDef] = {
         lambda v: F.gelu(v, approximate="tanh"),
     ),
     "silu": PointwiseDef(0, "({v} / (1.f + expf(-{v})))", F.silu),
+    # x * sigmoid(x) as written in a model: two PyTorch ops, the sigmoid rounded in between
+    "swish": PointwiseDef(
+        0,
+        "({v} * round_like_model(1.f / (1.f + expf(-{v})), p))",
+        lambda v: v * torch.sigmoid(v),
+    ),
     "mish": PointwiseDef(0, "({v} * tanhf(log1pf(expf({v}))))", F.mish),
     "tanh": PointwiseDef(0, "tanhf({v})", torch.tanh),
     "sigmoid": PointwiseDef(0, "(1.f / (1.f + expf(-{v})))", torch.sigmoid),
