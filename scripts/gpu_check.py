@@ -1,8 +1,10 @@
 """Everything the GPU must confirm, in one call; a short summary last.
 
-Builds every kernel structure the tests and benchmark use (in parallel: the shipped problems'
-and the random-chain pool's), times a second process's load from the cache, runs the GPU tests
-(pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
+Builds every kernel structure the tests and benchmark use (the shipped problems', the
+random-chain pool's and the hand-written test models'), one process per structure and as many
+at once as there are cores (build.py serialises builds within a process), times a second
+process's load from the cache, runs the GPU tests (pytest -m gpu) and the benchmark (with the
+chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
 [-k EXPR] (-k selects GPU tests as pytest's -k does).
 """
@@ -67,22 +69,59 @@ def sass_report(library: str) -> str:
     )
 
 
+def every_structure() -> list[str]:
+    """The reprs of every kernel structure the GPU tests and the benchmark launch."""
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+    from model_files import FIT, build
+
+    from gemmfuse import FusedLinear, optimize
+    from gemmfuse.chains import chain_pool
+    from gemmfuse.kernelbench.registry import PROBLEMS
+
+    structures = [s.structure for p in PROBLEMS.values() for s in p.structures]
+    structures += [c.structure for c in chain_pool()]
+    for name in FIT:
+        _, model, inputs = build(name)
+        new, _ = optimize(model, inputs)
+        structures += [m.epilogue.structure for m in new.modules() if isinstance(m, FusedLinear)]
+    return list(dict.fromkeys(repr(s) for s in structures))
+
+
+BUILD_ONE = (
+    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.sources import extension_for\n"
+    "extension_for(eval(sys.argv[1]))"
+)
+
+
+def build_all(structures: list[str]) -> int:
+    """Builds each structure in its own process, os.cpu_count() at a time; returns failures."""
+
+    def build(structure):
+        proc = subprocess.run([sys.executable, "-c", BUILD_ONE, structure], env=ENV,
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode:
+            print(f"BUILD FAILED {structure}\n{proc.stderr[-3000:]}", flush=True)
+        return proc.returncode != 0
+
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+        return sum(pool.map(build, structures))
+
+
 def main() -> int:
     quick = "--quick" in sys.argv
     OUT.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "src"))
-    from gemmfuse.chains import chain_pool
+    structures = every_structure()
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.sources import extension_for
 
     summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
-    structures = {repr(s.structure): s for p in PROBLEMS.values() for s in p.structures}
-    structures.update({repr(c.structure): c.structure for c in chain_pool()})
     t = time.perf_counter()
-    with ThreadPoolExecutor(len(structures)) as pool:
-        modules = list(pool.map(extension_for, structures.values()))
-    summary.append(f"build: {len(structures)} extensions in {time.perf_counter() - t:.1f} s")
-    summary.append(sass_report(modules[0].__file__))
+    failed = build_all(structures)
+    summary.append(
+        f"build: {len(structures)} extensions ({failed} failed) in "
+        f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time"
+    )
+    summary.append(sass_report(extension_for(PROBLEMS[62].structures[0]).__file__))
     _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
     summary.append(f"second-process load from cache: {load.strip().splitlines()[-1]}")
 

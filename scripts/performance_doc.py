@@ -82,7 +82,9 @@ against the float64 reference of the fp32 model, allclose against eager in the s
 #62's chain (GroupNorm, LeakyReLU, x + x) at M x N=K with the given group size, inputs
 `torch.rand`, `kernel="auto"`: the `torch` rows are problems below the fused path's size
 threshold (ops.MIN_FUSED_WORK), which run the same PyTorch code as eager, so their ratio shows
-the timing noise and gemmfuse's host-side dispatch cost at that size.
+the timing noise and gemmfuse's host-side dispatch cost at that size (the timed window opens
+before the Python dispatch). Group size 512 straddles the 128-channel tiles: those rows take
+the cross-tile statistics and the second pass.
 
 {format_sweep(sweep) if sweep else "(not run)"}
 
