@@ -20,8 +20,8 @@ from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS
 # Per model file: (Linear, fused, chain, how the chain ended or why it was not swapped).
 EXPECTED = {
     "activations_no_norm": [
-        ("fc", True, "fc -> relu -> x * 0.5 -> gelu -> gelu_tanh -> tanh -> sigmoid -> x - 0.25",
-         "ends at the model's output"),
+        ("fc", True, "fc -> relu -> x * 0.5 -> gelu -> gelu_tanh -> x * sigmoid(x) -> tanh "
+         "-> sigmoid -> x - 0.25", "ends at the model's output"),
     ],
     "gemm_groupnorm_min_bias": [
         ("gemm", True, "gemm -> group_norm -> min(dim=1, keepdim=True) -> x + bias",
@@ -53,7 +53,7 @@ EXPECTED = {
          "stopped at softmax (torch.softmax): not in the epilogue grammar"),
         ("fc2", False, "", "its input is 3-D (32, 1, 64); the fused kernel takes (batch, "
          "features) inputs"),
-        ("fc3", True, "fc3", "stopped after fc3: its result is used 2 times"),
+        ("fc3", True, "fc3 -> x * sigmoid(x)", "stopped after mul: its result is used 2 times"),
         ("block.fc", True, "block.fc -> block.norm -> tanh",
          "stopped at linear (F.linear): not in the epilogue grammar"),
         ("linear", True, "F.linear(proj)", "stopped at add_2 (operator.add): operand add_1 is "
@@ -375,6 +375,71 @@ def test_where_chains_stop(body, members, chain, stopped):
     assert stopped in entry.stopped
 
 
+SWISH_FORMS = [
+    lambda s, x: x * torch.sigmoid(x),
+    lambda s, x: torch.sigmoid(x) * x,
+    lambda s, x: torch.mul(x, F.sigmoid(x)),
+    lambda s, x: x.mul(x.sigmoid()),
+    lambda s, x: torch.multiply(torch.sigmoid(input=x), x),
+    lambda s, x: s.sig(x).mul(x),
+    lambda s, x: x * s.sig(x),
+    lambda s, x: x.sigmoid().mul_(x),  # in place into the sigmoid, not into x
+]
+
+
+@pytest.mark.parametrize("form", SWISH_FORMS)
+def test_x_times_its_sigmoid_is_one_swish_step_in_every_form(form):
+    model = Chain(lambda s, x: form(s, form(s, x).amax(1)) + 1.0, sig=nn.Sigmoid())
+    x = torch.randn(6, 8)
+    new, report = optimize(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+    (entry,) = report.linears
+    assert entry.chain == ("fc", "x * sigmoid(x)", "max(dim=1)", "x * sigmoid(x)", "x + 1.0")
+    assert entry.stopped == "ends at the model's output" and entry.verified
+    epilogue = new.fc.epilogue
+    assert [op.name for op in epilogue.pre] == ["swish"]
+    assert [op.name for op in epilogue.tail] == ["swish", "add"]
+
+
+def swish(x):
+    return x * torch.sigmoid(x)
+
+
+def test_x_times_sigmoid_around_a_groupnorm_and_twice_in_a_row():
+    entry = stops(lambda s, x: swish(swish(s.gn(swish(x)))), gn=nn.GroupNorm(4, 16))
+    assert entry.chain == ("fc", "x * sigmoid(x)", "gn", "x * sigmoid(x)", "x * sigmoid(x)")
+    assert entry.stopped == "ends at the model's output"
+
+
+def _swish_shared(s, x):
+    y = torch.sigmoid(x)
+    return x * y + y
+
+
+def _swish_into_x(s, x):
+    x.mul_(torch.sigmoid(x))
+    return x + 1.0
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        (_swish_shared, "the sigmoid's result is used 2 times"),
+        (_swish_into_x, "mul_ multiplies in place into x (swish is out of place)"),
+        (lambda s, x: x * torch.sigmoid(x) * x, "used 3 times"),
+        (lambda s, x: torch.sigmoid(x) + x, "used 2 times"),
+        (lambda s, x: torch.mul(x, torch.sigmoid(x), out=torch.empty(6, 16)),
+         "does not multiply x by its sigmoid alone"),
+    ],
+)  # fmt: skip
+def test_x_times_sigmoid_that_is_not_swish_stops_the_chain_saying_why(body, why):
+    entry = stops(body)
+    assert entry.fused and entry.chain == ("fc",)
+    assert entry.stopped.startswith("stopped after fc: its result is used ")
+    assert why in entry.stopped
+
+
 def test_an_operand_modified_in_place_elsewhere_in_forward_is_not_fused():
     def body(s, x):
         y = x * s.scale
@@ -499,7 +564,8 @@ def test_a_chain_module_with_hooks_stops_the_chain():
 
 # ---- property: any chain of the grammar, written any supported way, is fused whole
 
-ACTIVATIONS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "mish", "tanh", "sigmoid",
+ACTIVATIONS = ["relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "swish", "mish", "tanh",
+               "sigmoid",
                "hardtanh", "relu6", "hardswish", "hardsigmoid", "softplus", "elu", "exp",
                "log", "clamp"]  # fmt: skip
 
@@ -558,6 +624,13 @@ def draw_activation(draw, model):
         "gelu_tanh": [lambda: module_step(model, nn.GELU(approximate="tanh")),
                       lambda: lambda s, v: F.gelu(v, approximate="tanh")],
         "silu": [lambda: module_step(model, nn.SiLU()), lambda: lambda s, v: F.silu(v)],
+        "swish": [lambda: lambda s, v: v * torch.sigmoid(v),
+                  lambda: lambda s, v: torch.sigmoid(v) * v,
+                  lambda: lambda s, v: torch.mul(v, F.sigmoid(v)),
+                  lambda: lambda s, v: v.mul(v.sigmoid()),
+                  lambda: lambda s, v: v.sigmoid().mul_(v),
+                  lambda: (lambda name: lambda s, v: v * getattr(s, name)(v))(
+                      model.register(nn.Sigmoid()))],
         "mish": [lambda: module_step(model, nn.Mish()), lambda: lambda s, v: F.mish(v)],
         "tanh": [lambda: module_step(model, nn.Tanh()), lambda: lambda s, v: torch.tanh(v),
                  lambda: lambda s, v: v.tanh_()],

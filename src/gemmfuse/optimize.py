@@ -8,7 +8,8 @@ the chain after it as far as the epilogue grammar goes::
     Linear -> pointwise ops -> GroupNorm -> pointwise ops -> reduction over dim 1 -> tail ops
 
 A chain stops at the first node that is not in the grammar, whose result has several users
-(``x + x`` excepted), that changes the (M, N) shape before the reduction or the dtype anywhere,
+(``x + x`` excepted, and ``x * sigmoid(x)``: x used by a sigmoid that only the multiplication
+uses, the op ``swish``), that changes the (M, N) shape before the reduction or the dtype anywhere,
 that would take the kernel past ``MAX_SCALARS``/``MAX_TENSORS`` arguments, or whose operands the
 forward pass modifies in place. Each candidate is then checked on the example inputs: its
 ``FusedLinear.reference`` (``gemmfuse.reference``) must reproduce the model's own value at the
@@ -165,6 +166,9 @@ _REDUCTIONS = {
     **dict.fromkeys((torch.mean, "mean"), ("mean", False)),
     **dict.fromkeys((torch.logsumexp, "logsumexp"), ("logsumexp", False)),
 }
+_SIGMOIDS = (torch.sigmoid, F.sigmoid, "sigmoid")  # out-of-place forms (swish's sigmoid)
+_MULS = (operator.mul, torch.mul, torch.multiply, "mul", "multiply", operator.imul, "mul_",
+         "multiply_")  # fmt: skip
 _FRESH_MODULES = {nn.Linear, nn.GroupNorm, *MODULE_OPS}
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.setitem)  # fmt: skip
@@ -198,6 +202,61 @@ def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _is_sigmoid_of(node: fx.Node, v: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether node is sigmoid(v), out of place, in any recognised form."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return type(module) is nn.Sigmoid and node.args == (v,) and not node.kwargs
+    if node.op not in ("call_function", "call_method") or node.target not in _SIGMOIDS:
+        return False
+    return (node.args == (v,) and not node.kwargs) or (
+        not node.args and node.kwargs == {"input": v}
+    )
+
+
+def _swish(gm: fx.GraphModule, v: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(s, m) when v's two users are ``s = sigmoid(v)`` and ``m = v * s`` (or ``s * v``), s used
+    by m alone: the op ``swish``. None when v's users are not a sigmoid of v and a
+    multiplication reading it; raises _Refused when they are but the rest does not hold."""
+    users = list(v.users)
+    if len(users) != 2:
+        return None
+    for s, m in (users, users[::-1]):
+        if (
+            _is_sigmoid_of(s, v, gm)
+            and m.op in ("call_function", "call_method")
+            and m.target in _MULS
+            and s in m.all_input_nodes
+        ):
+            break
+    else:
+        return None
+    if s.op == "call_module" and _has_hooks(gm.get_submodule(s.target)):
+        raise _Refused("x * sigmoid(x): the Sigmoid module has forward hooks")
+    if len(s.users) != 1:
+        raise _Refused(f"x * sigmoid(x): the sigmoid's result is used {len(s.users)} times")
+    if m.kwargs or len(m.args) != 2 or set(m.args) != {v, s}:
+        raise _Refused(f"x * sigmoid(x): {m.name} does not multiply x by its sigmoid alone")
+    if m.args[0] is v and _is_inplace(m, gm):
+        raise _Refused(
+            f"x * sigmoid(x): {m.name} multiplies in place into x (swish is out of place)"
+        )
+    return s, m
+
+
+def _next_in_chain(gm: fx.GraphModule, v: fx.Node) -> fx.Node | None:
+    """The node a chain at v may extend to, by the graph's shape alone (v's only user, or the
+    multiplication of a swish); None where a chain must stop."""
+    users = list(v.users)
+    if len(users) == 1:
+        return None if users[0].op == "output" else users[0]
+    try:
+        pair = _swish(gm, v)
+    except _Refused:
+        return None
+    return None if pair is None else pair[1]
 
 
 def _input(node: fx.Node):
@@ -644,6 +703,25 @@ class _Analysis:
         stage, v = "pre", linear
         while True:
             users = list(v.users)
+            if len(users) == 2:
+                try:
+                    pair = _swish(self.gm, v)
+                except _Refused as refused:
+                    chain.stopped = f"stopped after {v.name}: its result is used 2 times "
+                    chain.stopped += f"({refused})"
+                    break
+                if pair is not None:
+                    s, m = pair
+                    try:
+                        stage = self._accept(chain, _Step("op", "x * sigmoid(x)", "swish"), m,
+                                             stage)  # fmt: skip
+                    except _Refused as refused:
+                        chain.stopped = f"stopped at {m.name} (x * sigmoid(x)): {refused}"
+                        break
+                    chain.nodes += [s, m]
+                    chain.labels.append("x * sigmoid(x)")
+                    v = m
+                    continue
             if len(users) != 1:
                 chain.stopped = f"stopped after {v.name}: its result is used {len(users)} times"
                 break
@@ -806,10 +884,9 @@ def optimize(
         if isinstance(_input(node), fx.Node):
             keep.add(_input(node))
         v = node
-        while len(v.users) == 1 and next(iter(v.users)).op != "output":
+        while v is not None:
             keep.add(v)
-            v = next(iter(v.users))
-        keep.add(v)
+            v = _next_in_chain(gm, v)
     recorder = _Recorder(gm, keep)
     try:
         with torch.no_grad():

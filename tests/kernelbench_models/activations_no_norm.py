@@ -1,4 +1,5 @@
-"""Linear -> activations and scalar arithmetic, no GroupNorm (module, F. and torch. forms)."""
+"""Linear -> activations (swish as x * torch.sigmoid(x)) and scalar arithmetic, no GroupNorm
+(module, F. and torch. forms)."""
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,7 @@ class Model(nn.Module):
         x = x * 0.5
         x = F.gelu(x)
         x = self.gelu_tanh(x)
+        x = x * torch.sigmoid(x)  # swish, as KernelBench writes it
         x = torch.tanh(x)
         x = torch.sigmoid(x)
         x = x - 0.25

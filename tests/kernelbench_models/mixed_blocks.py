@@ -1,5 +1,6 @@
 """Fusable and unfusable blocks side by side: a chain stopped by softmax, a Linear on a 3-D
-input, a Linear whose output is used twice, a Linear chain inside a submodule, and F.linear."""
+input, a chain (through x * sigmoid(x)) whose value is used twice, a Linear chain inside a
+submodule, and F.linear."""
 
 import torch
 import torch.nn as nn
@@ -29,7 +30,8 @@ class Model(nn.Module):
         a = torch.softmax(torch.relu(self.fc1(x)), dim=1)
         b = self.fc2(x.unsqueeze(1)).squeeze(1)
         c = self.fc3(x)
-        c = c * torch.sigmoid(c)
+        c = c * torch.sigmoid(c)  # swish: fused
+        c = c - c.mean(dim=1, keepdim=True)  # c used twice: the chain stops before
         d = F.linear(self.block(x), self.proj)
         return a + b + c + d
 
