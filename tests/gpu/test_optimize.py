@@ -4,7 +4,7 @@ standalone export, against eager PyTorch.
 Bar: allclose(eager fp32, atol=rtol=1e-4), and max abs error against a float64 copy of the model
 within helpers.float64_bar: eager fp32's plus the model's own fp32 rounding (as in
 test_chains.py: the error of the model with each Linear computed exactly and rounded to fp32),
-with its measured small-K allowance (these models have K <= 128); every FusedLinear on the
+with its measured small-problem allowance (these models have K <= 128); every FusedLinear on the
 fused path (the kernel is forced, so the small-problem rule does not apply) except where a
 chain's operands keep it on PyTorch.
 """
@@ -90,9 +90,8 @@ def check(name, ref, new, x, fused_modules):
     assert got.shape == expect.shape
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
     err, err_eager = max_abs_err(got, exact), max_abs_err(expect, exact)
-    k = min(m.in_features for m in ref.modules() if isinstance(m, nn.Linear))
-    bar = float64_bar(err_eager, op_floor(ref, x, exact), k)
-    assert err <= bar, (err, err_eager, bar, k)
+    bar = float64_bar(err_eager, op_floor(ref, x, exact), strict=False)
+    assert err <= bar, (err, err_eager, bar)
     for path, m in fused_modules:
         expected = "torch" if (name, path) in TORCH_PATH else "fused"
         assert m.last_path == expected, (path, m.last_path)
