@@ -90,7 +90,7 @@ def check(name, ref, new, x, fused_modules):
     assert got.shape == expect.shape
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
     err, err_eager = max_abs_err(got, exact), max_abs_err(expect, exact)
-    bar = float64_bar(err_eager, op_floor(ref, x, exact), strict=False)
+    bar = float64_bar(err_eager, op_floor(ref, x, exact), exact, strict=False)
     assert err <= bar, (err, err_eager, bar)
     for path, m in fused_modules:
         expected = "torch" if (name, path) in TORCH_PATH else "fused"
