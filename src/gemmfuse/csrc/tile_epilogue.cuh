@@ -41,12 +41,18 @@ struct TileCoord {
 
 // Mean and centred sum of squares of v[0..n), two passes shifted by v[0]: a run of equal values
 // gets exactly that mean and a sum of squares of exactly 0 (as PyTorch's Welford gives), and a
-// large common offset does not cost the sum its precision.
+// large common offset does not cost the sum its precision. The first pass is compensated
+// (TwoSum): an error in the mean shifts every normalised value of the group alike, and a later
+// mean or sum over channels (where a GroupNorm output cancels to about 0) would show it.
 __device__ __forceinline__ float2 segment_moments(const float* v, int n) {
   const float shift = v[0];
-  float sum = 0.f;
-  for (int j = 1; j < n; ++j) sum += v[j] - shift;
-  const float mean = shift + sum / static_cast<float>(n);
+  float sum = 0.f, comp = 0.f;
+  for (int j = 1; j < n; ++j) {
+    float err;
+    sum = two_sum(sum, v[j] - shift, err);
+    comp += err;
+  }
+  const float mean = shift + (sum + comp) / static_cast<float>(n);
   float sq = 0.f;
   for (int j = 0; j < n; ++j) {
     const float d = v[j] - mean;
