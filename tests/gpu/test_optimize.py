@@ -1,29 +1,25 @@
 """gemmfuse.optimize on the GPU: every hand-written KernelBench-format model, optimized, and its
 standalone export, against eager PyTorch.
 
-Bar: allclose(eager fp32, atol=rtol=1e-4), and max abs error against a float64 copy of the model
-within helpers.float64_bar: eager fp32's plus the model's own fp32 rounding (as in
-test_chains.py: the error of the model with each Linear computed exactly and rounded to fp32),
-with its measured small-problem allowance (these models have K <= 128); every FusedLinear on the
-fused path (the kernel is forced, so the small-problem rule does not apply) except where a
-chain's operands keep it on PyTorch.
+Bar: allclose(eager fp32, atol=rtol=1e-4) with no NaN where eager has a number (these models are
+small, K <= 128: the float64 comparison is asserted at the benchmark's shapes, in
+test_chains.py, see helpers.float64_bar); every FusedLinear on the fused path (the kernel is
+forced, so the small-problem rule does not apply) except where a chain's operands keep it on
+PyTorch.
 """
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from model_files import FIT, build, load, path_of
 
 from gemmfuse import FallbackWarning, FusedLinear, optimize
 from gemmfuse.kernelbench.export import standalone_source_for_file
-from helpers import float64_bar, max_abs_err, run_both
+from helpers import run_both
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -62,36 +58,11 @@ def built_extensions():
             proc.wait()
 
 
-class ExactLinear(nn.Module):
-    """A Linear computed in float64 and rounded to the model's dtype once."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.linear = linear
-
-    def forward(self, x):
-        w, b = self.linear.weight, self.linear.bias
-        y = F.linear(x.double(), w.double(), None if b is None else b.double())
-        return y.to(x.dtype)
-
-
-def op_floor(ref: nn.Module, x, exact) -> float:
-    """Max error of the model's fp32 ops alone, on exactly rounded Linear results."""
-    floor = copy.deepcopy(ref)
-    for name, m in list(floor.named_modules()):
-        if type(m) is nn.Linear:
-            floor.set_submodule(name, ExactLinear(m))
-    with torch.no_grad():
-        return max_abs_err(floor(x), exact)
-
-
 def check(name, ref, new, x, fused_modules):
-    expect, exact, got = run_both(ref, new, x)
+    expect, _, got = run_both(ref, new, x)
     assert got.shape == expect.shape
+    assert not (got.isnan() & ~expect.isnan()).any()
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
-    err, err_eager = max_abs_err(got, exact), max_abs_err(expect, exact)
-    bar = float64_bar(err_eager, op_floor(ref, x, exact), exact, strict=False)
-    assert err <= bar, (err, err_eager, bar)
     for path, m in fused_modules:
         expected = "torch" if (name, path) in TORCH_PATH else "fused"
         assert m.last_path == expected, (path, m.last_path)
