@@ -205,6 +205,31 @@ def test_the_model_itself_is_left_unchanged():
     assert type(model.block.fc) is nn.Linear
 
 
+class _WritesBuffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.bn = nn.BatchNorm1d(4)  # training mode: running statistics updated per call
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1.0)
+        return torch.relu(self.bn(self.fc(x))) * self.calls
+
+
+def test_the_example_run_leaves_the_models_buffers_as_they_were():
+    torch.manual_seed(0)
+    model, twin = _WritesBuffers(), _WritesBuffers()
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(5, 8)
+    new, _ = optimize(model, (x,))
+    for (k, b), t in zip(model.named_buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b, t, rtol=0, atol=0, msg=k)
+    with torch.no_grad():  # one call of each takes one step, not two
+        torch.testing.assert_close(new(x), twin(x), rtol=0, atol=0)
+    assert model.calls.item() == twin.calls.item() == 1.0
+
+
 def test_deepcopy_keeps_the_whole_tree():
     _, model, inputs = build("scalar_tensor_attributes")
     new, _ = optimize(model, inputs)

@@ -1,7 +1,8 @@
 """``gemmfuse.optimize``: every Linear chain of a model as one fused call.
 
 ``optimize(model, example_inputs)`` traces the model's forward with ``torch.fx``, runs the trace
-once on the example inputs (under no_grad; recording each value's shape and dtype), and, for
+once on the example inputs (under no_grad; recording each value's shape and dtype; the model's
+buffers are restored after it, so a forward that writes them is not stepped twice), and, for
 every ``nn.Linear`` (or ``F.linear`` on the model's own tensors) applied to a 2-D input, extends
 the chain after it as far as the epilogue grammar goes::
 
@@ -888,6 +889,11 @@ def optimize(
             keep.add(v)
             v = _next_in_chain(gm, v)
     recorder = _Recorder(gm, keep)
+    # The example run must leave the model as it was: a forward that writes its buffers
+    # (BatchNorm's running statistics in training mode, a counter) would otherwise take the
+    # step twice when the caller then runs the result. Chains never read buffers that the
+    # forward writes, so restoring them right after the run changes no check below.
+    buffers = {id(b): (b, b.clone()) for b in model.buffers()}
     try:
         with torch.no_grad():
             recorder.run(*example_inputs)
@@ -896,6 +902,11 @@ def optimize(
             f"example_inputs: running the traced {type(model).__name__}.forward on them "
             f"failed ({type(exc).__name__}: {exc})"
         ) from exc
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers.values():
+                if b.device.type != "meta":
+                    b.copy_(saved)
 
     analysis = _Analysis(gm, recorder.meta)
     calls = {}
