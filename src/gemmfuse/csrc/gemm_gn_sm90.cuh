@@ -215,40 +215,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 
   if constexpr (kSplit) {
-    // Each k16 step's three products go to a fresh tensor-core accumulator, promoted into acc
-    // with round-to-nearest adds as soon as the next step is issued (two accumulators in turn,
-    // one wgmma group in flight): the tensor cores' round-toward-zero then acts on 16-term sums
-    // only, three times per promotion.
-    float tc[2][64];
+    float tc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) tc[i] = 0.f;
     for (int kt = 0; kt < k_tiles; ++kt) {
       const int s = kt % kStages;
       mbar_wait(&full_bar[s], (kt / kStages) & 1);
       uint32_t a_hi, a_lo, b_hi, b_lo;
       operands(s, a_hi, a_lo, b_hi, b_lo);
+      fence_operands(tc);
+      wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        float(&t)[64] = tc[kk & 1];
         const uint32_t off = kk * 32;  // 16 fp16 along K within the swizzled row
-        fence_operands(t);
-        wgmma_fence();
-        wgmma_m64n128k16<false>(t, smem_desc(a_hi + off), smem_desc(b_lo + off), 0);
-        wgmma_m64n128k16<false>(t, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
-        wgmma_m64n128k16<false>(t, smem_desc(a_hi + off), smem_desc(b_hi + off), 1);
-        wgmma_commit();
-        if (kk > 0) {
-          wgmma_wait<1>();  // the previous step's group is done
-          float(&p)[64] = tc[(kk - 1) & 1];
-          fence_operands(p);
-#pragma unroll
-          for (int i = 0; i < 64; ++i) acc[i] += p[i];
-        }
+        wgmma_m64n128k16<false>(tc, smem_desc(a_hi + off), smem_desc(b_lo + off), kk > 0);
+        wgmma_m64n128k16<false>(tc, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
+        wgmma_m64n128k16<false>(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), 1);
       }
+      wgmma_commit();
       wgmma_wait<0>();
-      float(&p)[64] = tc[(kBlockK / 16 - 1) & 1];
-      fence_operands(p);
+      fence_operands(tc);
       if (tid_wg == 0) mbar_arrive(&empty_bar[s]);
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] += p[i];
+      for (int i = 0; i < 64; ++i) acc[i] += tc[i];
     }
   } else {
     // One wgmma group in flight: a stage is freed once the group after it has been issued.
