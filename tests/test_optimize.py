@@ -392,6 +392,9 @@ def buffer(*shape):  # Chain registers plain tensors as buffers
         (lambda s, x: torch.clamp(x, min=s.w), {"w": p(16)}, "fc", "argument min is computed"),
         (lambda s, x: torch.min(x, 1, True)[0] + s.t.add_(0.0), {"t": buffer(1)},
          "fc -> min(dim=1, keepdim=True)", "computed in the forward pass"),
+        (lambda s, x: torch.relu(x) * s.full, {"full": p(6, 16)}, "fc -> relu",
+         "operand full of shape (6, 16) is not per channel"),
+        (lambda s, x: x - s.row, {"row": p(6, 1)}, "fc", "row of shape (6, 1) is not per channel"),
     ],
 )  # fmt: skip
 def test_where_chains_stop(body, members, chain, stopped):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import math
 import operator
 import types
 from collections.abc import Callable, Sequence
@@ -682,6 +683,15 @@ class _Analysis:
                 raise _Refused(f"the kernel takes at most {MAX_SCALARS} float arguments")
             if tensors + new_tensors > MAX_TENSORS:
                 raise _Refused(f"the kernel takes at most {MAX_TENSORS} tensor arguments")
+            n = linear.shape[-1]
+            for a in step.args:
+                shape = tuple(self.meta[a].shape) if isinstance(a, fx.Node) else ()
+                if len(shape) > 2 or math.prod(shape) not in (1, n) or shape[:-1] not in ((), (1,)):
+                    # ops.py would route such a chain to PyTorch on every call
+                    raise _Refused(
+                        f"operand {a.target} of shape {shape} is not per channel (the kernel "
+                        f"reads (), (1,), ({n},) or (1, {n}) before the reduction)"
+                    )
         for a in step.args:
             if isinstance(a, fx.Node) and self.meta[a].dtype != linear.dtype:
                 raise _Refused(f"operand {a.target} is {self.meta[a].dtype}, not {linear.dtype}")
