@@ -11,8 +11,9 @@ own state, never a copy of it:
 - it holds the GroupNorm module and the pointwise modules of the chain by reference, without
   registering them (they stay registered at their own paths), and reads their settings
   (``num_groups``, ``eps``, ``weight``, ``bias``, a LeakyReLU's slope...) at each call;
-- it reads each tensor operand (a parameter, buffer or tensor attribute of the model) at each
-  call from the module that holds it, so a buffer that ``.to()`` replaced is seen.
+- it reads each tensor operand (a parameter or buffer of the model) at each call from the
+  module that holds it, so a buffer that ``.to()`` replaced is seen; a plain tensor attribute
+  (not a buffer) is the tensor optimize saw, as README.md says.
 
 Whenever the fused call's preconditions do not hold at run time (an input that is not 2-D,
 GroupNorm settings that no longer divide the channels, an operand of another dtype...), the
