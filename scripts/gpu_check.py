@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -87,38 +86,20 @@ def every_structure() -> list[str]:
     return list(dict.fromkeys(repr(s) for s in structures))
 
 
-BUILD_ONE = (
-    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.sources import extension_for\n"
-    "extension_for(eval(sys.argv[1]))"
-)
-
-
-def build_all(structures: list[str]) -> int:
-    """Builds each structure in its own process, os.cpu_count() at a time; returns failures."""
-
-    def build(structure):
-        proc = subprocess.run([sys.executable, "-c", BUILD_ONE, structure], env=ENV,
-                              capture_output=True, text=True)  # fmt: skip
-        if proc.returncode:
-            print(f"BUILD FAILED {structure}\n{proc.stderr[-3000:]}", flush=True)
-        return proc.returncode != 0
-
-    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
-        return sum(pool.map(build, structures))
-
-
 def main() -> int:
     quick = "--quick" in sys.argv
     OUT.mkdir(parents=True, exist_ok=True)
     structures = every_structure()
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.sources import extension_for
+    from helpers import build_in_processes
 
     summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
     t = time.perf_counter()
-    failed = build_all(structures)
+    errors = build_in_processes(structures, ENV)
+    print("\n".join(errors), flush=True)
     summary.append(
-        f"build: {len(structures)} extensions ({failed} failed) in "
+        f"build: {len(structures)} extensions ({len(errors)} failed) in "
         f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time"
     )
     summary.append(sass_report(extension_for(PROBLEMS[62].structures[0]).__file__))

@@ -233,21 +233,14 @@ CHAIN_GROUPS = (1, 16, 512)  # one group and 16 (both wider than a tile), 512 (1
 
 def run_chains(iters: int) -> list[dict]:
     """Every chain of ``gemmfuse.chains.chain_pool`` at M=1024, K=N=8192 against eager fp32."""
-    from gemmfuse.chains import chain_pool
+    from gemmfuse.chains import chain_pool, chain_references, linear_data
     from gemmfuse.ops import SplitWeightCache, fused_linear_with_path
-    from gemmfuse.reference import apply_epilogue, linear_epilogue
+    from gemmfuse.reference import linear_epilogue
 
     device = torch.device("cuda")
     m, k, n = CHAIN_SHAPE
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(m, k, generator=gen).to(device)
-    bound = k**-0.5
-    w = ((torch.rand(n, k, generator=gen) * 2 - 1) * bound).to(device)
-    b = ((torch.rand(n, generator=gen) * 2 - 1) * bound).to(device)
-    gn_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(device)
-    gn_b = (0.1 * torch.randn(n, generator=gen)).to(device)
-    x64, w64, b64 = x.double(), w.double(), b.double()
-    gemm64 = torch.nn.functional.linear(x64, w64, b64)
+    x, w, b, gn_w, gn_b = (t.to(device) for t in linear_data(gen, m, k, n))
     rows = []
     for spec in chain_pool():
         for groups in CHAIN_GROUPS if spec.norm else (None,):
@@ -265,22 +258,16 @@ def run_chains(iters: int) -> list[dict]:
                 )[0]
 
             with torch.no_grad():
-                expect = eager(x)
+                expect, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
                 got, path = fused_linear_with_path(
                     x, w, b, epilogue, *gn, params=params, weight_cache=cache
                 )
-                gn64 = [t.double() if t is not None else None for t in gn]
-                exact = linear_epilogue(
-                    x64, w64, b64, epilogue, *gn64, [p.double() for p in params]
-                )
-                # The chain's fp32 ops alone, on the exactly rounded GEMM result.
-                floor = apply_epilogue(gemm64.float(), epilogue, *gn, params)
             rows.append(
                 {"chain": spec.describe(), "groups": groups, "path": path,
                  "correct": bool(torch.allclose(got, expect, atol=ATOL, rtol=RTOL)),
                  "max_err_eager": max_abs_err(expect, exact),
                  "max_err_gemmfuse": max_abs_err(got, exact),
-                 "max_err_ops_alone": max_abs_err(floor, exact),
+                 "max_err_ops_alone": max_abs_err(ops_alone, exact),
                  "eager_ms": time_ms(eager, [x], iters), "gemmfuse_ms": time_ms(fused, [x], iters)}
             )  # fmt: skip
     return rows

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from gemmfuse.epilogue import (
     MAX_SCALARS,
@@ -30,6 +31,7 @@ from gemmfuse.epilogue import (
     Pointwise,
     Reduction,
 )
+from gemmfuse.reference import apply_epilogue, linear_epilogue
 
 
 @dataclass(frozen=True)
@@ -198,3 +200,34 @@ def chain_pool(size: int = 2, seed: int = 0) -> list[ChainSpec]:
         missing -= covers(spec)
         pool.append(spec)
     return pool
+
+
+def linear_data(gen: torch.Generator, m: int, k: int, n: int) -> tuple[torch.Tensor, ...]:
+    """(x, weight, bias, gn_weight, gn_bias) on the CPU: x ~ randn(m, k), the Linear's weight and
+    bias uniform in +-1/sqrt(k) as nn.Linear initialises them, the GroupNorm's affine parameters
+    near (1, 0) so the affine part is exercised."""
+    bound = k**-0.5
+    x = torch.randn(m, k, generator=gen)
+    w = (torch.rand(n, k, generator=gen) * 2 - 1) * bound
+    b = (torch.rand(n, generator=gen) * 2 - 1) * bound
+    gn_w = 1 + 0.1 * torch.randn(n, generator=gen)
+    gn_b = 0.1 * torch.randn(n, generator=gen)
+    return x, w, b, gn_w, gn_b
+
+
+def chain_references(x, w, b, epilogue: Epilogue, gn_w, gn_b, params) -> tuple[torch.Tensor, ...]:
+    """(eager fp32, float64, fp32 ops alone) results of ``epilogue(x @ w.T + b)``. The last runs
+    the chain's fp32 ops on the float64 GEMM result rounded to fp32: the part of any fp32
+    evaluation's error that does not come from the GEMM."""
+
+    def f64(t):
+        return None if t is None else t.double()
+
+    eager = linear_epilogue(x, w, b, epilogue, gn_w, gn_b, params)
+    exact = linear_epilogue(
+        f64(x), f64(w), f64(b), epilogue, f64(gn_w), f64(gn_b), [f64(p) for p in params]
+    )
+    ops_alone = apply_epilogue(
+        F.linear(f64(x), f64(w), f64(b)).float(), epilogue, gn_w, gn_b, params
+    )
+    return eager, exact, ops_alone

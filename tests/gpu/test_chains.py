@@ -20,9 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gemmfuse.chains import chain_pool
+from gemmfuse.chains import chain_pool, chain_references, linear_data
 from gemmfuse.ops import fused_linear_with_path
-from gemmfuse.reference import apply_epilogue, linear_epilogue
 from helpers import float64_bar, max_abs_err, poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -36,37 +35,19 @@ def kernels() -> list[str]:
     return ["hopper", "portable"] if torch.cuda.get_device_capability() == (9, 0) else ["portable"]
 
 
-def op_floor(epilogue, args, params, exact) -> float:
-    """Max error of the chain's fp32 ops alone: run on the float64 GEMM result rounded to fp32."""
-    x, w, b, gn_w, gn_b = args
-    y = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
-    return max_abs_err(apply_epilogue(y, epilogue, gn_w, gn_b, params), exact)
-
-
 def run_chain(spec, m, k, group_size, groups, eps, seed, kernel):
+    """(epilogue, eager, float64, gemmfuse, path, error of the fp32 ops alone) for one case."""
     gen = torch.Generator().manual_seed(seed)
     n = group_size * groups
     epilogue, params = spec.instantiate(gen, n, groups, eps)
-    bound = k**-0.5
-    x = torch.randn(m, k, generator=gen)
-    w = (torch.rand(n, k, generator=gen) * 2 - 1) * bound
-    b = (torch.rand(n, generator=gen) * 2 - 1) * bound
-    gn = (1 + 0.1 * torch.randn(n, generator=gen), 0.1 * torch.randn(n, generator=gen))
-    gn = gn if spec.norm and spec.affine else (None, None)
-    args = [t.to(CUDA) if t is not None else None for t in (x, w, b, *gn)]
+    x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, k, n))
+    gn = (gn_w, gn_b) if spec.norm and spec.affine else (None, None)
     params = [p.to(CUDA) for p in params]
     with torch.no_grad():
-        eager = linear_epilogue(*args[:3], epilogue, *args[3:], params)
-        exact = linear_epilogue(
-            *[t.double() if t is not None else None for t in args[:3]], epilogue,
-            *[t.double() if t is not None else None for t in args[3:]],
-            [p.double() for p in params],
-        )  # fmt: skip
+        eager, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
         poison_allocator(4 * max(eager.numel(), m * n), CUDA)
-        got, path = fused_linear_with_path(
-            *args[:3], epilogue, *args[3:], params=params, kernel=kernel
-        )
-    return epilogue, eager, exact, got, path, op_floor(epilogue, args, params, exact)
+        got, path = fused_linear_with_path(x, w, b, epilogue, *gn, params=params, kernel=kernel)
+    return epilogue, eager, exact, got, path, max_abs_err(ops_alone, exact)
 
 
 @settings(

@@ -10,16 +10,13 @@ PyTorch.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from model_files import FIT, build, load, path_of
 
 from gemmfuse import FallbackWarning, FusedLinear, optimize
 from gemmfuse.kernelbench.export import standalone_source_for_file
-from helpers import run_both
+from helpers import build_in_processes, run_both
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -36,26 +33,17 @@ def kernel(request):
     return request.param
 
 
-BUILD = "from gemmfuse.epilogue import *\nfrom gemmfuse.sources import extension_for\n"
-
-
 @pytest.fixture(scope="module", autouse=True)
 def built_extensions():
     """Every kernel structure the model files need, built into the disk cache by parallel
-    processes first (one process builds one at a time); a failed build fails its tests."""
+    processes first; a failed build fails its tests when they build it again."""
     structures = set()
     for name in FIT:
         _, model, inputs = build(name)
         new, _ = optimize(model, inputs)
         structures |= {repr(m.epilogue.structure) for m in new.modules()
                        if isinstance(m, FusedLinear)}  # fmt: skip
-    pending = sorted(structures)
-    while pending:
-        batch, pending = pending[:8], pending[8:]
-        procs = [subprocess.Popen([sys.executable, "-c", f"{BUILD}extension_for({s})"])
-                 for s in batch]  # fmt: skip
-        for proc in procs:
-            proc.wait()
+    build_in_processes(sorted(structures))
 
 
 def check(name, ref, new, x, fused_modules):
