@@ -25,6 +25,7 @@ standalone files.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,12 @@ class Param:
     def __post_init__(self):
         if not isinstance(self.index, int) or self.index < 0:
             raise ValueError(f"Param index must be an int >= 0, got {self.index!r}")
+
+
+def per_channel(shape: tuple[int, ...], n: int) -> bool:
+    """Whether a tensor argument of this shape is one the kernels read per channel: it
+    broadcasts against (M, n) along the channels only, (), (1,), (n,) or (1, n)."""
+    return len(shape) <= 2 and math.prod(shape) in (1, n) and shape[:-1] in ((), (1,))
 
 
 @dataclass(frozen=True)

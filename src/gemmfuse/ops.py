@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gemmfuse.epilogue import Epilogue
+from gemmfuse.epilogue import Epilogue, per_channel
 from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.sources import extension_for
 
@@ -165,7 +165,7 @@ def _channel_param_problem(epilogue: Epilogue, params, x, n: int) -> str:
     """Why the kernel cannot read the pre/post tensor arguments per channel ("" if it can)."""
     for i in sorted(set(epilogue.channel_params)):
         t = params[i]
-        if t.dim() > 2 or t.numel() not in (1, n) or (t.dim() == 2 and t.shape[0] != 1):
+        if not per_channel(tuple(t.shape), n):
             return (
                 f"params[{i}] of shape {tuple(t.shape)} is not per channel (expected (), (1,), "
                 f"({n},) or (1, {n})), so the chain runs in PyTorch"

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import builtins
 import copy
-import math
 import operator
 import types
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS, Param, Reduction
+from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS, Param, Reduction, per_channel
 from gemmfuse.modules import MODULE_OPS, ChainNorm, ChainOp, FusedLinear
 from gemmfuse.ops import KERNELS, PRECISIONS
 
@@ -686,7 +685,7 @@ class _Analysis:
             n = linear.shape[-1]
             for a in step.args:
                 shape = tuple(self.meta[a].shape) if isinstance(a, fx.Node) else ()
-                if len(shape) > 2 or math.prod(shape) not in (1, n) or shape[:-1] not in ((), (1,)):
+                if not per_channel(shape, n):
                     # ops.py would route such a chain to PyTorch on every call
                     raise _Refused(
                         f"operand {a.target} of shape {shape} is not per channel (the kernel "
