@@ -6,7 +6,7 @@ at once as there are cores (build.py serialises builds within a process), times 
 process's load from the cache, runs the GPU tests (pytest -m gpu) and the benchmark (with the
 chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
-[-k EXPR] (-k selects GPU tests as pytest's -k does).
+[--no-tests] [-k EXPR] (-k selects GPU tests as pytest's -k does).
 """
 
 from __future__ import annotations
@@ -61,7 +61,14 @@ def sass_report(library: str) -> str:
             for op in counts[name]:
                 counts[name][op] += f" {op}" in line
     for name, c in counts.items():
-        short = "sm90" if "sm90" in name else "sm80" if "gemm_gn" in name else name[:30]
+        variant = re.search(r"GeneratedEpilogueLb(\d)ELb(\d)E", name)
+        if "sm90" in name and variant:
+            split, bf16 = variant.groups()
+            short = "sm90[" + ("split" if split == "1" else "bf16" if bf16 == "1" else "tf32") + "]"
+        elif "gemm_gn" in name:
+            short = "sm90" if "sm90" in name else "sm80"
+        else:
+            short = re.sub(r"^_ZN8gemmfuse\d+", "", name)[:24]
         report.append(f"{short}: " + " ".join(f"{k}={v}" for k, v in c.items()))
     return (
         "SASS: " + "; ".join(report) if report else f"SASS: cuobjdump failed ({proc.stderr[:200]})"
@@ -120,9 +127,13 @@ def main() -> int:
     ]
     if "-k" in sys.argv:
         pytest += ["-k", sys.argv[sys.argv.index("-k") + 1]]
-    rc_tests, text = run(pytest, "pytest.log", timeout=540)
-    counts = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M)
-    summary.append(f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
+    rc_tests = 0
+    if "--no-tests" not in sys.argv:
+        rc_tests, text = run(pytest, "pytest.log", timeout=540)
+        counts = re.findall(
+            r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
+        )
+        summary.append(f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
 
     if "--no-bench" in sys.argv:
         print("\n==== gpu-check summary ====\n" + "\n".join(summary))

@@ -11,15 +11,20 @@ Paths, in the order they are tried:
     autograd, and tensor arguments of ``pre``/``post`` ops that are per channel and of x's dtype.
     The kernel is the Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async)
     elsewhere. bfloat16 models are fused on sm_90 too (one pass on their bf16 operands, fp32
-    epilogue); ``kernel="portable"`` / ``"hopper"`` forces one. With ``kernel="auto"``, problems
-    with M*N*K below ``MIN_FUSED_WORK`` run the PyTorch path, which is as fast there.
-    ``tail`` ops (after a reduction) run in PyTorch on the reduced (M,) values.
+    epilogue); ``kernel="portable"`` / ``"hopper"`` forces one. ``tail`` ops (after a
+    reduction) run in PyTorch on the reduced (M,) values.
+``epilogue``
+    PyTorch's own fp32 GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
+    that applies the whole chain row by row (csrc/norm_finalize.cuh): two launches where eager
+    makes one per op. ``kernel="auto"`` takes it for float32 problems with M*N*K below
+    ``MIN_FUSED_WORK``, where the fused kernel's fixed cost and its tiles' idle rows cost more
+    than the tensor cores save; ``kernel="epilogue"`` forces it.
 ``torch``
     The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or with a
-    reduction), older GPUs, autograd, tensor arguments that are not per channel, and under
-    ``kernel="auto"`` problems too small to gain.
+    reduction, or below ``MIN_FUSED_WORK``), GPUs older than sm_80, autograd, tensor
+    arguments that are not per channel.
 
-A CUDA call that cannot take ``fused`` emits a :class:`FallbackWarning` saying why.
+A CUDA call that runs the ``torch`` path emits a :class:`FallbackWarning` saying why.
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.
@@ -32,6 +37,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from gemmfuse.epilogue import Epilogue, per_channel
 from gemmfuse.reference import apply_pointwise, linear_epilogue
@@ -39,13 +45,16 @@ from gemmfuse.sources import extension_for
 
 K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
 TILE = 128  # kTile in csrc/tile_epilogue.cuh: groups that divide it are normalised in the tile
-KERNELS = {"auto": 0, "portable": 1, "hopper": 2}  # launch_fused's codes in csrc/fused_args.h
+# kernel= choices: the fused kernels with launch_fused's codes (csrc/fused_args.h), and the
+# epilogue path (PyTorch's GEMM, then the chain in one kernel).
+FUSED_KERNELS = {"auto": 0, "portable": 1, "hopper": 2}
+KERNELS = (*FUSED_KERNELS, "epilogue")
 # "fp32": hi*hi + hi*lo + lo*hi, as accurate as PyTorch fp32. "tf32": hi*hi alone, operands with
 # 11 significant bits like TF32's, one third of the tensor-core work.
 PRECISIONS = {"fp32": True, "tf32": False}
-# Below this M*N*K, kernel="auto" runs the PyTorch path: the fused kernel's fixed cost (two
-# launches, a 128x128 tile for even one row) made it no faster than eager fp32 in the shape
-# sweep of docs/PERFORMANCE.md (H100: losses up to M*N*K = 1.1e9, wins from 8.6e9 on).
+# Below this M*N*K, kernel="auto" runs the epilogue path (float32) or the PyTorch path
+# (bfloat16): the fused kernel's fixed cost (two launches, a 128x128 tile for even one row)
+# loses there. Set from the shape sweep of docs/PERFORMANCE.md, which times both paths.
 MIN_FUSED_WORK = 4e9
 
 
@@ -209,38 +218,50 @@ def select_path(
     problem = _channel_param_problem(epilogue, params, x, n)
     if problem:
         return "torch", problem
+    if kernel == "epilogue":
+        if x.dtype != torch.float32:
+            return "torch", "the epilogue path takes float32 inputs"
+        return "epilogue", ""
     if kernel == "auto" and m * n * k < MIN_FUSED_WORK:
+        if x.dtype == torch.float32:
+            return "epilogue", ""
         return "torch", (
-            f"M*N*K = {m * n * k:.2g} is below {MIN_FUSED_WORK:.0e}, where eager fp32 is as "
-            'fast as the fused kernel; pass kernel="hopper"/"portable" to force it'
+            f"M*N*K = {m * n * k:.2g} is below {MIN_FUSED_WORK:.0e}, where eager bfloat16 is as "
+            'fast as the fused kernel; pass kernel="hopper" to force it'
         )
     return "fused", ""
 
 
-def _launch(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):
+def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):
     # Runs once per forward: keep it lean (no autograd here, so no detach() either).
     ext = extension_for(epilogue)
     norm = epilogue.norm
     n = weight.shape[0]
     group_size = n // norm.num_groups if norm else 1
     eps = norm.eps if norm else 0.0
-    # Groups that straddle 128-channel tiles get cross-tile statistics and a second pass.
-    norm_wide = norm is not None and TILE % group_size != 0
     vectors = [
         params[i].reshape(-1).expand(n).to(torch.float32).contiguous()
         for i in epilogue.channel_params
     ]
-    if x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
+    if path == "epilogue":
+        y = F.linear(x, weight, bias)
+        out = ext.epilogue_forward(
+            y, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps
+        )
+    elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
+        # Groups that straddle 128-channel tiles get cross-tile statistics and a second pass.
+        norm_wide = norm is not None and TILE % group_size != 0
         w = weight if weight.is_contiguous() else weight.contiguous()
         out = ext.fused_forward_bf16(
             x, w, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide
         )
     else:
+        norm_wide = norm is not None and TILE % group_size != 0
         k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
         w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
         out = ext.fused_forward(
             x, w_hi, w_lo, w_inv, bias, gn_weight, gn_bias, vectors, epilogue.scalars,
-            group_size, eps, KERNELS[kernel], PRECISIONS[precision], norm_wide,
+            group_size, eps, FUSED_KERNELS[kernel], PRECISIONS[precision], norm_wide,
         )  # fmt: skip
     if epilogue.reduce is not None:
         if epilogue.reduce.keepdim:
@@ -272,7 +293,8 @@ def fused_linear(
         params: the tensors the epilogue's :class:`gemmfuse.Param` arguments refer to.
         weight_cache: keeps the weight's fp16 split between calls; without one the weight is
             split on every call (correct, slower).
-        kernel: "auto" (by GPU), "portable" (sm_80+ mma.sync) or "hopper" (sm_90 wgmma).
+        kernel: "auto" (by problem size and GPU), "portable" (sm_80+ mma.sync), "hopper"
+            (sm_90 wgmma) or "epilogue" (PyTorch's GEMM, then the chain in one kernel).
         precision: "fp32" (default; PyTorch fp32's accuracy) or "tf32" (opt-in: one tensor-core
             pass on 11-bit operands, about TF32's error, for speed). Applies to float32
             inputs; a bfloat16 model (sm_90) always runs one pass on its own bf16 operands.
@@ -290,19 +312,21 @@ def fused_linear_with_path(
     x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *,
     params=(), weight_cache=None, kernel="auto", precision="fp32",
 ) -> tuple[torch.Tensor, str]:  # fmt: skip
-    """:func:`fused_linear`, also returning the path taken: "fused" or "torch"."""
+    """:func:`fused_linear`, also returning the path taken: "fused", "epilogue" or "torch"."""
     validate(x, weight, bias, epilogue, gn_weight, gn_bias, params)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias), kernel, params)
-    if path != "torch" and kernel == "hopper" and _capability(x.device.index) != (9, 0):
+    if path == "fused" and kernel == "hopper" and _capability(x.device.index) != (9, 0):
         raise ValueError('kernel="hopper" needs an sm_90 GPU (H100/H200)')
     if path == "torch":
         if x.device.type == "cuda":
             warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias, params), path
     cache = weight_cache if weight_cache is not None else SplitWeightCache()
-    out = _launch(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision)
+    out = _launch(
+        path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision
+    )
     return out, path

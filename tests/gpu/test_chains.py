@@ -1,16 +1,19 @@
-"""Random chains from the epilogue grammar through the fused kernels, against PyTorch.
+"""Random chains from the epilogue grammar through gemmfuse's CUDA paths, against PyTorch.
 
 The chain specs come from ``gemmfuse.chains.chain_pool`` (a fixed pool: one kernel build each,
 every op and reduction covered); hypothesis draws everything else on every run: which spec,
 argument values and tensors, shapes, group sizes that fit a tile and group sizes that straddle
-tiles (the cross-tile statistics path), the data, and the kernel.
+tiles (the cross-tile statistics path), the data, and the kernel: both fused kernels forced,
+and kernel="auto", which at these sizes (M*N*K below ops.MIN_FUSED_WORK) takes the epilogue
+path, PyTorch's GEMM followed by the chain in one kernel.
 
 Bar (issue 4): allclose(eager fp32, atol=rtol=1e-4), no NaN where eager has a number, the
-exact shape, on every drawn case; and at the benchmark's width (K = N = 8192,
-test_pool_chain_at_full_width) max abs error against float64 within helpers.float64_bar (eager
-fp32's plus the chain's own fp32 op rounding). On the small drawn shapes the float64 comparison
-is not asserted: there the split GEMM's error can exceed eager's (helpers.float64_bar says by
-how much), which the issue notes report.
+exact shape, on every drawn case; and max abs error against float64 within helpers.float64_bar
+(eager fp32's plus the chain's own fp32 op rounding) wherever gemmfuse's default dispatch runs
+the case: kernel="auto" on the small shapes, and the fused kernel at the benchmark's width
+(K = N = 8192, test_pool_chain_at_full_width). The fused kernels forced onto small shapes are
+held to allclose only: there the split GEMM's error can exceed eager's (helpers.float64_bar
+says by how much), which is why auto does not send them there.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ CUDA = torch.device("cuda")
 POOL = chain_pool()
 
 
-def kernels() -> list[str]:
+def fused_kernels() -> list[str]:
     if not torch.cuda.is_available():
         return ["portable"]
     return ["hopper", "portable"] if torch.cuda.get_device_capability() == (9, 0) else ["portable"]
@@ -51,7 +54,7 @@ def run_chain(spec, m, k, group_size, groups, eps, seed, kernel):
 
 
 @settings(
-    max_examples=200,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -63,16 +66,21 @@ def run_chain(spec, m, k, group_size, groups, eps, seed, kernel):
     groups=st.integers(1, 3),
     eps=st.sampled_from([1e-5, 1e-3]),
     seed=st.integers(0, 2**31 - 1),
-    kernel=st.sampled_from(kernels()),
+    kernel=st.sampled_from([*fused_kernels(), "auto"]),
 )
 def test_random_chain_matches_pytorch(index, m, k, group_size, groups, eps, seed, kernel):
     spec = POOL[index]
-    epilogue, eager, _, got, path, _ = run_chain(spec, m, k, group_size, groups, eps, seed, kernel)
-    label = f"{spec.describe()} | {epilogue}"
-    assert path == "fused", label
+    epilogue, eager, exact, got, path, floor = run_chain(
+        spec, m, k, group_size, groups, eps, seed, kernel
+    )
+    label = f"{spec.describe()} | {epilogue} | kernel={kernel}"
+    assert path == ("epilogue" if kernel == "auto" else "fused"), label
     assert got.shape == eager.shape and got.dtype == eager.dtype, label
     assert not (got.isnan() & ~eager.isnan()).any(), label
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4, msg=lambda s: f"{label}\n{s}")
+    if kernel == "auto":
+        err, bar = max_abs_err(got, exact), float64_bar(max_abs_err(eager, exact), floor, exact)
+        assert err <= bar, f"{label}: error vs float64 {err:.3e} above the bar {bar:.3e}"
 
 
 @pytest.mark.parametrize("index", range(len(POOL)))
@@ -81,7 +89,7 @@ def test_pool_chain_at_full_width(index, groups):
     """K = N = 8192 (as the benchmark), groups wider than a tile: one group and 16 groups."""
     spec = POOL[index]
     epilogue, eager, exact, got, path, floor = run_chain(
-        spec, 64, 8192, 8192 // groups, groups, 1e-5, 1234 + index, kernels()[0]
+        spec, 64, 8192, 8192 // groups, groups, 1e-5, 1234 + index, fused_kernels()[0]
     )
     assert path == "fused"
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)

@@ -12,12 +12,14 @@ from gemmfuse import FallbackWarning
 from gemmfuse.bench import check
 from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.registry import get_problem
-from helpers import build_pair, max_abs_err, run_both, small_pair
+from helpers import build_pair, float64_bar, max_abs_err, run_both, small_pair
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-# Both fused kernels run on the H100: the Hopper one by default, the portable one when forced.
-KERNELS = ["hopper", "portable"]
+# Every CUDA path runs on the H100: the Hopper kernel by default at large sizes, the portable one
+# when forced, and the epilogue path (PyTorch's GEMM, then the chain in one kernel) by default
+# at small sizes.
+KERNELS = ["hopper", "portable", "epilogue"]
 
 
 @pytest.fixture(params=KERNELS)
@@ -27,17 +29,48 @@ def kernel(request):
     return request.param
 
 
+@pytest.fixture(params=KERNELS[:2])
+def fused_kernel(request):
+    if request.param == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU")
+    return request.param
+
+
+def path_of(kernel: str) -> str:
+    return "epilogue" if kernel == "epilogue" else "fused"
+
+
 @pytest.mark.parametrize("number", [62, 75])
-def test_full_size_ten_seeds(number, kernel):
+def test_full_size_ten_seeds(number, fused_kernel):
+    kernel = fused_kernel
     problem = get_problem(number)
     module = problem.load()
     ref, new = build_pair(problem, module.get_init_inputs())
     new.kernel = kernel
     result = check(problem, ref.to(CUDA), new.to(CUDA), module.get_inputs, 10, CUDA)
-    assert result.paths == ["fused"]
+    assert result.paths == [path_of(kernel)]
     # allclose(eager, 1e-4) and error vs float64 <= eager's, on every seed
     assert result.correct, result
     assert result.max_err_gemmfuse <= result.max_err_eager
+
+
+@pytest.mark.parametrize("number", [62, 75])
+def test_full_size_epilogue_path(number):
+    """Forced at KernelBench's size: the GEMM is eager's own, so the error against float64 is
+    eager's, give or take the epilogue's fp32 rounding (float64_bar's one ulp)."""
+    problem = get_problem(number)
+    module = problem.load()
+    ref, new = build_pair(problem, module.get_init_inputs())
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    new.kernel = "epilogue"
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = module.get_inputs()[0].to(CUDA)
+        expect, exact, got = run_both(ref, new, x)
+        assert new.last_path == "epilogue"
+        assert got.shape == expect.shape
+        torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+        assert max_abs_err(got, exact) <= float64_bar(max_abs_err(expect, exact), 0.0, exact)
 
 
 # (group size, channels): groups that divide the 128-channel tile are normalised in it; the
@@ -65,7 +98,7 @@ def test_odd_shapes(number, m, k, group, n, kernel):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         expect, exact, got = run_both(ref, new, x)
-    assert new.last_path == "fused"
+    assert new.last_path == path_of(kernel)
     assert not any(issubclass(w.category, FallbackWarning) for w in caught)
     assert got.shape == expect.shape
     assert not got.isnan().any()
@@ -88,7 +121,7 @@ def test_non_contiguous_input(layout, kernel):
         x = torch.randn(512, 100, device=CUDA).t()
     assert not x.is_contiguous()
     expect, exact, got = run_both(ref, new, x)
-    assert new.last_path == "fused"
+    assert new.last_path == path_of(kernel)
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
 
 
@@ -107,18 +140,35 @@ def test_weight_changes_are_seen(kernel):
         ref.load_state_dict(other.state_dict())
         after = new(x)
         torch.testing.assert_close(after, ref(x), atol=1e-4, rtol=1e-4)
-    assert new.last_path == "fused"
+    assert new.last_path == path_of(kernel)
     assert not torch.allclose(before, after)
 
 
-def test_small_problems_take_the_pytorch_path_under_auto():
-    ref, new = small_pair(62, init=(256, 256, 16))
+@pytest.mark.parametrize("number", [62, 75])
+def test_small_problems_take_the_epilogue_path_under_auto(number):
+    """Below MIN_FUSED_WORK: PyTorch's GEMM (eager's own result) and the chain in one kernel,
+    silently (it is the faster path there, not a fallback)."""
+    init = (256, 256, 16) + (((1, 256, 1, 1),) if number == 75 else ())
+    ref, new = small_pair(number, init=init)
     ref, new = ref.to(CUDA), new.to(CUDA)
     x = torch.rand(64, 256, device=CUDA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        expect, exact, got = run_both(ref, new, x)
+    assert new.last_path == "epilogue"
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+    assert max_abs_err(got, exact) <= float64_bar(max_abs_err(expect, exact), 0.0, exact)
+
+
+def test_bf16_small_problems_take_the_pytorch_path_under_auto():
+    ref, new = small_pair(62, init=(256, 256, 16))
+    ref, new = ref.to(CUDA, torch.bfloat16), new.to(CUDA, torch.bfloat16)
+    x = torch.rand(64, 256, device=CUDA, dtype=torch.bfloat16)
     with pytest.warns(FallbackWarning, match="M\\*N\\*K"):
-        expect, _, got = run_both(ref, new, x)
+        with torch.no_grad():
+            got = new(x)
     assert new.last_path == "torch"
-    torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    torch.testing.assert_close(got, ref(x).detach(), rtol=0, atol=0)
 
 
 def test_reduction_counters_survive_many_calls(kernel):

@@ -225,3 +225,46 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
   const auto& result = outputs.front();
   return result.scalar_type() == torch::kBFloat16 ? result : result.to(torch::kBFloat16);
 }
+
+// The epilogue path: y = x @ W^T + b [M, N] float32, computed by PyTorch (its fp32 GEMM, bias
+// included) -> the chain applied to y in place ([M, N]), or its reduction ([M]).
+torch::Tensor epilogue_forward(torch::Tensor y, c10::optional<torch::Tensor> gn_weight,
+                               c10::optional<torch::Tensor> gn_bias,
+                               std::vector<torch::Tensor> vec_params,
+                               std::vector<double> scalar_params, int64_t group_size, double eps) {
+  TORCH_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.is_contiguous(),
+              "gemmfuse: y must be a contiguous 2-D float32 CUDA tensor");
+  const int64_t M = y.size(0), N = y.size(1);
+  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31), "gemmfuse: sizes must fit in 32 bits");
+  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
+  check_vector(gn_weight, N, "gn_weight");
+  check_vector(gn_bias, N, "gn_bias");
+  TORCH_CHECK(gn_weight.has_value() == gn_bias.has_value(), "gemmfuse: gn_weight and gn_bias go together");
+  c10::cuda::CUDAGuard guard(y.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+
+  gemmfuse::FusedArgs args{};
+  args.gn_weight = ptr_or_null(gn_weight);
+  args.gn_bias = ptr_or_null(gn_bias);
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(N);
+  set_channel_params(args, vec_params, scalar_params);
+  args.group_size = static_cast<int>(group_size);
+  args.eps = static_cast<float>(eps);
+  args.out = y.data_ptr<float>();
+  const auto f32 = y.options();
+  torch::Tensor result = y, stats;
+  if (gemmfuse::fused_reduce_kind() != 0) {
+    result = torch::empty({M}, f32);
+    args.row_out = result.data_ptr<float>();
+  }
+  if (gemmfuse::fused_has_norm()) {
+    // The same per-(row, 128-column window, group segment) layout as the wide mode's.
+    const int64_t tile = gemmfuse::fused_tile(), n_tiles = (N + tile - 1) / tile;
+    args.stats_per_tile = static_cast<int>((tile - 1) / group_size + 2);
+    stats = torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32);
+    args.norm_stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
+  }
+  check_cuda(gemmfuse::launch_epilogue_only(args, stream), "epilogue kernel launch");
+  return result;
+}

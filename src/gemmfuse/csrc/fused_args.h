@@ -62,6 +62,7 @@ struct FusedArgs {
 
 // Defined in fused_linear.cu, one translation unit per epilogue.
 int fused_reduce_kind();
+int fused_has_norm();
 int fused_tile();  // side of the square output tile
 cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
                                   int k_padded, __half* hi, __half* lo, float* inv_scale,
@@ -69,5 +70,8 @@ cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, 
 // kernel: 0 picks by device (Hopper's on sm_90, else the portable one), 1 the portable sm_80
 // kernel, 2 the Hopper kernel (sm_90 only).
 cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream);
+// The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain
+// row by row, in place or into args.row_out.
+cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream);
 
 }  // namespace gemmfuse

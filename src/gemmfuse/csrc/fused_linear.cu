@@ -11,6 +11,7 @@
 namespace gemmfuse {
 
 int fused_reduce_kind() { return GeneratedEpilogue::kReduce; }
+int fused_has_norm() { return GeneratedEpilogue::kNorm ? 1 : 0; }
 int fused_tile() { return kTile; }
 
 cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
@@ -35,6 +36,10 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
     err = launch_fused_gemm_gn<GeneratedEpilogue>(args, stream);
   if (err != cudaSuccess || !args.norm_wide) return err;
   return launch_norm_finalize<GeneratedEpilogue>(args, stream);
+}
+
+cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream) {
+  return launch_row_epilogue<GeneratedEpilogue>(args, stream);
 }
 
 }  // namespace gemmfuse

@@ -2,16 +2,20 @@
 // gemm_gn_sm80.cuh, on wgmma fed by TMA. Two one-pass variants share it: precision="tf32"
 // (hi*hi alone, only the hi operands loaded) and bf16 models (their own bf16 operands).
 //
-// A block computes a 128x128 output tile with three warpgroups. Warpgroup 0 is the producer:
-// one thread streams the four operand tiles of each 64-wide k-tile (x hi/lo, W hi/lo, 16 KB
-// each, 128-byte swizzled) into a 3-stage shared-memory ring with cp.async.bulk.tensor,
-// completing on a "full" mbarrier per stage (one-pass modes load two tiles into 6 stages). Warpgroups 1 and 2 each own 64 rows of the tile:
+// A block computes a 128x128 output tile. Two consumer warpgroups (threads 0-255) do the math;
+// after them comes the producer (a warpgroup in the split mode, a warp in one-pass modes), of
+// which one thread streams the four operand tiles of each 64-wide k-tile (x hi/lo, W hi/lo,
+// 16 KB each, 128-byte swizzled) into a 3-stage shared-memory ring with cp.async.bulk.tensor,
+// completing on a "full" mbarrier per stage. One-pass modes load two tiles per stage into a
+// ring half the size and run two blocks per SM, so one block's epilogue overlaps the other's
+// GEMM (the split mode's 192 KB ring leaves room for one). The consumers each own 64 rows:
 // per k-tile they issue 12 wgmma.m64n128k16 (hi*lo, lo*hi, hi*hi for each 16-wide k step)
 // into a tensor-core accumulator that the first of them overwrites, wait for them, free the
 // stage through its "empty" mbarrier, and promote the k-tile's result into an fp32 register
 // sum with round-to-nearest adds. The promotion bounds the tensor cores' truncating
 // accumulation to 64 products; while one warpgroup waits and promotes, the other's wgmmas
-// keep the tensor cores busy. setmaxnreg moves registers from the producer to the consumers.
+// keep the tensor cores busy. In the split mode setmaxnreg moves registers from the producer
+// warpgroup to the consumers.
 // The epilogue is tile_epilogue.cuh's, run by the 256 consumer threads.
 #pragma once
 #include <cstdint>
@@ -27,13 +31,23 @@ namespace sm90 {
 
 constexpr int kBlockK = 64;                           // one 128-byte swizzle row of fp16
 constexpr int kOperandBytes = kTile * kBlockK * 2;    // 16 KB
-// The ring of stages: 3 stages of x hi, x lo, W hi, W lo (split), or 6 of x, W (one pass).
-constexpr int kRingBytes = 3 * 4 * kOperandBytes;
-constexpr int kMaxStages = 6;
+constexpr int kStages = 3;
 constexpr int kConsumers = 2;                         // math warpgroups, 64 rows each
-constexpr int kThreads = 128 * (kConsumers + 1);
-constexpr int kSmemBytes = kRingBytes + 1024;         // + slack to align to 1024 B
-static_assert(kTile * kEpiStride * 4 <= kRingBytes, "epilogue tile fits the ring");
+constexpr int kConsumerThreads = 128 * kConsumers;
+
+// Per variant: a stage holds x hi, x lo, W hi, W lo (split) or x, W (one pass); the ring is
+// reused as the epilogue's fp32 tile once the GEMM is done.
+template <bool kSplit>
+struct Variant {
+  static constexpr int kStageBytes = (kSplit ? 4 : 2) * kOperandBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align to 1 KB
+  static constexpr int kBlocksPerSm = kSplit ? 1 : 2;
+  // The producer: a whole warpgroup where setmaxnreg takes its registers back (it acts on
+  // warpgroups), one warp where two blocks share the SM's registers (112 a thread).
+  static constexpr int kThreads = kConsumerThreads + (kSplit ? 128 : 32);
+  static_assert(kTile * kEpiStride * 4 <= kStages * kStageBytes, "epilogue tile fits the ring");
+  static_assert(kBlocksPerSm * (kSmemBytes + 1024) <= 227 * 1024, "blocks fit an SM's smem");
+};
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -149,7 +163,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
 // fp16 hi parts, or a bf16 model's own operands when kBf16). Compile-time choices: a run-time
 // branch between wgmmas makes ptxas fence (and serialise) them.
 template <class Epi, bool kSplit, bool kBf16>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Variant<kSplit>::kThreads, Variant<kSplit>::kBlocksPerSm)
     fused_gemm_gn_sm90_kernel(const __grid_constant__ CUtensorMap tm_a_hi,
                               const __grid_constant__ CUtensorMap tm_a_lo,
                               const __grid_constant__ CUtensorMap tm_b_hi,
@@ -158,13 +172,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  constexpr int kStageBytes = (kSplit ? 4 : 2) * kOperandBytes;
-  constexpr int kStages = kRingBytes / kStageBytes;
-  static_assert(kStages <= kMaxStages, "barrier arrays hold every stage");
-  __shared__ __align__(8) uint64_t full_bar[kMaxStages];
-  __shared__ __align__(8) uint64_t empty_bar[kMaxStages];
+  constexpr int kStageBytes = Variant<kSplit>::kStageBytes;
+  __shared__ __align__(8) uint64_t full_bar[kStages];
+  __shared__ __align__(8) uint64_t empty_bar[kStages];
 
-  const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
+  const int tid_wg = threadIdx.x % 128;
   const int tile_m = blockIdx.x * kTile, tile_n = blockIdx.y * kTile;
   const int k_tiles = args.k_padded / kBlockK;
 
@@ -178,9 +190,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  if (warpgroup == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (tid_wg == 0) {
+  // Split mode: registers move from the producer to the consumers. ptxas compiles a kernel
+  // that uses setmaxnreg to its launch bound's maximum, 168 a thread, and a block must stay
+  // within what it was launched with: 128 * 40 + 256 * 232 <= 384 * 168.
+  if (threadIdx.x >= kConsumerThreads) {
+    if constexpr (kSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == kConsumerThreads) {
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
         mbar_wait(&empty_bar[s], ((kt / kStages) & 1) ^ 1);  // first round passes at once
@@ -200,8 +215,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int consumer = warpgroup - 1;  // owns tile rows [64 * consumer, 64 * consumer + 64)
+  if constexpr (kSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int consumer = threadIdx.x / 128;  // owns tile rows [64 * consumer, 64 * consumer + 64)
   auto operands = [&](int s, uint32_t& a_hi, uint32_t& a_lo, uint32_t& b_hi, uint32_t& b_lo) {
     const uint32_t st = smem_u32(smem + s * kStageBytes);
     // A stage holds x hi, x lo, W hi, W lo (split) or x, W (one pass), 16 KB each.
@@ -260,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_operands(acc);
   }
 
-  auto consumers_sync = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers * 128)); };
+  auto consumers_sync = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads)); };
   consumers_sync();  // every wgmma has read its operands: the ring becomes the epilogue tile
 
   float* tile = reinterpret_cast<float*>(smem);
@@ -273,17 +288,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = j * 8 + 2 * (lane % 4) + e;
-        const int gcol = min(tile_n + c, args.N - 1);
-        tile[r * kEpiStride + c] = epilogue_input<Epi>(acc[4 * j + 2 * half + e], a_inv, gcol, args);
-      }
+      for (int e = 0; e < 2; ++e)
+        tile[r * kEpiStride + j * 8 + 2 * (lane % 4) + e] = acc[4 * j + 2 * half + e] * a_inv;
     }
+  }
+  consumers_sync();
+  // The column scale, bias and `pre` in a second sweep, a thread per column: per-column loads
+  // inside the register loop above made ptxas spill at two blocks per SM.
+  {
+    const int c = threadIdx.x % kTile, gcol = min(tile_n + c, args.N - 1);
+    for (int r = threadIdx.x / kTile; r < kTile; r += kConsumerThreads / kTile)
+      tile[r * kEpiStride + c] = epilogue_input<Epi>(tile[r * kEpiStride + c], 1.f, gcol, args);
   }
   consumers_sync();
   const TileCoord coord{tile_m, tile_n, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
                         static_cast<int>(gridDim.y)};
-  tile_epilogue<Epi, kConsumers * 128>(tile, args, coord, threadIdx.x - 128, consumers_sync);
+  tile_epilogue<Epi, kConsumerThreads>(tile, args, coord, threadIdx.x, consumers_sync);
 #endif
 }
 
@@ -317,10 +337,12 @@ template <class Epi, bool kSplit, bool kBf16>
 cudaError_t launch_kernel(const CUtensorMap (&maps)[4], dim3 grid, const FusedArgs& args,
                           cudaStream_t stream) {
   auto kernel = fused_gemm_gn_sm90_kernel<Epi, kSplit, kBf16>;
+  constexpr int smem = Variant<kSplit>::kSmemBytes;
   const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], args);
+  kernel<<<grid, Variant<kSplit>::kThreads, smem, stream>>>(maps[0], maps[1], maps[2], maps[3],
+                                                           args);
   return cudaGetLastError();
 }
 

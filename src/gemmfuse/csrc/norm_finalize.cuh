@@ -1,11 +1,14 @@
-// The second pass for GroupNorm groups that straddle output tiles (args.norm_wide).
-//
-// The GEMM kernel stored the pre-norm values as fp32 in args.out and, per (row, tile, group
-// segment), the segment's mean and centred sum of squares in args.norm_stats. One block per row
-// walks the row in chunks: it merges each group's segments with Chan's formula (exact for
-// counts, no E[x^2] - E[x]^2 cancellation), then normalises, applies the affine part and the
-// generated `post` ops, and stores the result in place (or bf16 to args.out_bf16), or reduces
-// the row into args.row_out. Merges and reductions run in a fixed order.
+// Row-wise finishing of the chain, one block per output row, for two callers:
+// - the second pass for GroupNorm groups that straddle output tiles (args.norm_wide): the GEMM
+//   kernel stored the pre-norm values as fp32 in args.out and, per (row, tile, group segment),
+//   the segment's mean and centred sum of squares in args.norm_stats;
+// - the epilogue path (row_epilogue_kernel): PyTorch's own fp32 GEMM left x @ W^T + b in
+//   args.out, and this kernel applies the whole chain to it (problems too small for the fused
+//   GEMM to pay off: one launch after the GEMM instead of one per op).
+// finish_row walks a row in chunks: it merges each group's segments with Chan's formula (exact
+// for counts, no E[x^2] - E[x]^2 cancellation), then normalises, applies the affine part and
+// the generated `post` ops, and stores the result in place (or bf16 to args.out_bf16), or
+// reduces the row into args.row_out. Merges and reductions run in a fixed order.
 #pragma once
 #include "fused_args.h"
 #include "row_reduce.cuh"
@@ -14,8 +17,8 @@
 namespace gemmfuse {
 
 constexpr int kFinalizeThreads = 256;
-constexpr int kFinalizeChunk = 1024;  // columns per step; a wide group size is at least 3,
-constexpr int kFinalizeGroups = kFinalizeChunk / 3 + 2;  // so a chunk meets at most this many
+constexpr int kFinalizeChunk = 1024;       // columns per step
+constexpr int kFinalizeGroups = kFinalizeChunk + 1;  // groups a chunk can meet (size 1 up)
 
 struct Moments {
   float n, mean, m2;  // count, mean, centred sum of squares
@@ -43,15 +46,14 @@ __device__ __forceinline__ Moments group_moments(const float2* stats, int g, int
   return acc;
 }
 
+// `row` holds pre(x @ W^T + b) for output row r; `stats` its per-segment moments (kNorm).
 template <class Epi>
-__global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedArgs args) {
+__device__ __forceinline__ void finish_row(const float2* stats, float* row, int r,
+                                           const FusedArgs& args) {
   constexpr int kind = Epi::kReduce;
-  __shared__ float s_mean[kFinalizeGroups], s_rstd[kFinalizeGroups];
-  const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  __shared__ float s_mean[Epi::kNorm ? kFinalizeGroups : 1], s_rstd[Epi::kNorm ? kFinalizeGroups : 1];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gs = args.group_size, N = args.N;
-  const int n_tiles = (N + kTile - 1) / kTile;
-  const float2* stats = args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile;
-  float* row = args.out + static_cast<int64_t>(r) * N;
   const float inv_gs = 1.f / static_cast<float>(gs);
   // Groups spanning few tiles: a thread merges a group; wide ones: a warp, lanes over tiles.
   const bool warp_per_group = gs > 4 * kTile;
@@ -59,34 +61,37 @@ __global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedAr
 
   for (int c0 = 0; c0 < N; c0 += kFinalizeChunk) {
     const int c1 = min(N, c0 + kFinalizeChunk);
-    const int g0 = c0 / gs, groups = (c1 - 1) / gs - g0 + 1;
-    if (warp_per_group) {
-      for (int i = warp; i < groups; i += kFinalizeThreads / 32) {
-        Moments m = group_moments(stats, g0 + i, lane, 32, args);
+    const int g0 = c0 / gs;
+    if constexpr (Epi::kNorm) {
+      const int groups = (c1 - 1) / gs - g0 + 1;
+      if (warp_per_group) {
+        for (int i = warp; i < groups; i += kFinalizeThreads / 32) {
+          Moments m = group_moments(stats, g0 + i, lane, 32, args);
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-          const Moments o{__shfl_xor_sync(0xffffffffu, m.n, off),
-                          __shfl_xor_sync(0xffffffffu, m.mean, off),
-                          __shfl_xor_sync(0xffffffffu, m.m2, off)};
-          // Lower lanes' tiles come first: every lane merges in the same order.
-          m = (lane & off) ? merge_moments(o, m) : merge_moments(m, o);
+          for (int off = 16; off > 0; off >>= 1) {
+            const Moments o{__shfl_xor_sync(0xffffffffu, m.n, off),
+                            __shfl_xor_sync(0xffffffffu, m.mean, off),
+                            __shfl_xor_sync(0xffffffffu, m.m2, off)};
+            // Lower lanes' tiles come first: every lane merges in the same order.
+            m = (lane & off) ? merge_moments(o, m) : merge_moments(m, o);
+          }
+          if (lane == 0) {
+            s_mean[i] = m.mean;
+            s_rstd[i] = 1.f / sqrtf(m.m2 * inv_gs + args.eps);
+          }
         }
-        if (lane == 0) {
+      } else {
+        for (int i = tid; i < groups; i += kFinalizeThreads) {
+          const Moments m = group_moments(stats, g0 + i, 0, 1, args);
           s_mean[i] = m.mean;
           s_rstd[i] = 1.f / sqrtf(m.m2 * inv_gs + args.eps);
         }
       }
-    } else {
-      for (int i = tid; i < groups; i += kFinalizeThreads) {
-        const Moments m = group_moments(stats, g0 + i, 0, 1, args);
-        s_mean[i] = m.mean;
-        s_rstd[i] = 1.f / sqrtf(m.m2 * inv_gs + args.eps);
-      }
+      __syncthreads();
     }
-    __syncthreads();
     for (int c = c0 + tid; c < c1; c += kFinalizeThreads) {
-      const int i = c / gs - g0;
-      const float y = normalize<Epi>(row[c], s_mean[i], s_rstd[i], c, args);
+      float y = row[c];
+      if constexpr (Epi::kNorm) y = normalize<Epi>(y, s_mean[c / gs - g0], s_rstd[c / gs - g0], c, args);
       if constexpr (kind == 0) {
         if (args.out_bf16 != nullptr)
           args.out_bf16[static_cast<int64_t>(r) * N + c] = __float2bfloat16_rn(y);
@@ -96,7 +101,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedAr
         row_acc_push<kind>(acc, y);
       }
     }
-    __syncthreads();  // the next chunk overwrites s_mean / s_rstd
+    if constexpr (Epi::kNorm) __syncthreads();  // the next chunk overwrites s_mean / s_rstd
   }
 
   if constexpr (kind != 0) {
@@ -113,10 +118,52 @@ __global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedAr
 }
 
 template <class Epi>
+__global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedArgs args) {
+  const int r = blockIdx.x;
+  const int n_tiles = (args.N + kTile - 1) / kTile;
+  finish_row<Epi>(args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile,
+                  args.out + static_cast<int64_t>(r) * args.N, r, args);
+}
+
+// The epilogue path: args.out holds x @ W^T + b from PyTorch's GEMM (args.bias is null). Each
+// block applies `pre` to its row in place, writes the moments of each (128-column window,
+// group segment) to args.norm_stats exactly as the GEMM kernels' wide mode does, and finishes
+// the row. Writes and reads of the row and its stats stay within the block, ordered by
+// __syncthreads.
+template <class Epi>
+__global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArgs args) {
+  const int r = blockIdx.x, tid = threadIdx.x, N = args.N;
+  const int n_tiles = (N + kTile - 1) / kTile;
+  float* row = args.out + static_cast<int64_t>(r) * N;
+  for (int c = tid; c < N; c += kFinalizeThreads) row[c] = epilogue_input<Epi>(row[c], 1.f, c, args);
+  __syncthreads();
+  float2* stats = nullptr;
+  if constexpr (Epi::kNorm) {
+    const int gs = args.group_size, spt = args.stats_per_tile;
+    stats = args.norm_stats + static_cast<int64_t>(r) * n_tiles * spt;
+    for (int task = tid; task < n_tiles * spt; task += kFinalizeThreads) {
+      const int t = task / spt, g = (t * kTile) / gs + task % spt;
+      const int c_begin = max(g * gs, t * kTile), c_end = min((g + 1) * gs, min((t + 1) * kTile, N));
+      if (c_begin < c_end) stats[task] = segment_moments(row + c_begin, c_end - c_begin);
+    }
+    __syncthreads();
+  }
+  finish_row<Epi>(stats, row, r, args);
+}
+
+template <class Epi>
 cudaError_t launch_norm_finalize(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
-  if (args.group_size < 3) return cudaErrorInvalidValue;  // such groups divide kTile
   norm_finalize_kernel<Epi><<<args.M, kFinalizeThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <class Epi>
+cudaError_t launch_row_epilogue(const FusedArgs& args, cudaStream_t stream) {
+  if (args.M == 0 || args.N == 0) return cudaSuccess;
+  if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
+    return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
+  row_epilogue_kernel<Epi><<<args.M, kFinalizeThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
