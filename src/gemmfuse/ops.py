@@ -16,12 +16,13 @@ Paths, in the order they are tried:
 ``epilogue``
     PyTorch's own fp32 GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
     that applies the whole chain row by row (csrc/norm_finalize.cuh): two launches where eager
-    makes one per op. ``kernel="auto"`` takes it for float32 problems with M*N*K below
-    ``MIN_FUSED_WORK``, where the fused kernel's fixed cost and its tiles' idle rows cost more
-    than the tensor cores save; ``kernel="epilogue"`` forces it.
+    makes one per op. ``kernel="auto"`` takes it for float32 problems below the fused kernel's
+    size thresholds (``fused_pays``: small or few-row problems, where the fused kernel's fixed
+    cost and idle tile rows cost more than its tensor cores save, and K < 1024, where the split
+    GEMM's error is not reliably below eager's); ``kernel="epilogue"`` forces it.
 ``torch``
     The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or with a
-    reduction, or below ``MIN_FUSED_WORK``), GPUs older than sm_80, autograd, tensor
+    reduction, or below the fused kernel's size thresholds), GPUs older than sm_80, autograd, tensor
     arguments that are not per channel.
 
 A CUDA call that runs the ``torch`` path emits a :class:`FallbackWarning` saying why.
@@ -52,10 +53,17 @@ KERNELS = (*FUSED_KERNELS, "epilogue")
 # "fp32": hi*hi + hi*lo + lo*hi, as accurate as PyTorch fp32. "tf32": hi*hi alone, operands with
 # 11 significant bits like TF32's, one third of the tensor-core work.
 PRECISIONS = {"fp32": True, "tf32": False}
-# Below this M*N*K, kernel="auto" runs the epilogue path (float32) or the PyTorch path
-# (bfloat16): the fused kernel's fixed cost (two launches, a 128x128 tile for even one row)
-# loses there. Set from the shape sweep of docs/PERFORMANCE.md, which times both paths.
-MIN_FUSED_WORK = 4e9
+# kernel="auto" takes the fused kernel from these sizes up, and below them the epilogue path
+# (float32) or the PyTorch path (bfloat16). Below MIN_FUSED_WORK = M*N*K the fused kernel's
+# fixed cost (two launches) dominates; below MIN_FUSED_ROWS = M the GEMM is a matrix-vector
+# product bound by reading W, where 128-row tiles waste their tensor work and a grid of N/128
+# blocks leaves SMs idle (both set from the shape sweep of docs/PERFORMANCE.md, which times
+# both paths on every row, H100). Below MIN_FUSED_K the split GEMM's error, about 2^-22 of
+# |x||w| per product whatever K, is no longer reliably below eager fp32's accumulated
+# rounding, which grows with K (scripts/small_shape_accuracy.py; docs/DESIGN.md).
+MIN_FUSED_WORK = 1e8
+MIN_FUSED_ROWS = 16
+MIN_FUSED_K = 1024
 
 
 @functools.cache
@@ -187,6 +195,11 @@ def _channel_param_problem(epilogue: Epilogue, params, x, n: int) -> str:
     return ""
 
 
+def fused_pays(m: int, n: int, k: int) -> bool:
+    """Whether kernel="auto" sends an (M, K) x (K, N) problem to the fused kernel."""
+    return m * n * k >= MIN_FUSED_WORK and m >= MIN_FUSED_ROWS and k >= MIN_FUSED_K
+
+
 def select_path(
     x, weight, epilogue: Epilogue, tensors=(), kernel="auto", params=()
 ) -> tuple[str, str]:
@@ -222,12 +235,12 @@ def select_path(
         if x.dtype != torch.float32:
             return "torch", "the epilogue path takes float32 inputs"
         return "epilogue", ""
-    if kernel == "auto" and m * n * k < MIN_FUSED_WORK:
+    if kernel == "auto" and not fused_pays(m, n, k):
         if x.dtype == torch.float32:
             return "epilogue", ""
         return "torch", (
-            f"M*N*K = {m * n * k:.2g} is below {MIN_FUSED_WORK:.0e}, where eager bfloat16 is as "
-            'fast as the fused kernel; pass kernel="hopper" to force it'
+            f"M={m}, N={n}, K={k} is below the fused kernel's thresholds (ops.MIN_FUSED_*), "
+            'where eager bfloat16 is as fast; pass kernel="hopper" to force it'
         )
     return "fused", ""
 

@@ -160,11 +160,26 @@ def test_small_problems_take_the_epilogue_path_under_auto(number):
     assert max_abs_err(got, exact) <= float64_bar(max_abs_err(expect, exact), 0.0, exact)
 
 
+@pytest.mark.parametrize("number", [62, 75])
+@pytest.mark.parametrize("n,groups", [(65536, 16), (60000, 3000)])
+def test_epilogue_path_rows_longer_than_shared_memory(number, n, groups):
+    """Rows too long to stage in shared memory are finished in place in global memory."""
+    init = (64, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
+    ref, new = small_pair(number, seed=n, init=init)
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    new.kernel = "epilogue"
+    x = torch.randn(3, 64, device=CUDA)
+    expect, exact, got = run_both(ref, new, x)
+    assert new.last_path == "epilogue"
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+    assert max_abs_err(got, exact) <= float64_bar(max_abs_err(expect, exact), 0.0, exact)
+
+
 def test_bf16_small_problems_take_the_pytorch_path_under_auto():
     ref, new = small_pair(62, init=(256, 256, 16))
     ref, new = ref.to(CUDA, torch.bfloat16), new.to(CUDA, torch.bfloat16)
     x = torch.rand(64, 256, device=CUDA, dtype=torch.bfloat16)
-    with pytest.warns(FallbackWarning, match="M\\*N\\*K"):
+    with pytest.warns(FallbackWarning, match="thresholds"):
         with torch.no_grad():
             got = new(x)
     assert new.last_path == "torch"

@@ -259,11 +259,14 @@ torch::Tensor epilogue_forward(torch::Tensor y, c10::optional<torch::Tensor> gn_
     args.row_out = result.data_ptr<float>();
   }
   if (gemmfuse::fused_has_norm()) {
-    // The same per-(row, 128-column window, group segment) layout as the wide mode's.
+    // The same per-(row, 128-column window, group segment) layout as the wide mode's; in
+    // global memory only for rows too long to stage in shared memory.
     const int64_t tile = gemmfuse::fused_tile(), n_tiles = (N + tile - 1) / tile;
     args.stats_per_tile = static_cast<int>((tile - 1) / group_size + 2);
-    stats = torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32);
-    args.norm_stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
+    if (!gemmfuse::epilogue_row_fits_smem(args.N, args.stats_per_tile)) {
+      stats = torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32);
+      args.norm_stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
+    }
   }
   check_cuda(gemmfuse::launch_epilogue_only(args, stream), "epilogue kernel launch");
   return result;

@@ -73,5 +73,8 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
 // The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain
 // row by row, in place or into args.row_out.
 cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream);
+// Whether the epilogue path stages a row of N values (and its GroupNorm segment moments) in
+// shared memory; if not, it needs args.norm_stats in global memory.
+bool epilogue_row_fits_smem(int N, int stats_per_tile);
 
 }  // namespace gemmfuse

@@ -42,4 +42,8 @@ cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream) {
   return launch_row_epilogue<GeneratedEpilogue>(args, stream);
 }
 
+bool epilogue_row_fits_smem(int N, int stats_per_tile) {
+  return row_smem_bytes<GeneratedEpilogue>(N, stats_per_tile) <= kRowSmemLimit;
+}
+
 }  // namespace gemmfuse

@@ -3,19 +3,16 @@
 // (hi*hi alone, only the hi operands loaded) and bf16 models (their own bf16 operands).
 //
 // A block computes a 128x128 output tile. Two consumer warpgroups (threads 0-255) do the math;
-// after them comes the producer (a warpgroup in the split mode, a warp in one-pass modes), of
-// which one thread streams the four operand tiles of each 64-wide k-tile (x hi/lo, W hi/lo,
-// 16 KB each, 128-byte swizzled) into a 3-stage shared-memory ring with cp.async.bulk.tensor,
-// completing on a "full" mbarrier per stage. One-pass modes load two tiles per stage into a
-// ring half the size and run two blocks per SM, so one block's epilogue overlaps the other's
-// GEMM (the split mode's 192 KB ring leaves room for one). The consumers each own 64 rows:
+// one thread of the producer warpgroup after them streams the four operand tiles of each
+// 64-wide k-tile (x hi/lo, W hi/lo, 16 KB each, 128-byte swizzled) into a 3-stage
+// shared-memory ring with cp.async.bulk.tensor, completing on a "full" mbarrier per stage
+// (one-pass modes load two tiles per stage, into 6 stages). The consumers each own 64 rows:
 // per k-tile they issue 12 wgmma.m64n128k16 (hi*lo, lo*hi, hi*hi for each 16-wide k step)
 // into a tensor-core accumulator that the first of them overwrites, wait for them, free the
 // stage through its "empty" mbarrier, and promote the k-tile's result into an fp32 register
 // sum with round-to-nearest adds. The promotion bounds the tensor cores' truncating
 // accumulation to 64 products; while one warpgroup waits and promotes, the other's wgmmas
-// keep the tensor cores busy. In the split mode setmaxnreg moves registers from the producer
-// warpgroup to the consumers.
+// keep the tensor cores busy. setmaxnreg moves registers from the producer to the consumers.
 // The epilogue is tile_epilogue.cuh's, run by the 256 consumer threads.
 #pragma once
 #include <cstdint>
@@ -31,22 +28,18 @@ namespace sm90 {
 
 constexpr int kBlockK = 64;                           // one 128-byte swizzle row of fp16
 constexpr int kOperandBytes = kTile * kBlockK * 2;    // 16 KB
-constexpr int kStages = 3;
 constexpr int kConsumers = 2;                         // math warpgroups, 64 rows each
 constexpr int kConsumerThreads = 128 * kConsumers;
+constexpr int kThreads = kConsumerThreads + 128;      // + the producer warpgroup
 
 // Per variant: a stage holds x hi, x lo, W hi, W lo (split) or x, W (one pass); the ring is
 // reused as the epilogue's fp32 tile once the GEMM is done.
 template <bool kSplit>
 struct Variant {
   static constexpr int kStageBytes = (kSplit ? 4 : 2) * kOperandBytes;
+  static constexpr int kStages = kSplit ? 3 : 6;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align to 1 KB
-  static constexpr int kBlocksPerSm = kSplit ? 1 : 2;
-  // The producer: a whole warpgroup where setmaxnreg takes its registers back (it acts on
-  // warpgroups), one warp where two blocks share the SM's registers (112 a thread).
-  static constexpr int kThreads = kConsumerThreads + (kSplit ? 128 : 32);
   static_assert(kTile * kEpiStride * 4 <= kStages * kStageBytes, "epilogue tile fits the ring");
-  static_assert(kBlocksPerSm * (kSmemBytes + 1024) <= 227 * 1024, "blocks fit an SM's smem");
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -163,7 +156,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
 // fp16 hi parts, or a bf16 model's own operands when kBf16). Compile-time choices: a run-time
 // branch between wgmmas makes ptxas fence (and serialise) them.
 template <class Epi, bool kSplit, bool kBf16>
-__global__ void __launch_bounds__(Variant<kSplit>::kThreads, Variant<kSplit>::kBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, 1)
     fused_gemm_gn_sm90_kernel(const __grid_constant__ CUtensorMap tm_a_hi,
                               const __grid_constant__ CUtensorMap tm_a_lo,
                               const __grid_constant__ CUtensorMap tm_b_hi,
@@ -172,7 +165,7 @@ __global__ void __launch_bounds__(Variant<kSplit>::kThreads, Variant<kSplit>::kB
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  constexpr int kStageBytes = Variant<kSplit>::kStageBytes;
+  constexpr int kStageBytes = Variant<kSplit>::kStageBytes, kStages = Variant<kSplit>::kStages;
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
 
@@ -190,11 +183,11 @@ __global__ void __launch_bounds__(Variant<kSplit>::kThreads, Variant<kSplit>::kB
   }
   __syncthreads();
 
-  // Split mode: registers move from the producer to the consumers. ptxas compiles a kernel
-  // that uses setmaxnreg to its launch bound's maximum, 168 a thread, and a block must stay
-  // within what it was launched with: 128 * 40 + 256 * 232 <= 384 * 168.
+  // Registers move from the producer to the consumers. ptxas compiles a kernel that uses
+  // setmaxnreg to its launch bound's maximum, 168 a thread, and a block must stay within what
+  // it was launched with: 128 * 40 + 256 * 232 <= 384 * 168.
   if (threadIdx.x >= kConsumerThreads) {
-    if constexpr (kSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == kConsumerThreads) {
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
@@ -215,7 +208,7 @@ __global__ void __launch_bounds__(Variant<kSplit>::kThreads, Variant<kSplit>::kB
     return;
   }
 
-  if constexpr (kSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int consumer = threadIdx.x / 128;  // owns tile rows [64 * consumer, 64 * consumer + 64)
   auto operands = [&](int s, uint32_t& a_hi, uint32_t& a_lo, uint32_t& b_hi, uint32_t& b_lo) {
     const uint32_t st = smem_u32(smem + s * kStageBytes);
@@ -293,8 +286,8 @@ __global__ void __launch_bounds__(Variant<kSplit>::kThreads, Variant<kSplit>::kB
     }
   }
   consumers_sync();
-  // The column scale, bias and `pre` in a second sweep, a thread per column: per-column loads
-  // inside the register loop above made ptxas spill at two blocks per SM.
+  // The column scale, bias and `pre` in a second sweep, a thread per column, which loads each
+  // column's values once.
   {
     const int c = threadIdx.x % kTile, gcol = min(tile_n + c, args.N - 1);
     for (int r = threadIdx.x / kTile; r < kTile; r += kConsumerThreads / kTile)
@@ -341,8 +334,7 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], dim3 grid, const FusedAr
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Variant<kSplit>::kThreads, smem, stream>>>(maps[0], maps[1], maps[2], maps[3],
-                                                           args);
+  kernel<<<grid, kThreads, smem, stream>>>(maps[0], maps[1], maps[2], maps[3], args);
   return cudaGetLastError();
 }
 

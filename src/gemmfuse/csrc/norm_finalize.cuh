@@ -46,10 +46,11 @@ __device__ __forceinline__ Moments group_moments(const float2* stats, int g, int
   return acc;
 }
 
-// `row` holds pre(x @ W^T + b) for output row r; `stats` its per-segment moments (kNorm).
+// `in` holds pre(x @ W^T + b) for output row r and `stats` its per-segment moments (kNorm);
+// the finished row goes to `out` (which may be `in`), or its reduction to args.row_out.
 template <class Epi>
-__device__ __forceinline__ void finish_row(const float2* stats, float* row, int r,
-                                           const FusedArgs& args) {
+__device__ __forceinline__ void finish_row(const float2* stats, const float* in, float* out,
+                                           int r, const FusedArgs& args) {
   constexpr int kind = Epi::kReduce;
   __shared__ float s_mean[Epi::kNorm ? kFinalizeGroups : 1], s_rstd[Epi::kNorm ? kFinalizeGroups : 1];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -90,13 +91,13 @@ __device__ __forceinline__ void finish_row(const float2* stats, float* row, int 
       __syncthreads();
     }
     for (int c = c0 + tid; c < c1; c += kFinalizeThreads) {
-      float y = row[c];
+      float y = in[c];
       if constexpr (Epi::kNorm) y = normalize<Epi>(y, s_mean[c / gs - g0], s_rstd[c / gs - g0], c, args);
       if constexpr (kind == 0) {
         if (args.out_bf16 != nullptr)
           args.out_bf16[static_cast<int64_t>(r) * N + c] = __float2bfloat16_rn(y);
         else
-          row[c] = y;
+          out[c] = y;
       } else {
         row_acc_push<kind>(acc, y);
       }
@@ -121,34 +122,49 @@ template <class Epi>
 __global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedArgs args) {
   const int r = blockIdx.x;
   const int n_tiles = (args.N + kTile - 1) / kTile;
-  finish_row<Epi>(args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile,
-                  args.out + static_cast<int64_t>(r) * args.N, r, args);
+  float* row = args.out + static_cast<int64_t>(r) * args.N;
+  finish_row<Epi>(args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile, row,
+                  row, r, args);
+}
+
+// Dynamic shared memory the epilogue path stages a row and its segment moments in: N floats,
+// then (kNorm) the moments, 8-byte aligned. Rows that do not fit are worked on in place in
+// global memory, their moments in args.norm_stats.
+constexpr int kRowSmemLimit = 200 * 1024;
+
+template <class Epi>
+__host__ __device__ inline int64_t row_smem_bytes(int N, int stats_per_tile) {
+  const int64_t n_tiles = (N + kTile - 1) / kTile;
+  return (N + 1) / 2 * 8 + (Epi::kNorm ? n_tiles * stats_per_tile * 8 : 0);
 }
 
 // The epilogue path: args.out holds x @ W^T + b from PyTorch's GEMM (args.bias is null). Each
-// block applies `pre` to its row in place, writes the moments of each (128-column window,
-// group segment) to args.norm_stats exactly as the GEMM kernels' wide mode does, and finishes
-// the row. Writes and reads of the row and its stats stay within the block, ordered by
-// __syncthreads.
+// block reads its row once (into shared memory when `staged`, else in place), applies `pre`,
+// computes the moments of each (128-column window, group segment) exactly as the GEMM kernels'
+// wide mode does, and finishes the row into args.out. Within a block, __syncthreads orders the
+// writes and reads of the row and its moments.
 template <class Epi>
-__global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArgs args) {
+__global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArgs args,
+                                                                        bool staged) {
+  extern __shared__ float2 s_dyn[];
   const int r = blockIdx.x, tid = threadIdx.x, N = args.N;
   const int n_tiles = (N + kTile - 1) / kTile;
   float* row = args.out + static_cast<int64_t>(r) * N;
-  for (int c = tid; c < N; c += kFinalizeThreads) row[c] = epilogue_input<Epi>(row[c], 1.f, c, args);
+  float* work = staged ? reinterpret_cast<float*>(s_dyn) : row;
+  for (int c = tid; c < N; c += kFinalizeThreads) work[c] = epilogue_input<Epi>(row[c], 1.f, c, args);
   __syncthreads();
   float2* stats = nullptr;
   if constexpr (Epi::kNorm) {
     const int gs = args.group_size, spt = args.stats_per_tile;
-    stats = args.norm_stats + static_cast<int64_t>(r) * n_tiles * spt;
+    stats = staged ? s_dyn + (N + 1) / 2 : args.norm_stats + static_cast<int64_t>(r) * n_tiles * spt;
     for (int task = tid; task < n_tiles * spt; task += kFinalizeThreads) {
       const int t = task / spt, g = (t * kTile) / gs + task % spt;
       const int c_begin = max(g * gs, t * kTile), c_end = min((g + 1) * gs, min((t + 1) * kTile, N));
-      if (c_begin < c_end) stats[task] = segment_moments(row + c_begin, c_end - c_begin);
+      if (c_begin < c_end) stats[task] = segment_moments(work + c_begin, c_end - c_begin);
     }
     __syncthreads();
   }
-  finish_row<Epi>(stats, row, r, args);
+  finish_row<Epi>(stats, work, row, r, args);
 }
 
 template <class Epi>
@@ -163,7 +179,15 @@ cudaError_t launch_row_epilogue(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
   if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
     return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
-  row_epilogue_kernel<Epi><<<args.M, kFinalizeThreads, 0, stream>>>(args);
+  const int64_t smem = row_smem_bytes<Epi>(args.N, args.stats_per_tile);
+  const bool staged = smem <= kRowSmemLimit;
+  if (!staged && Epi::kNorm && args.norm_stats == nullptr) return cudaErrorInvalidValue;
+  if (staged && smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        row_epilogue_kernel<Epi>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRowSmemLimit);
+    if (err != cudaSuccess) return err;
+  }
+  row_epilogue_kernel<Epi><<<args.M, kFinalizeThreads, staged ? smem : 0, stream>>>(args, staged);
   return cudaGetLastError();
 }
 
