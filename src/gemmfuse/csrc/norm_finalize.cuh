@@ -55,7 +55,6 @@ __device__ __forceinline__ void finish_row(const float2* stats, const float* in,
   __shared__ float s_mean[Epi::kNorm ? kFinalizeGroups : 1], s_rstd[Epi::kNorm ? kFinalizeGroups : 1];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gs = args.group_size, N = args.N;
-  const float inv_gs = 1.f / static_cast<float>(gs);
   // Groups spanning few tiles: a thread merges a group; wide ones: a warp, lanes over tiles.
   const bool warp_per_group = gs > 4 * kTile;
   RowAcc acc = row_acc_empty<kind == 0 ? 3 : kind>();
@@ -78,14 +77,14 @@ __device__ __forceinline__ void finish_row(const float2* stats, const float* in,
           }
           if (lane == 0) {
             s_mean[i] = m.mean;
-            s_rstd[i] = 1.f / sqrtf(m.m2 * inv_gs + args.eps);
+            s_rstd[i] = group_rstd(m.m2, gs, args.eps);
           }
         }
       } else {
         for (int i = tid; i < groups; i += kFinalizeThreads) {
           const Moments m = group_moments(stats, g0 + i, 0, 1, args);
           s_mean[i] = m.mean;
-          s_rstd[i] = 1.f / sqrtf(m.m2 * inv_gs + args.eps);
+          s_rstd[i] = group_rstd(m.m2, gs, args.eps);
         }
       }
       __syncthreads();
@@ -151,7 +150,22 @@ __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArg
   const int n_tiles = (N + kTile - 1) / kTile;
   float* row = args.out + static_cast<int64_t>(r) * N;
   float* work = staged ? reinterpret_cast<float*>(s_dyn) : row;
-  for (int c = tid; c < N; c += kFinalizeThreads) work[c] = epilogue_input<Epi>(row[c], 1.f, c, args);
+  // Loads in batches, all issued before any is used: at a few rows, a handful of blocks must
+  // keep enough reads in flight to stream their rows.
+  constexpr int kBatch = 8;
+  for (int c0 = tid; c0 < N; c0 += kBatch * kFinalizeThreads) {
+    float v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = c0 + i * kFinalizeThreads;
+      v[i] = c < N ? row[c] : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = c0 + i * kFinalizeThreads;
+      if (c < N) work[c] = epilogue_input<Epi>(v[i], 1.f, c, args);
+    }
+  }
   __syncthreads();
   float2* stats = nullptr;
   if constexpr (Epi::kNorm) {

@@ -41,9 +41,11 @@ struct TileCoord {
 
 // Mean and centred sum of squares of v[0..n), two passes shifted by v[0]: a run of equal values
 // gets exactly that mean and a sum of squares of exactly 0 (as PyTorch's Welford gives), and a
-// large common offset does not cost the sum its precision. The first pass is compensated
-// (TwoSum): an error in the mean shifts every normalised value of the group alike, and a later
-// mean or sum over channels (where a GroupNorm output cancels to about 0) would show it.
+// large common offset does not cost the sum its precision. Both passes are compensated (TwoSum,
+// and each square's rounding error recovered with an fma): an error in the mean shifts every
+// normalised value of the group alike, one in the variance scales them all, and a later op or
+// sum over channels (where a GroupNorm output cancels to about 0) shows either; uncompensated,
+// a sequential sum of n terms loses about sqrt(n) ulps, more than PyTorch's tree reductions.
 __device__ __forceinline__ float2 segment_moments(const float* v, int n) {
   const float shift = v[0];
   float sum = 0.f, comp = 0.f;
@@ -54,11 +56,22 @@ __device__ __forceinline__ float2 segment_moments(const float* v, int n) {
   }
   const float mean = shift + (sum + comp) / static_cast<float>(n);
   float sq = 0.f;
+  comp = 0.f;
   for (int j = 0; j < n; ++j) {
-    const float d = v[j] - mean;
-    sq += d * d;
+    const float d = v[j] - mean, p = d * d;
+    float err;
+    sq = two_sum(sq, p, err);
+    comp += err + fmaf(d, d, -p);
   }
-  return make_float2(mean, sq);
+  return make_float2(mean, sq + comp);
+}
+
+// 1 / sqrt(m2 / n + eps) of a group, in double (once per group): correctly rounded but for
+// double's own, negligible, rounding, where the float chain rounds four times. The _rn
+// intrinsics keep it inline (the operators' slow paths are calls, with a stack frame).
+__device__ __forceinline__ float group_rstd(float m2, int n, float eps) {
+  const double var = __dmul_rn(static_cast<double>(m2), __drcp_rn(static_cast<double>(n)));
+  return static_cast<float>(__drcp_rn(__dsqrt_rn(__dadd_rn(var, static_cast<double>(eps)))));
 }
 
 // GroupNorm of one value given its group's mean and rstd, then the affine part and `post`.
@@ -110,14 +123,13 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       return;
     }
     const int groups_here = cols_here / gs;  // N and kTile are multiples of gs
-    const float inv_gs = 1.f / static_cast<float>(gs);
     for (int task = tid; task < kTile * groups_here; task += kThreads) {
       const int r = task % kTile;
       if (r >= rows_here) continue;
       const int c0 = (task / kTile) * gs;
       float* v = tile + r * kEpiStride + c0;
       const float2 mom = segment_moments(v, gs);
-      const float rstd = 1.f / sqrtf(mom.y * inv_gs + args.eps);
+      const float rstd = group_rstd(mom.y, gs, args.eps);
       for (int j = 0; j < gs; ++j) v[j] = normalize<Epi>(v[j], mom.x, rstd, tc.n0 + c0 + j, args);
     }
     sync();
