@@ -71,7 +71,11 @@ inside the timed call); "portable kernel" forces the sm_80 mma.sync kernel on th
 
 ## Opt-in speed modes
 
-`precision="tf32"`: one tensor-core pass on 11-bit operands. "bf16 model": the models converted
+`precision="tf32"`: one tensor-core pass on 11-bit operands. "3xTF32 peer" is not a gemmfuse
+mode but the scheme the issue names as the fallback, measured for comparison: the eager Model
+with its Linear computed as hi·hi + (hi·lo + lo·hi) in three cuBLAS TF32 GEMMs (W's split made
+once, x's in the timed call), eager's epilogue after it (`bench.ThreeTF32Linear`).
+"bf16 model": the models converted
 with `.to(torch.bfloat16)` as KernelBench's bf16 mode does (tolerance 1e-2 there); errors are
 against the float64 reference of the fp32 model, allclose against eager in the same mode.
 
@@ -80,12 +84,12 @@ against the float64 reference of the fp32 model, allclose against eager in the s
 ## Shape sweep
 
 #62's chain (GroupNorm, LeakyReLU, x + x) at M x N=K with the given group size, inputs
-`torch.rand`. "gemmfuse" is `kernel="auto"`, the shipped dispatch: the fused kernel from
-M*N*K = ops.MIN_FUSED_WORK up, the epilogue path (PyTorch's fp32 GEMM, then the whole chain in
-one kernel) below it. The last two columns force each of the two on the same row, which is
-how the threshold was chosen. Every timed window opens before the Python dispatch, so host
-cost counts. Group size 512 straddles the 128-channel tiles: those rows take the cross-tile
-statistics (a second pass on the fused path).
+`torch.rand`. "gemmfuse" is `kernel="auto"`, the shipped dispatch: the fused kernel where
+`ops.fused_pays` holds (M*N*K >= 1e8, M >= 16, K >= 1024), the epilogue path (PyTorch's fp32
+GEMM, then the whole chain in one kernel) elsewhere. The last two columns force each of the
+two on the same row, which is how the thresholds were chosen. Every timed window opens before
+the Python dispatch, so host cost counts. Group size 512 straddles the 128-channel tiles:
+those rows take the cross-tile statistics (a second pass on the fused path).
 
 {format_sweep(sweep) if sweep else "(not run)"}
 

@@ -146,8 +146,8 @@ def test_weight_changes_are_seen(kernel):
 
 @pytest.mark.parametrize("number", [62, 75])
 def test_small_problems_take_the_epilogue_path_under_auto(number):
-    """Below MIN_FUSED_WORK: PyTorch's GEMM (eager's own result) and the chain in one kernel,
-    silently (it is the faster path there, not a fallback)."""
+    """Below the fused kernel's thresholds: PyTorch's GEMM (eager's own result) and the chain
+    in one kernel, silently (it is the faster path there, not a fallback)."""
     init = (256, 256, 16) + (((1, 256, 1, 1),) if number == 75 else ())
     ref, new = small_pair(number, init=init)
     ref, new = ref.to(CUDA), new.to(CUDA)

@@ -101,7 +101,8 @@ def model_new_for(model_cls: type[nn.Module]) -> type[nn.Module]:
     tracing ``model_cls.forward``; the rewritten module shares the model's parameters and
     buffers and is kept in ``__dict__``, outside the module tree (no duplicate state_dict keys).
     ``kernel`` and ``precision`` are read at each call; ``last_path`` joins the paths its
-    FusedLinears took ("fused", "torch", "fallback"); ``gemmfuse_report`` is optimize's report.
+    FusedLinears took ("fused", "epilogue", "torch", "fallback"); ``gemmfuse_report`` is
+    optimize's report.
     """
 
     class ModelNew(model_cls):
