@@ -252,6 +252,8 @@ def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, 
     n = weight.shape[0]
     group_size = n // norm.num_groups if norm else 1
     eps = norm.eps if norm else 0.0
+    # Groups that straddle 128-channel tiles get cross-tile statistics and a second pass.
+    norm_wide = norm is not None and TILE % group_size != 0
     vectors = [
         params[i].reshape(-1).expand(n).to(torch.float32).contiguous()
         for i in epilogue.channel_params
@@ -262,14 +264,11 @@ def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, 
             y, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps
         )
     elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
-        # Groups that straddle 128-channel tiles get cross-tile statistics and a second pass.
-        norm_wide = norm is not None and TILE % group_size != 0
         w = weight if weight.is_contiguous() else weight.contiguous()
         out = ext.fused_forward_bf16(
             x, w, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide
         )
     else:
-        norm_wide = norm is not None and TILE % group_size != 0
         k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
         w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
         out = ext.fused_forward(

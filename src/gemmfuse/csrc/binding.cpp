@@ -40,6 +40,12 @@ int* row_counters(const torch::Tensor& like, int64_t m_tiles, cudaStream_t strea
   return counter.data_ptr<int>();
 }
 
+// GroupNorm moments per (row, kTile-column window): a window meets at most
+// (kTile - 1) / group_size + 2 groups, the layout norm_finalize.cuh reads.
+int segments_per_tile(int64_t group_size) {
+  return static_cast<int>((gemmfuse::fused_tile() - 1) / group_size + 2);
+}
+
 // Allocates what the launch writes and points `args` at it; returns the tensors, which must
 // live until the launch: first the result ([M, N] in out_dtype, or fp32 [M] when the epilogue
 // reduces), then scratch. With args.norm_wide set, the GEMM kernel writes pre-norm fp32 values
@@ -61,8 +67,7 @@ std::vector<torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args, const tor
   if (args.norm_wide) {
     keep.push_back(torch::empty({M, N}, f32));
     args.out = keep.back().data_ptr<float>();
-    // A kTile-column window meets at most 127 / group_size + 2 groups.
-    args.stats_per_tile = static_cast<int>((tile - 1) / args.group_size + 2);
+    args.stats_per_tile = segments_per_tile(args.group_size);
     keep.push_back(torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32));
     args.norm_stats = reinterpret_cast<float2*>(keep.back().data_ptr<float>());
   } else if (reduce != 0) {
@@ -262,7 +267,7 @@ torch::Tensor epilogue_forward(torch::Tensor y, c10::optional<torch::Tensor> gn_
     // The same per-(row, 128-column window, group segment) layout as the wide mode's; in
     // global memory only for rows too long to stage in shared memory.
     const int64_t tile = gemmfuse::fused_tile(), n_tiles = (N + tile - 1) / tile;
-    args.stats_per_tile = static_cast<int>((tile - 1) / group_size + 2);
+    args.stats_per_tile = segments_per_tile(group_size);
     if (!gemmfuse::epilogue_row_fits_smem(args.N, args.stats_per_tile)) {
       stats = torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32);
       args.norm_stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
