@@ -261,7 +261,7 @@ def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, 
     if path == "epilogue":
         y = F.linear(x, weight, bias)
         out = ext.epilogue_forward(
-            y, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps
+            y, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide
         )
     elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
         w = weight if weight.is_contiguous() else weight.contiguous()

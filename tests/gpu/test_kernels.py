@@ -110,6 +110,35 @@ def test_odd_shapes(number, m, k, group, n, kernel):
     assert err <= max(err_eager, 1e-4), f"gemmfuse {err:.3e} vs eager {err_eager:.3e}"
 
 
+@pytest.mark.parametrize("number", [62, 75])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize(
+    "m,k,n,groups",
+    [(257, 1000, 592, 37), (2048, 64, 4096, 64), (3, 8, 256, 2), (300, 128, 384, 3)],
+)
+def test_hopper_tile_walk_on_exact_operands(number, precision, m, k, n, groups):
+    """Both Hopper variants against eager on operands in quarters from -1 to 1: every product
+    and partial sum is exact in fp16 and fp32, so the one-pass variant (precision="tf32") is
+    exact too and both must be allclose. The shapes cover row and 256-column tiles cut by M and
+    N, a single k-tile, and more tiles than resident blocks (later rounds of the one-pass
+    variant's persistent walk, whose pipeline phases carry over from tile to tile)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU")
+    init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
+    ref, new = small_pair(number, seed=m + k, init=init)
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    gen = torch.Generator().manual_seed(m + n)
+    w = (torch.randint(-4, 5, (n, k), generator=gen) / 4).to(CUDA)
+    with torch.no_grad():
+        for model in (ref, new):
+            next(mod for mod in model.modules() if isinstance(mod, torch.nn.Linear)).weight.copy_(w)
+    new.kernel, new.precision = "hopper", precision
+    x = (torch.randint(-4, 5, (m, k), generator=gen) / 4).to(CUDA)
+    expect, _, got = run_both(ref, new, x)
+    assert new.last_path == "fused"
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("layout", ["row-strided", "transposed"])
 def test_non_contiguous_input(layout, kernel):
     ref, new = small_pair(62, init=(512, 256, 16))

@@ -48,8 +48,9 @@ int segments_per_tile(int64_t group_size) {
 
 // Allocates what the launch writes and points `args` at it; returns the tensors, which must
 // live until the launch: first the result ([M, N] in out_dtype, or fp32 [M] when the epilogue
-// reduces), then scratch. With args.norm_wide set, the GEMM kernel writes pre-norm fp32 values
-// (the result itself for an fp32 chain without reduction) and per-segment GroupNorm moments.
+// reduces; none when args.out is given and is the result), then scratch. With args.norm_wide
+// set, the first kernel writes pre-norm fp32 values to args.out (the result itself for an fp32
+// chain without reduction) and per-segment GroupNorm moments.
 std::vector<torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args, const torch::Tensor& x,
                                             torch::ScalarType out_dtype, cudaStream_t stream) {
   const int64_t M = args.M, N = args.N, tile = gemmfuse::fused_tile();
@@ -64,9 +65,12 @@ std::vector<torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args, const tor
     keep.push_back(torch::empty({M, N}, x.options().dtype(out_dtype)));
     args.out_bf16 = reinterpret_cast<__nv_bfloat16*>(keep.back().data_ptr());
   }
-  if (args.norm_wide) {
+  const bool needs_out = args.norm_wide || (reduce == 0 && out_dtype != torch::kBFloat16);
+  if (needs_out && args.out == nullptr) {
     keep.push_back(torch::empty({M, N}, f32));
     args.out = keep.back().data_ptr<float>();
+  }
+  if (args.norm_wide) {
     args.stats_per_tile = segments_per_tile(args.group_size);
     keep.push_back(torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32));
     args.norm_stats = reinterpret_cast<float2*>(keep.back().data_ptr<float>());
@@ -75,9 +79,6 @@ std::vector<torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args, const tor
     keep.push_back(torch::empty({reduce >= 3 ? 2 * n_tiles : n_tiles, M}, f32));
     args.row_partial = keep.back().data_ptr<float>();
     args.row_counter = row_counters(x, m_tiles, stream);
-  } else if (out_dtype != torch::kBFloat16) {
-    keep.push_back(torch::empty({M, N}, f32));
-    args.out = keep.back().data_ptr<float>();
   }
   return keep;
 }
@@ -236,7 +237,8 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
 torch::Tensor epilogue_forward(torch::Tensor y, c10::optional<torch::Tensor> gn_weight,
                                c10::optional<torch::Tensor> gn_bias,
                                std::vector<torch::Tensor> vec_params,
-                               std::vector<double> scalar_params, int64_t group_size, double eps) {
+                               std::vector<double> scalar_params, int64_t group_size, double eps,
+                               bool norm_wide) {
   TORCH_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.is_contiguous(),
               "gemmfuse: y must be a contiguous 2-D float32 CUDA tensor");
   const int64_t M = y.size(0), N = y.size(1);
@@ -256,23 +258,9 @@ torch::Tensor epilogue_forward(torch::Tensor y, c10::optional<torch::Tensor> gn_
   set_channel_params(args, vec_params, scalar_params);
   args.group_size = static_cast<int>(group_size);
   args.eps = static_cast<float>(eps);
+  args.norm_wide = norm_wide ? 1 : 0;
   args.out = y.data_ptr<float>();
-  const auto f32 = y.options();
-  torch::Tensor result = y, stats;
-  if (gemmfuse::fused_reduce_kind() != 0) {
-    result = torch::empty({M}, f32);
-    args.row_out = result.data_ptr<float>();
-  }
-  if (gemmfuse::fused_has_norm()) {
-    // The same per-(row, 128-column window, group segment) layout as the wide mode's; in
-    // global memory only for rows too long to stage in shared memory.
-    const int64_t tile = gemmfuse::fused_tile(), n_tiles = (N + tile - 1) / tile;
-    args.stats_per_tile = segments_per_tile(group_size);
-    if (!gemmfuse::epilogue_row_fits_smem(args.N, args.stats_per_tile)) {
-      stats = torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32);
-      args.norm_stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
-    }
-  }
+  const auto outputs = allocate_outputs(args, y, torch::kFloat32, stream);
   check_cuda(gemmfuse::launch_epilogue_only(args, stream), "epilogue kernel launch");
-  return result;
+  return gemmfuse::fused_reduce_kind() != 0 ? outputs.front() : y;
 }

@@ -62,7 +62,6 @@ struct FusedArgs {
 
 // Defined in fused_linear.cu, one translation unit per epilogue.
 int fused_reduce_kind();
-int fused_has_norm();
 int fused_tile();  // side of the square output tile
 cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
                                   int k_padded, __half* hi, __half* lo, float* inv_scale,
@@ -71,10 +70,7 @@ cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, 
 // kernel, 2 the Hopper kernel (sm_90 only).
 cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream);
 // The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain
-// row by row, in place or into args.row_out.
+// tile by tile (and, with args.norm_wide, row by row), in place or into args.row_out.
 cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream);
-// Whether the epilogue path stages a row of N values (and its GroupNorm segment moments) in
-// shared memory; if not, it needs args.norm_stats in global memory.
-bool epilogue_row_fits_smem(int N, int stats_per_tile);
 
 }  // namespace gemmfuse

@@ -11,7 +11,6 @@
 namespace gemmfuse {
 
 int fused_reduce_kind() { return GeneratedEpilogue::kReduce; }
-int fused_has_norm() { return GeneratedEpilogue::kNorm ? 1 : 0; }
 int fused_tile() { return kTile; }
 
 cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
@@ -39,11 +38,8 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
 }
 
 cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream) {
-  return launch_row_epilogue<GeneratedEpilogue>(args, stream);
-}
-
-bool epilogue_row_fits_smem(int N, int stats_per_tile) {
-  return row_smem_bytes<GeneratedEpilogue>(N, stats_per_tile) <= kRowSmemLimit;
+  if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
+  return launch_tile_epilogue<GeneratedEpilogue>(args, stream);
 }
 
 }  // namespace gemmfuse

@@ -2,19 +2,29 @@
 // gemm_gn_sm80.cuh, on wgmma fed by TMA. Two one-pass variants share it: precision="tf32"
 // (hi*hi alone, only the hi operands loaded) and bf16 models (their own bf16 operands).
 //
-// A block computes a 128x128 output tile. Two consumer warpgroups (threads 0-255) do the math;
-// one thread of the producer warpgroup after them streams the four operand tiles of each
-// 64-wide k-tile (x hi/lo, W hi/lo, 16 KB each, 128-byte swizzled) into a 3-stage
-// shared-memory ring with cp.async.bulk.tensor, completing on a "full" mbarrier per stage
-// (one-pass modes load two tiles per stage, into 6 stages). The consumers each own 64 rows:
-// per k-tile they issue 12 wgmma.m64n128k16 (hi*lo, lo*hi, hi*hi for each 16-wide k step)
-// into a tensor-core accumulator that the first of them overwrites, wait for them, free the
-// stage through its "empty" mbarrier, and promote the k-tile's result into an fp32 register
-// sum with round-to-nearest adds. The promotion bounds the tensor cores' truncating
-// accumulation to 64 products; while one warpgroup waits and promotes, the other's wgmmas
-// keep the tensor cores busy. setmaxnreg moves registers from the producer to the consumers.
-// The epilogue is tile_epilogue.cuh's, run by the 256 consumer threads.
+// Two consumer warpgroups (threads 0-255) do the math, 64 rows each; one thread of the producer
+// warpgroup after them streams the operand tiles of each 64-wide k-tile (128-byte swizzled)
+// into a shared-memory ring with cp.async.bulk.tensor, completing on a "full" mbarrier per
+// stage; the consumers free a stage through its "empty" mbarrier. setmaxnreg moves registers
+// from the producer to the consumers. A block walks output tiles in TileWalk's order (row tiles
+// fastest, so the blocks running at once share W's column panels in L2); the epilogue's fp32
+// tile reuses the ring, so the producer starts a block's next tile once its epilogue is done.
+// - Split (fp32-accurate): 128x128 tiles, one per block; a stage holds x hi, x lo, W hi, W lo
+//   (16 KB each), 3 stages. Per k-tile each consumer issues 12 wgmma.m64n128k16 (hi*lo, lo*hi,
+//   hi*hi for each 16-wide k step) into a tensor-core accumulator that the first of them
+//   overwrites, waits, frees the stage and promotes the k-tile's result into an fp32 register
+//   sum with round-to-nearest adds: the promotion bounds the tensor cores' truncating
+//   accumulation to 64 products; while one warpgroup promotes, the other's wgmmas keep the
+//   tensor cores busy.
+// - One pass: 128x256 tiles on a persistent grid (one block per SM walking the tiles); a stage
+//   holds x (16 KB) and W (32 KB), 4 stages; 4 wgmma.m64n256k16 per k-tile accumulate across all
+//   of K. The wider tile reads 48 KB from L2 per 4 MFLOP where a 128x128 one read 32 KB per 2.
+// Measured on #62 (docs/DESIGN.md section 4): one-pass bf16 237 us against 262 us for
+// one-pass 128x128 tiles, one block per tile; the split variant is 3-8% slower persistent, so
+// it keeps a block per tile.
+// The epilogue is tile_epilogue.cuh's, run by the 256 consumer threads on 128x128 halves.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -27,19 +37,22 @@ namespace gemmfuse {
 namespace sm90 {
 
 constexpr int kBlockK = 64;                           // one 128-byte swizzle row of fp16
-constexpr int kOperandBytes = kTile * kBlockK * 2;    // 16 KB
+constexpr int kOperandBytes = kTile * kBlockK * 2;    // 16 KB: 128 rows of a k-tile
 constexpr int kConsumers = 2;                         // math warpgroups, 64 rows each
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr int kThreads = kConsumerThreads + 128;      // + the producer warpgroup
+constexpr int kStagingBytes = kTile * kEpiStride * 4;  // the epilogue's fp32 128x128 tile
 
-// Per variant: a stage holds x hi, x lo, W hi, W lo (split) or x, W (one pass); the ring is
-// reused as the epilogue's fp32 tile once the GEMM is done.
+// Per variant (see the top of the file): tile width, ring depth and grid.
 template <bool kSplit>
 struct Variant {
-  static constexpr int kStageBytes = (kSplit ? 4 : 2) * kOperandBytes;
-  static constexpr int kStages = kSplit ? 3 : 6;
-  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align to 1 KB
-  static_assert(kTile * kEpiStride * 4 <= kStages * kStageBytes, "epilogue tile fits the ring");
+  static constexpr int kBlockN = kSplit ? 128 : 256;  // output columns per tile
+  static constexpr int kAccRegs = kBlockN / 2;        // fp32 accumulators per consumer thread
+  static constexpr int kStageBytes = (kSplit ? 4 : 1 + kBlockN / kTile) * kOperandBytes;
+  static constexpr int kStages = kSplit ? 3 : 4;
+  static constexpr bool kPersistent = !kSplit;        // else one block per tile
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + 1 KB for alignment
+  static_assert(kStagingBytes <= kStages * kStageBytes, "the epilogue tile fits the ring");
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -94,22 +107,22 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Pins the accumulator registers so the compiler cannot move their reads across a wait.
-__device__ __forceinline__ void fence_operands(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D(64x128, fp32) (+)= A(64x16) * B(16x128), both from shared memory, K-major, 128-byte
-// swizzle, with TYPE ("f16" or "bf16") operands. scale_d == 0 overwrites D instead of
-// accumulating into it.
-#define GEMMFUSE_DEFINE_WGMMA_M64N128K16(NAME, TYPE)                                         \
-  __device__ __forceinline__ void NAME(float (&d)[64], uint64_t desc_a, uint64_t desc_b,      \
-                                       int scale_d) {                                         \
-    asm volatile(                                                                            \
-      "{\n"                                                                                  \
-      ".reg .pred p;\n"                                                                      \
-      "setp.ne.b32 p, %66, 0;\n"                                                             \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {"                      \
+// D(64xN, fp32) (+)= A(64x16) * B(16xN), both from shared memory, K-major, 128-byte swizzle,
+// with TYPE ("f16" or "bf16") operands. scale_d == 0 overwrites D instead of accumulating.
+#define GEMMFUSE_DEFINE_WGMMA_M64N128K16(NAME, TYPE)                                        \
+  __device__ __forceinline__ void NAME(float (&d)[64], uint64_t desc_a, uint64_t desc_b, \
+                                       int scale_d) { \
+    asm volatile( \
+      "{\n" \
+      ".reg .pred p;\n" \
+      "setp.ne.b32 p, %66, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" \
       "%0, %1, %2, %3, %4, %5, %6, %7, " \
       "%8, %9, %10, %11, %12, %13, %14, %15, " \
       "%16, %17, %18, %19, %20, %21, %22, %23, " \
@@ -118,8 +131,8 @@ __device__ __forceinline__ void fence_operands(float (&d)[64]) {
       "%40, %41, %42, %43, %44, %45, %46, %47, " \
       "%48, %49, %50, %51, %52, %53, %54, %55, " \
       "%56, %57, %58, %59, %60, %61, %62, %63" \
-      "}, %64, %65, p, 1, 1, 0, 0;\n"                                                        \
-      "}\n"                                                                                  \
+      "}, %64, %65, p, 1, 1, 0, 0;\n" \
+      "}\n" \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), \
         "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
@@ -136,22 +149,90 @@ __device__ __forceinline__ void fence_operands(float (&d)[64]) {
         "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), \
         "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                             \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
   }
 GEMMFUSE_DEFINE_WGMMA_M64N128K16(wgmma_m64n128k16_f16, "f16")
-GEMMFUSE_DEFINE_WGMMA_M64N128K16(wgmma_m64n128k16_bf16, "bf16")
 #undef GEMMFUSE_DEFINE_WGMMA_M64N128K16
+#define GEMMFUSE_DEFINE_WGMMA_M64N256K16(NAME, TYPE)                                        \
+  __device__ __forceinline__ void NAME(float (&d)[128], uint64_t desc_a, uint64_t desc_b, \
+                                       int scale_d) { \
+    asm volatile( \
+      "{\n" \
+      ".reg .pred p;\n" \
+      "setp.ne.b32 p, %130, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {" \
+      "%0, %1, %2, %3, %4, %5, %6, %7, " \
+      "%8, %9, %10, %11, %12, %13, %14, %15, " \
+      "%16, %17, %18, %19, %20, %21, %22, %23, " \
+      "%24, %25, %26, %27, %28, %29, %30, %31, " \
+      "%32, %33, %34, %35, %36, %37, %38, %39, " \
+      "%40, %41, %42, %43, %44, %45, %46, %47, " \
+      "%48, %49, %50, %51, %52, %53, %54, %55, " \
+      "%56, %57, %58, %59, %60, %61, %62, %63, " \
+      "%64, %65, %66, %67, %68, %69, %70, %71, " \
+      "%72, %73, %74, %75, %76, %77, %78, %79, " \
+      "%80, %81, %82, %83, %84, %85, %86, %87, " \
+      "%88, %89, %90, %91, %92, %93, %94, %95, " \
+      "%96, %97, %98, %99, %100, %101, %102, %103, " \
+      "%104, %105, %106, %107, %108, %109, %110, %111, " \
+      "%112, %113, %114, %115, %116, %117, %118, %119, " \
+      "%120, %121, %122, %123, %124, %125, %126, %127" \
+      "}, %128, %129, p, 1, 1, 0, 0;\n" \
+      "}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), \
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), \
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), \
+        "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), \
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), \
+        "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), \
+        "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), \
+        "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), \
+        "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), \
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), \
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), \
+        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)); \
+  }
+GEMMFUSE_DEFINE_WGMMA_M64N256K16(wgmma_m64n256k16_f16, "f16")
+GEMMFUSE_DEFINE_WGMMA_M64N256K16(wgmma_m64n256k16_bf16, "bf16")
+#undef GEMMFUSE_DEFINE_WGMMA_M64N256K16
 
 template <bool kBf16>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
                                                  int scale_d) {
   if constexpr (kBf16)
-    wgmma_m64n128k16_bf16(d, desc_a, desc_b, scale_d);
+    wgmma_m64n256k16_bf16(d, desc_a, desc_b, scale_d);
   else
-    wgmma_m64n128k16_f16(d, desc_a, desc_b, scale_d);
+    wgmma_m64n256k16_f16(d, desc_a, desc_b, scale_d);
 }
 
-// kSplit: issue hi*lo + lo*hi + hi*hi with promotion after every k-tile (fp32-accurate), or one
+// The order of the output tiles: tile t is row tile t % m_tiles of column tile t / m_tiles.
+struct TileWalk {
+  int m_tiles;
+  int tiles;  // m_tiles * column tiles
+};
+
+// kSplit: hi*lo + lo*hi + hi*hi with promotion after every k-tile (fp32-accurate), or one
 // product per k-step accumulated across all of K in the tensor cores (precision="tf32" on the
 // fp16 hi parts, or a bf16 model's own operands when kBf16). Compile-time choices: a run-time
 // branch between wgmmas makes ptxas fence (and serialise) them.
@@ -160,17 +241,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     fused_gemm_gn_sm90_kernel(const __grid_constant__ CUtensorMap tm_a_hi,
                               const __grid_constant__ CUtensorMap tm_a_lo,
                               const __grid_constant__ CUtensorMap tm_b_hi,
-                              const __grid_constant__ CUtensorMap tm_b_lo, const FusedArgs args) {
+                              const __grid_constant__ CUtensorMap tm_b_lo, const FusedArgs args,
+                              const TileWalk walk) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using V = Variant<kSplit>;
+  constexpr int kStageBytes = V::kStageBytes, kStages = V::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  constexpr int kStageBytes = Variant<kSplit>::kStageBytes, kStages = Variant<kSplit>::kStages;
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
+  __shared__ __align__(8) uint64_t epilogue_done;
 
   const int tid_wg = threadIdx.x % 128;
-  const int tile_m = blockIdx.x * kTile, tile_n = blockIdx.y * kTile;
   const int k_tiles = args.k_padded / kBlockK;
 
   if (threadIdx.x == 0) {
@@ -179,124 +262,147 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full_bar[s], 1);
       mbar_init(&empty_bar[s], kConsumers);
     }
+    mbar_init(&epilogue_done, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 
-  // Registers move from the producer to the consumers. ptxas compiles a kernel that uses
-  // setmaxnreg to its launch bound's maximum, 168 a thread, and a block must stay within what
-  // it was launched with: 128 * 40 + 256 * 232 <= 384 * 168.
   if (threadIdx.x >= kConsumerThreads) {
+    // Registers move from the producer to the consumers. ptxas compiles a kernel that uses
+    // setmaxnreg to its launch bound's maximum, 168 a thread, and a block must stay within
+    // what it was launched with: 128 * 40 + 256 * 232 <= 384 * 168.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == kConsumerThreads) {
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % kStages;
-        mbar_wait(&empty_bar[s], ((kt / kStages) & 1) ^ 1);  // first round passes at once
-        mbar_expect_tx(&full_bar[s], kStageBytes);
-        unsigned char* st = smem + s * kStageBytes;
-        const int k0 = kt * kBlockK;
-        tma_load_2d(st, &tm_a_hi, k0, tile_m, &full_bar[s]);
-        if constexpr (kSplit) {
-          tma_load_2d(st + kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
-          tma_load_2d(st + 2 * kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
-          tma_load_2d(st + 3 * kOperandBytes, &tm_b_lo, k0, tile_n, &full_bar[s]);
-        } else {
-          tma_load_2d(st + kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
+      int it = 0;  // k-tiles loaded so far, across tiles: picks the stage and its phase
+      int done = 0;
+      for (int t = blockIdx.x; t < walk.tiles; t += gridDim.x, ++done) {
+        const int tile_m = (t % walk.m_tiles) * kTile, tile_n = (t / walk.m_tiles) * V::kBlockN;
+        if (done > 0) mbar_wait(&epilogue_done, (done - 1) & 1);  // the ring is free again
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);  // first round passes at once
+          mbar_expect_tx(&full_bar[s], kStageBytes);
+          unsigned char* st = smem + s * kStageBytes;
+          const int k0 = kt * kBlockK;
+          tma_load_2d(st, &tm_a_hi, k0, tile_m, &full_bar[s]);
+          if constexpr (kSplit) {
+            tma_load_2d(st + kOperandBytes, &tm_a_lo, k0, tile_m, &full_bar[s]);
+            tma_load_2d(st + 2 * kOperandBytes, &tm_b_hi, k0, tile_n, &full_bar[s]);
+            tma_load_2d(st + 3 * kOperandBytes, &tm_b_lo, k0, tile_n, &full_bar[s]);
+          } else {
+            // The W tile in 128-row boxes, one after the other: 256 K-major rows.
+#pragma unroll
+            for (int h = 0; h < V::kBlockN / kTile; ++h)
+              tma_load_2d(st + (1 + h) * kOperandBytes, &tm_b_hi, k0, tile_n + h * kTile,
+                          &full_bar[s]);
+          }
         }
       }
     }
     return;
   }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int consumer = threadIdx.x / 128;  // owns tile rows [64 * consumer, 64 * consumer + 64)
-  auto operands = [&](int s, uint32_t& a_hi, uint32_t& a_lo, uint32_t& b_hi, uint32_t& b_lo) {
-    const uint32_t st = smem_u32(smem + s * kStageBytes);
-    // A stage holds x hi, x lo, W hi, W lo (split) or x, W (one pass), 16 KB each.
-    a_hi = st + consumer * 64 * 128;  // this warpgroup's 64 rows of 128 bytes
-    a_lo = a_hi + kOperandBytes;
-    b_hi = st + (kSplit ? 2 : 1) * kOperandBytes;
-    b_lo = b_hi + kOperandBytes;
-  };
-  float acc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-
-  if constexpr (kSplit) {
-    float tc[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) tc[i] = 0.f;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int s = kt % kStages;
-      mbar_wait(&full_bar[s], (kt / kStages) & 1);
-      uint32_t a_hi, a_lo, b_hi, b_lo;
-      operands(s, a_hi, a_lo, b_hi, b_lo);
-      fence_operands(tc);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        const uint32_t off = kk * 32;  // 16 fp16 along K within the swizzled row
-        wgmma_m64n128k16<false>(tc, smem_desc(a_hi + off), smem_desc(b_lo + off), kk > 0);
-        wgmma_m64n128k16<false>(tc, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
-        wgmma_m64n128k16<false>(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(tc);
+  {  // the consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int consumer = threadIdx.x / 128;  // owns tile rows [64 * consumer, 64 * consumer + 64)
+    auto consumers_sync = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads)); };
+    auto release = [&](int s) {
       if (tid_wg == 0) mbar_arrive(&empty_bar[s]);
+    };
+    float* staging = reinterpret_cast<float*>(smem);  // the ring, once a tile's GEMM is done
+    const int warp = tid_wg / 32, lane = tid_wg % 32;
+    const int n_tiles = (args.N + kTile - 1) / kTile;  // 128-column tiles, the epilogue's unit
+
+    int it = 0;
+    for (int t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
+      const int m_idx = t % walk.m_tiles, tile_m = m_idx * kTile;
+      const int tile_n = (t / walk.m_tiles) * V::kBlockN;
+      float acc[V::kAccRegs];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] += tc[i];
-    }
-  } else {
-    // One wgmma group in flight: a stage is freed once the group after it has been issued.
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int s = kt % kStages;
-      mbar_wait(&full_bar[s], (kt / kStages) & 1);
-      uint32_t a_hi, a_lo, b_hi, b_lo;
-      operands(s, a_hi, a_lo, b_hi, b_lo);
-      wgmma_fence();
+      for (int i = 0; i < V::kAccRegs; ++i) acc[i] = 0.f;
+
+      if constexpr (kSplit) {
+        float tc[V::kAccRegs];
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&full_bar[s], (it / kStages) & 1);
+          const uint32_t st = smem_u32(smem + s * kStageBytes);
+          // x hi, x lo, W hi, W lo; this warpgroup's 64 rows of 128 bytes in the x tiles.
+          const uint32_t a_hi = st + consumer * 64 * 128, a_lo = a_hi + kOperandBytes;
+          const uint32_t b_hi = st + 2 * kOperandBytes, b_lo = b_hi + kOperandBytes;
+          fence_operands(tc);
+          wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        const uint32_t off = kk * 32;
-        wgmma_m64n128k16<kBf16>(acc, smem_desc(a_hi + off), smem_desc(b_hi + off), kt > 0 || kk > 0);
+          for (int kk = 0; kk < kBlockK / 16; ++kk) {
+            const uint32_t off = kk * 32;  // 16 fp16 along K within the swizzled row
+            wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_lo + off), kk > 0);
+            wgmma_m64n128k16_f16(tc, smem_desc(a_lo + off), smem_desc(b_hi + off), 1);
+            wgmma_m64n128k16_f16(tc, smem_desc(a_hi + off), smem_desc(b_hi + off), 1);
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_operands(tc);
+          release(s);
+#pragma unroll
+          for (int i = 0; i < V::kAccRegs; ++i) acc[i] += tc[i];
+        }
+      } else {
+        // One wgmma group in flight: a stage is freed once the group after it has been issued.
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&full_bar[s], (it / kStages) & 1);
+          const uint32_t st = smem_u32(smem + s * kStageBytes);
+          const uint32_t a = st + consumer * 64 * 128, b = st + kOperandBytes;  // x, W (256 rows)
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBlockK / 16; ++kk) {
+            const uint32_t off = kk * 32;
+            wgmma_m64n256k16<kBf16>(acc, smem_desc(a + off), smem_desc(b + off), kt > 0 || kk > 0);
+          }
+          wgmma_commit();
+          wgmma_wait<1>();
+          if (kt > 0) release((it - 1) % kStages);
+        }
+        wgmma_wait<0>();
+        fence_operands(acc);
+        if (k_tiles > 0) release((it - 1) % kStages);
       }
-      wgmma_commit();
-      wgmma_wait<1>();
-      if (kt > 0 && tid_wg == 0) mbar_arrive(&empty_bar[(kt - 1) % kStages]);
-    }
-    wgmma_wait<0>();
-    fence_operands(acc);
-  }
 
-  auto consumers_sync = [] { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads)); };
-  consumers_sync();  // every wgmma has read its operands: the ring becomes the epilogue tile
-
-  float* tile = reinterpret_cast<float*>(smem);
-  const int warp = tid_wg / 32, lane = tid_wg % 32;
+      // The epilogue, on each 128-column half of the tile in turn.
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
-    const float a_inv =
-        args.a_inv_scale ? __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1)) : 1.f;
+      for (int h = 0; h < V::kBlockN / kTile; ++h) {
+        const int n0 = tile_n + h * kTile;
+        if (n0 >= args.N) break;  // uniform across the consumers
+        consumers_sync();  // every wgmma has read the ring; the last epilogue is done with it
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+        for (int half = 0; half < 2; ++half) {
+          const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
+          const float a_inv =
+              args.a_inv_scale ? __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1)) : 1.f;
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        tile[r * kEpiStride + j * 8 + 2 * (lane % 4) + e] = acc[4 * j + 2 * half + e] * a_inv;
+          for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              staging[r * kEpiStride + j * 8 + 2 * (lane % 4) + e] =
+                  acc[4 * (h * 16 + j) + 2 * half + e] * a_inv;
+          }
+        }
+        consumers_sync();
+        // The column scale, bias and `pre` in a second sweep, a thread per column, which loads
+        // each column's values once.
+        {
+          const int c = threadIdx.x % kTile, gcol = min(n0 + c, args.N - 1);
+          for (int r = threadIdx.x / kTile; r < kTile; r += kConsumerThreads / kTile)
+            staging[r * kEpiStride + c] =
+                epilogue_input<Epi>(staging[r * kEpiStride + c], 1.f, gcol, args);
+        }
+        consumers_sync();
+        const TileCoord coord{tile_m, n0, m_idx, n0 / kTile, n_tiles};
+        tile_epilogue<Epi, kConsumerThreads>(staging, args, coord, threadIdx.x, consumers_sync);
+      }
+      consumers_sync();  // every consumer is done with the ring
+      if (threadIdx.x == 0) mbar_arrive(&epilogue_done);
     }
   }
-  consumers_sync();
-  // The column scale, bias and `pre` in a second sweep, a thread per column, which loads each
-  // column's values once.
-  {
-    const int c = threadIdx.x % kTile, gcol = min(tile_n + c, args.N - 1);
-    for (int r = threadIdx.x / kTile; r < kTile; r += kConsumerThreads / kTile)
-      tile[r * kEpiStride + c] = epilogue_input<Epi>(tile[r * kEpiStride + c], 1.f, gcol, args);
-  }
-  consumers_sync();
-  const TileCoord coord{tile_m, tile_n, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
-                        static_cast<int>(gridDim.y)};
-  tile_epilogue<Epi, kConsumerThreads>(tile, args, coord, threadIdx.x, consumers_sync);
 #endif
 }
 
@@ -327,14 +433,36 @@ inline cudaError_t encode_operand(CUtensorMap* map, const void* base, int rows, 
 }
 
 template <class Epi, bool kSplit, bool kBf16>
-cudaError_t launch_kernel(const CUtensorMap (&maps)[4], dim3 grid, const FusedArgs& args,
+cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
                           cudaStream_t stream) {
+  using V = Variant<kSplit>;
   auto kernel = fused_gemm_gn_sm90_kernel<Epi, kSplit, kBf16>;
-  constexpr int smem = Variant<kSplit>::kSmemBytes;
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         V::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, kThreads, smem, stream>>>(maps[0], maps[1], maps[2], maps[3], args);
+  const int m_tiles = (args.M + kTile - 1) / kTile;
+  const int n_tiles = (args.N + V::kBlockN - 1) / V::kBlockN;
+  if (int64_t{m_tiles} * n_tiles >= (int64_t{1} << 31)) return cudaErrorInvalidConfiguration;
+  const TileWalk walk{m_tiles, m_tiles * n_tiles};
+  int blocks = walk.tiles;
+  if constexpr (V::kPersistent) {
+    // As many blocks as can be resident at once (per device, found once): each walks every
+    // grid-th tile.
+    static int resident[64] = {};
+    int device = 0;
+    err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    if (device >= 64) return cudaErrorInvalidDevice;
+    if (resident[device] == 0) {
+      int per_sm = 0, sms = 0;
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, V::kSmemBytes);
+      if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      if (err != cudaSuccess) return err;
+      resident[device] = std::max(1, per_sm * sms);
+    }
+    blocks = std::min(blocks, resident[device]);
+  }
+  kernel<<<blocks, kThreads, V::kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], args, walk);
   return cudaGetLastError();
 }
 
@@ -357,11 +485,9 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
                                            args.k_cols, operands[i].stride, bf16);
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid((args.M + kTile - 1) / kTile, (args.N + kTile - 1) / kTile);
-  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  if (bf16) return launch_kernel<Epi, false, true>(maps, grid, args, stream);
-  if (args.split) return launch_kernel<Epi, true, false>(maps, grid, args, stream);
-  return launch_kernel<Epi, false, false>(maps, grid, args, stream);
+  if (bf16) return launch_kernel<Epi, false, true>(maps, args, stream);
+  if (args.split) return launch_kernel<Epi, true, false>(maps, args, stream);
+  return launch_kernel<Epi, false, false>(maps, args, stream);
 }
 
 }  // namespace sm90

@@ -1,14 +1,16 @@
-// Row-wise finishing of the chain, one block per output row, for two callers:
-// - the second pass for GroupNorm groups that straddle output tiles (args.norm_wide): the GEMM
-//   kernel stored the pre-norm values as fp32 in args.out and, per (row, tile, group segment),
-//   the segment's mean and centred sum of squares in args.norm_stats;
-// - the epilogue path (row_epilogue_kernel): PyTorch's own fp32 GEMM left x @ W^T + b in
-//   args.out, and this kernel applies the whole chain to it (problems too small for the fused
-//   GEMM to pay off: one launch after the GEMM instead of one per op).
-// finish_row walks a row in chunks: it merges each group's segments with Chan's formula (exact
-// for counts, no E[x^2] - E[x]^2 cancellation), then normalises, applies the affine part and
-// the generated `post` ops, and stores the result in place (or bf16 to args.out_bf16), or
-// reduces the row into args.row_out. Merges and reductions run in a fixed order.
+// The second pass for GroupNorm groups that straddle output tiles (args.norm_wide), and the
+// epilogue path's kernel.
+// - Second pass: the first (a GEMM kernel's epilogue, or the epilogue path's
+//   tile_epilogue_kernel) stored the pre-norm values as fp32 in args.out and, per (row, tile,
+//   group segment), the segment's mean and centred sum of squares in args.norm_stats.
+//   finish_row merges each group's segments with Chan's formula (exact for counts, no
+//   E[x^2] - E[x]^2 cancellation), then normalises, applies the affine part and the generated
+//   `post` ops, and stores the result in place (or bf16 to args.out_bf16), or reduces the row
+//   into args.row_out. Merges and reductions run in a fixed order. A block takes a
+//   kFinalizeChunk-column piece of a row, or (when the chain reduces) the whole row.
+// - The epilogue path: PyTorch's own fp32 GEMM left x @ W^T + b in args.out, and
+//   tile_epilogue_kernel applies the whole chain to it (problems too small for the fused GEMM
+//   to pay off: one or two launches after the GEMM instead of one per op).
 #pragma once
 #include "fused_args.h"
 #include "row_reduce.cuh"
@@ -46,11 +48,12 @@ __device__ __forceinline__ Moments group_moments(const float2* stats, int g, int
   return acc;
 }
 
-// `in` holds pre(x @ W^T + b) for output row r and `stats` its per-segment moments (kNorm);
-// the finished row goes to `out` (which may be `in`), or its reduction to args.row_out.
+// `row` holds pre(x @ W^T + b) for output row r and `stats` its per-segment moments; columns
+// [c_first, c_last) are finished in place (or into args.out_bf16), or, when the chain reduces
+// (then the whole row), reduced into args.row_out.
 template <class Epi>
-__device__ __forceinline__ void finish_row(const float2* stats, const float* in, float* out,
-                                           int r, const FusedArgs& args) {
+__device__ __forceinline__ void finish_row(const float2* stats, float* row, int r, int c_first,
+                                           int c_last, const FusedArgs& args) {
   constexpr int kind = Epi::kReduce;
   __shared__ float s_mean[Epi::kNorm ? kFinalizeGroups : 1], s_rstd[Epi::kNorm ? kFinalizeGroups : 1];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -59,8 +62,8 @@ __device__ __forceinline__ void finish_row(const float2* stats, const float* in,
   const bool warp_per_group = gs > 4 * kTile;
   RowAcc acc = row_acc_empty<kind == 0 ? 3 : kind>();
 
-  for (int c0 = 0; c0 < N; c0 += kFinalizeChunk) {
-    const int c1 = min(N, c0 + kFinalizeChunk);
+  for (int c0 = c_first; c0 < c_last; c0 += kFinalizeChunk) {
+    const int c1 = min(c_last, c0 + kFinalizeChunk);
     const int g0 = c0 / gs;
     if constexpr (Epi::kNorm) {
       const int groups = (c1 - 1) / gs - g0 + 1;
@@ -90,13 +93,13 @@ __device__ __forceinline__ void finish_row(const float2* stats, const float* in,
       __syncthreads();
     }
     for (int c = c0 + tid; c < c1; c += kFinalizeThreads) {
-      float y = in[c];
+      float y = row[c];
       if constexpr (Epi::kNorm) y = normalize<Epi>(y, s_mean[c / gs - g0], s_rstd[c / gs - g0], c, args);
       if constexpr (kind == 0) {
         if (args.out_bf16 != nullptr)
           args.out_bf16[static_cast<int64_t>(r) * N + c] = __float2bfloat16_rn(y);
         else
-          out[c] = y;
+          row[c] = y;
       } else {
         row_acc_push<kind>(acc, y);
       }
@@ -121,88 +124,63 @@ template <class Epi>
 __global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedArgs args) {
   const int r = blockIdx.x;
   const int n_tiles = (args.N + kTile - 1) / kTile;
-  float* row = args.out + static_cast<int64_t>(r) * args.N;
-  finish_row<Epi>(args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile, row,
-                  row, r, args);
-}
-
-// Dynamic shared memory the epilogue path stages a row and its segment moments in: N floats,
-// then (kNorm) the moments, 8-byte aligned. Rows that do not fit are worked on in place in
-// global memory, their moments in args.norm_stats.
-constexpr int kRowSmemLimit = 200 * 1024;
-
-template <class Epi>
-__host__ __device__ inline int64_t row_smem_bytes(int N, int stats_per_tile) {
-  const int64_t n_tiles = (N + kTile - 1) / kTile;
-  return (N + 1) / 2 * 8 + (Epi::kNorm ? n_tiles * stats_per_tile * 8 : 0);
-}
-
-// The epilogue path: args.out holds x @ W^T + b from PyTorch's GEMM (args.bias is null). Each
-// block reads its row once (into shared memory when `staged`, else in place), applies `pre`,
-// computes the moments of each (128-column window, group segment) exactly as the GEMM kernels'
-// wide mode does, and finishes the row into args.out. Within a block, __syncthreads orders the
-// writes and reads of the row and its moments.
-template <class Epi>
-__global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArgs args,
-                                                                        bool staged) {
-  extern __shared__ float2 s_dyn[];
-  const int r = blockIdx.x, tid = threadIdx.x, N = args.N;
-  const int n_tiles = (N + kTile - 1) / kTile;
-  float* row = args.out + static_cast<int64_t>(r) * N;
-  float* work = staged ? reinterpret_cast<float*>(s_dyn) : row;
-  // Loads in batches, all issued before any is used: at a few rows, a handful of blocks must
-  // keep enough reads in flight to stream their rows.
-  constexpr int kBatch = 8;
-  for (int c0 = tid; c0 < N; c0 += kBatch * kFinalizeThreads) {
-    float v[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int c = c0 + i * kFinalizeThreads;
-      v[i] = c < N ? row[c] : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int c = c0 + i * kFinalizeThreads;
-      if (c < N) work[c] = epilogue_input<Epi>(v[i], 1.f, c, args);
-    }
-  }
-  __syncthreads();
-  float2* stats = nullptr;
-  if constexpr (Epi::kNorm) {
-    const int gs = args.group_size, spt = args.stats_per_tile;
-    stats = staged ? s_dyn + (N + 1) / 2 : args.norm_stats + static_cast<int64_t>(r) * n_tiles * spt;
-    for (int task = tid; task < n_tiles * spt; task += kFinalizeThreads) {
-      const int t = task / spt, g = (t * kTile) / gs + task % spt;
-      const int c_begin = max(g * gs, t * kTile), c_end = min((g + 1) * gs, min((t + 1) * kTile, N));
-      if (c_begin < c_end) stats[task] = segment_moments(work + c_begin, c_end - c_begin);
-    }
-    __syncthreads();
-  }
-  finish_row<Epi>(stats, work, row, r, args);
+  // Without a reduction, a row's chunks are independent: spread over blocks (few rows would
+  // otherwise leave one latency-bound block per row).
+  const int c_first = Epi::kReduce == 0 ? blockIdx.y * kFinalizeChunk : 0;
+  const int c_last = Epi::kReduce == 0 ? min(args.N, c_first + kFinalizeChunk) : args.N;
+  finish_row<Epi>(args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile,
+                  args.out + static_cast<int64_t>(r) * args.N, r, c_first, c_last, args);
 }
 
 template <class Epi>
 cudaError_t launch_norm_finalize(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
-  norm_finalize_kernel<Epi><<<args.M, kFinalizeThreads, 0, stream>>>(args);
+  const dim3 grid(args.M, Epi::kReduce == 0 ? (args.N + kFinalizeChunk - 1) / kFinalizeChunk : 1);
+  norm_finalize_kernel<Epi><<<grid, kFinalizeThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
+// The epilogue path: args.out holds x @ W^T + b from PyTorch's GEMM (args.bias is null). A
+// block stages one kTile x kTile tile of it (rows past M not even in shared memory), applies
+// `pre`, and runs the GEMM kernels' own tile_epilogue on it: the same statistics, merges and
+// reductions, so the two paths differ only in the GEMM. Tiles, not rows, are the unit of work
+// so that a handful of rows still spreads over many blocks: one block per row was latency-bound
+// (about 30 us for one row of 8192).
 template <class Epi>
-cudaError_t launch_row_epilogue(const FusedArgs& args, cudaStream_t stream) {
+__global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedArgs args) {
+  extern __shared__ float tile[];
+  const int m0 = blockIdx.x * kTile, n0 = blockIdx.y * kTile, tid = threadIdx.x;
+  const int rows_here = min(kTile, args.M - m0), cols_here = min(kTile, args.N - n0);
+  for (int idx = tid; idx < rows_here * kTile; idx += kFinalizeThreads) {
+    const int r = idx / kTile, c = idx % kTile;
+    if (c < cols_here)
+      tile[r * kEpiStride + c] = epilogue_input<Epi>(
+          args.out[static_cast<int64_t>(m0 + r) * args.N + n0 + c], 1.f, n0 + c, args);
+  }
+  __syncthreads();
+  const TileCoord coord{m0, n0, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
+                        static_cast<int>(gridDim.y)};
+  tile_epilogue<Epi, kFinalizeThreads>(tile, args, coord, tid, [] { __syncthreads(); });
+}
+
+template <class Epi>
+cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
   if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
     return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
-  const int64_t smem = row_smem_bytes<Epi>(args.N, args.stats_per_tile);
-  const bool staged = smem <= kRowSmemLimit;
-  if (!staged && Epi::kNorm && args.norm_stats == nullptr) return cudaErrorInvalidValue;
-  if (staged && smem > 48 * 1024) {
+  const dim3 grid((args.M + kTile - 1) / kTile, (args.N + kTile - 1) / kTile);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  const int smem = min(args.M, kTile) * kEpiStride * static_cast<int>(sizeof(float));
+  if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
-        row_epilogue_kernel<Epi>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRowSmemLimit);
+        tile_epilogue_kernel<Epi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        kTile * kEpiStride * static_cast<int>(sizeof(float)));
     if (err != cudaSuccess) return err;
   }
-  row_epilogue_kernel<Epi><<<args.M, kFinalizeThreads, staged ? smem : 0, stream>>>(args, staged);
-  return cudaGetLastError();
+  tile_epilogue_kernel<Epi><<<grid, kFinalizeThreads, smem, stream>>>(args);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || !args.norm_wide) return err;
+  return launch_norm_finalize<Epi>(args, stream);
 }
 
 }  // namespace gemmfuse

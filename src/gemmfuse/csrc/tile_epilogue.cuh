@@ -93,9 +93,9 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
   const int gs = args.group_size;
 
   auto store = [&](bool bf16) {
-    for (int idx = tid; idx < kTile * kTile; idx += kThreads) {
+    for (int idx = tid; idx < rows_here * kTile; idx += kThreads) {
       const int r = idx / kTile, c = idx % kTile;
-      if (r < rows_here && c < cols_here) {
+      if (c < cols_here) {
         const int64_t at = static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c;
         if (bf16)
           args.out_bf16[at] = __float2bfloat16_rn(tile[r * kEpiStride + c]);
@@ -110,10 +110,9 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       const int g_first = tc.n0 / gs;
       const int segments = (tc.n0 + cols_here - 1) / gs - g_first + 1;
       const int64_t stats_row = static_cast<int64_t>(args.stats_per_tile) * tc.n_tiles;
-      for (int task = tid; task < kTile * segments; task += kThreads) {
-        const int r = task % kTile;  // consecutive threads walk rows: distinct banks
-        if (r >= rows_here) continue;
-        const int g = g_first + task / kTile;
+      for (int task = tid; task < rows_here * segments; task += kThreads) {
+        const int r = task % rows_here;  // consecutive threads walk rows: distinct banks
+        const int g = g_first + task / rows_here;
         const int c0 = max(g * gs, tc.n0) - tc.n0;
         const int c1 = min((g + 1) * gs, tc.n0 + cols_here) - tc.n0;
         args.norm_stats[(tc.m0 + r) * stats_row + tc.n_idx * args.stats_per_tile + (g - g_first)] =
@@ -123,10 +122,9 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       return;
     }
     const int groups_here = cols_here / gs;  // N and kTile are multiples of gs
-    for (int task = tid; task < kTile * groups_here; task += kThreads) {
-      const int r = task % kTile;
-      if (r >= rows_here) continue;
-      const int c0 = (task / kTile) * gs;
+    for (int task = tid; task < rows_here * groups_here; task += kThreads) {
+      const int r = task % rows_here;
+      const int c0 = (task / rows_here) * gs;
       float* v = tile + r * kEpiStride + c0;
       const float2 mom = segment_moments(v, gs);
       const float rstd = group_rstd(mom.y, gs, args.eps);
