@@ -23,7 +23,13 @@ from types import ModuleType
 
 import torch
 
-EXTENSION_FUNCTIONS = ["split_rows", "fused_forward", "fused_forward_bf16", "epilogue_forward"]
+EXTENSION_FUNCTIONS = [
+    "split_rows",
+    "fused_forward",
+    "fused_forward_bf16",
+    "epilogue_forward",
+    "gemv_forward",
+]
 _LOADED: dict[tuple, ModuleType] = {}
 _LOCK = threading.Lock()
 

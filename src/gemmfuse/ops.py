@@ -15,11 +15,15 @@ Paths, in the order they are tried:
     reduction) run in PyTorch on the reduced (M,) values.
 ``epilogue``
     PyTorch's own fp32 GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
-    that applies the whole chain row by row (csrc/norm_finalize.cuh): two launches where eager
-    makes one per op. ``kernel="auto"`` takes it for float32 problems below the fused kernel's
-    size thresholds (``fused_pays``: small or few-row problems, where the fused kernel's fixed
-    cost and idle tile rows cost more than its tensor cores save, and K < 1024, where the split
-    GEMM's error is not reliably below eager's); ``kernel="epilogue"`` forces it.
+    that applies the whole chain tile by tile (csrc/norm_finalize.cuh): two launches where eager
+    makes one per op. At up to ``GEMV_MAX_ROWS`` rows (K a multiple of 4, 16-byte aligned rows)
+    one kernel does both (csrc/gemv_epilogue.cuh): a matrix-vector product with compensated
+    sums, at least as accurate as PyTorch's, then the chain. Groups wider than a 128-channel
+    tile add the second kernel. ``kernel="auto"`` takes this path for float32 problems below
+    the fused kernel's size thresholds (``fused_pays``: small or few-row problems, where the
+    fused kernel's fixed cost and idle tile rows cost more than its tensor cores save, and
+    K < 1024, where the split GEMM's error is not reliably below eager's);
+    ``kernel="epilogue"`` forces it.
 ``torch``
     The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or with a
     reduction, or below the fused kernel's size thresholds), GPUs older than sm_80, autograd, tensor
@@ -64,6 +68,7 @@ PRECISIONS = {"fp32": True, "tf32": False}
 MIN_FUSED_WORK = 1e8
 MIN_FUSED_ROWS = 16
 MIN_FUSED_K = 1024
+GEMV_MAX_ROWS = 8  # kGemvMaxRows in csrc/gemv_epilogue.cuh
 
 
 @functools.cache
@@ -245,6 +250,20 @@ def select_path(
     return "fused", ""
 
 
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the epilogue path's few-rows kernel takes this float32 problem (16-byte rows)."""
+    m, k = x.shape
+    return (
+        m <= GEMV_MAX_ROWS
+        and k % 4 == 0
+        and x.stride(1) == 1
+        and x.stride(0) % 4 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.is_contiguous()
+        and weight.data_ptr() % 16 == 0
+    )
+
+
 def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):
     # Runs once per forward: keep it lean (no autograd here, so no detach() either).
     ext = extension_for(epilogue)
@@ -258,7 +277,14 @@ def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, 
         params[i].reshape(-1).expand(n).to(torch.float32).contiguous()
         for i in epilogue.channel_params
     ]
-    if path == "epilogue":
+    if path == "epilogue" and _gemv_fits(x, weight):
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+        out = ext.gemv_forward(
+            x, weight, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps,
+            norm_wide,
+        )  # fmt: skip
+    elif path == "epilogue":
         y = F.linear(x, weight, bias)
         out = ext.epilogue_forward(
             y, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide

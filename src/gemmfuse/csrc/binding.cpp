@@ -7,6 +7,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "fused_args.h"
@@ -28,15 +29,17 @@ const float* ptr_or_null(const c10::optional<torch::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
-// Zeroed int32 arrival counters for the reducing epilogue, one set per device and stream: the
-// kernel leaves them zero, and launches on one stream run in order, so a set is reused.
-int* row_counters(const torch::Tensor& like, int64_t m_tiles, cudaStream_t stream) {
+// Zeroed int32 arrival counters, one set per device, stream and use (kRowCounters: the reducing
+// epilogue's, per row tile; kWindowCounters: the few-rows GEMV's, per column window): kernels
+// leave them zero, and launches on one stream run in order, so a set is reused.
+enum CounterUse { kRowCounters, kWindowCounters };
+int* arrival_counters(const torch::Tensor& like, int64_t n, cudaStream_t stream, CounterUse use) {
   static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, torch::Tensor> counters;
+  static std::map<std::tuple<int, cudaStream_t, CounterUse>, torch::Tensor> counters;
   std::lock_guard<std::mutex> lock(mutex);
-  auto& counter = counters[{like.get_device(), stream}];
-  if (!counter.defined() || counter.numel() < m_tiles)
-    counter = torch::zeros({std::max<int64_t>(m_tiles, 64)}, like.options().dtype(torch::kInt32));
+  auto& counter = counters[{like.get_device(), stream, use}];
+  if (!counter.defined() || counter.numel() < n)
+    counter = torch::zeros({std::max<int64_t>(n, 64)}, like.options().dtype(torch::kInt32));
   return counter.data_ptr<int>();
 }
 
@@ -78,7 +81,7 @@ std::vector<torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args, const tor
     // (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh): twice the partials.
     keep.push_back(torch::empty({reduce >= 3 ? 2 * n_tiles : n_tiles, M}, f32));
     args.row_partial = keep.back().data_ptr<float>();
-    args.row_counter = row_counters(x, m_tiles, stream);
+    args.row_counter = arrival_counters(x, m_tiles, stream, kRowCounters);
   }
   return keep;
 }
@@ -263,4 +266,59 @@ torch::Tensor epilogue_forward(torch::Tensor y, c10::optional<torch::Tensor> gn_
   const auto outputs = allocate_outputs(args, y, torch::kFloat32, stream);
   check_cuda(gemmfuse::launch_epilogue_only(args, stream), "epilogue kernel launch");
   return gemmfuse::fused_reduce_kind() != 0 ? outputs.front() : y;
+}
+
+// The epilogue path at a few rows (M <= gemv_max_rows()): x [M, K] and W [N, K] float32 (K a
+// multiple of 4, 16-byte aligned rows) -> the chain of x @ W^T + bias, [M, N] or [M], with the
+// matrix-vector product compensated (gemv_epilogue.cuh).
+torch::Tensor gemv_forward(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                           c10::optional<torch::Tensor> gn_weight,
+                           c10::optional<torch::Tensor> gn_bias,
+                           std::vector<torch::Tensor> vec_params,
+                           std::vector<double> scalar_params, int64_t group_size, double eps,
+                           bool norm_wide) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "gemmfuse: x must be a 2-D float32 CUDA tensor with unit column stride");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous() &&
+                  w.device() == x.device() && w.size(1) == x.size(1),
+              "gemmfuse: w must be a contiguous float32 [N, K] tensor on x's device");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= gemmfuse::gemv_max_rows(), "gemmfuse: gemv_forward takes 1 to ",
+              gemmfuse::gemv_max_rows(), " rows, got ", M);
+  TORCH_CHECK(K % 4 == 0 && x.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "gemmfuse: gemv_forward needs 16-byte aligned rows (K a multiple of 4)");
+  TORCH_CHECK(N < (int64_t{1} << 31) && K < (int64_t{1} << 30), "gemmfuse: sizes must fit in 32 bits");
+  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
+  check_vector(bias, N, "bias");
+  check_vector(gn_weight, N, "gn_weight");
+  check_vector(gn_bias, N, "gn_bias");
+  TORCH_CHECK(gn_weight.has_value() == gn_bias.has_value(), "gemmfuse: gn_weight and gn_bias go together");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+
+  gemmfuse::FusedArgs args{};
+  args.bias = ptr_or_null(bias);
+  args.gn_weight = ptr_or_null(gn_weight);
+  args.gn_bias = ptr_or_null(gn_bias);
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(N);
+  set_channel_params(args, vec_params, scalar_params);
+  args.group_size = static_cast<int>(group_size);
+  args.eps = static_cast<float>(eps);
+  args.norm_wide = norm_wide ? 1 : 0;
+  auto outputs = allocate_outputs(args, x, torch::kFloat32, stream);
+
+  gemmfuse::GemvArgs gemv{};
+  gemv.x = x.data_ptr<float>();
+  gemv.w = w.data_ptr<float>();
+  gemv.x_stride = x.stride(0);
+  gemv.K = static_cast<int>(K);
+  gemv.slice = gemmfuse::gemv_slice_for(gemv.K, args.N);
+  const int64_t slices = (K + gemv.slice - 1) / gemv.slice, windows = (N + 127) / 128;
+  outputs.push_back(torch::empty({slices, M, N, 2}, x.options()));
+  gemv.partial = reinterpret_cast<float2*>(outputs.back().data_ptr<float>());
+  gemv.counter = arrival_counters(x, windows, stream, kWindowCounters);
+  check_cuda(gemmfuse::launch_gemv_epilogue(args, gemv, stream), "gemv epilogue launch");
+  return outputs.front();
 }

@@ -69,8 +69,23 @@ cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, 
 // kernel: 0 picks by device (Hopper's on sm_90, else the portable one), 1 the portable sm_80
 // kernel, 2 the Hopper kernel (sm_90 only).
 cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream);
+// The epilogue path's operands for a few rows (gemv_epilogue.cuh): x and W themselves, float32.
+struct GemvArgs {
+  const float* x;  // [M, K], row stride x_stride, rows 16-byte aligned
+  const float* w;  // [N, K] contiguous, 16-byte aligned
+  int64_t x_stride;
+  int K, slice;     // slice: K per block, a multiple of 128 (gemv_slice)
+  float2* partial;  // [K slices, M, N]: each slice's compensated sums (value, error)
+  int* counter;     // [column windows], zero on entry, left zero on exit
+};
+
 // The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain
 // tile by tile (and, with args.norm_wide, row by row), in place or into args.row_out.
 cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream);
+// The epilogue path at M <= gemv_max_rows(): x @ W^T + b and the chain in one launch (two for
+// groups wider than a tile); args.bias is W's bias.
+cudaError_t launch_gemv_epilogue(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
+int gemv_max_rows();
+int gemv_slice_for(int K, int N);  // K per block for this device
 
 }  // namespace gemmfuse

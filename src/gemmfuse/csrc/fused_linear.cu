@@ -5,6 +5,7 @@
 #include "epilogue_generated.cuh"
 #include "gemm_gn_sm80.cuh"
 #include "gemm_gn_sm90.cuh"
+#include "gemv_epilogue.cuh"
 #include "norm_finalize.cuh"
 #include "split_rows.cuh"
 
@@ -35,6 +36,20 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
     err = launch_fused_gemm_gn<GeneratedEpilogue>(args, stream);
   if (err != cudaSuccess || !args.norm_wide) return err;
   return launch_norm_finalize<GeneratedEpilogue>(args, stream);
+}
+
+cudaError_t launch_gemv_epilogue(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream) {
+  if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
+  return launch_gemv<GeneratedEpilogue>(args, gemv, stream);
+}
+
+int gemv_max_rows() { return kGemvMaxRows; }
+
+int gemv_slice_for(int K, int N) {
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return gemv_slice(K, N, sms);
 }
 
 cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream) {

@@ -1,0 +1,178 @@
+// The epilogue path's kernel for a few rows (M <= kGemvMaxRows, float32): the matrix-vector
+// product and the whole chain in one launch (plus norm_finalize.cuh's second pass for groups
+// wider than a tile).
+//
+// At a few rows the GEMM is a stream through W (M = 1, N = K = 8192: 268 MB, about 80 us at the
+// H100's bandwidth) and the rest is latency: PyTorch's matrix-vector product followed by the
+// tile kernel lost to eager at M = 1. Here block (t, s) reads W rows [128 t, 128 t + 128) over
+// the s-th slice of K, each warp a row at a time with four 16-byte loads in flight per lane, x's
+// slice staged in shared memory. Every product and sum is compensated (Ogita-Rump-Oishi Dot2:
+// the product's rounding error from an fma, the sum's from TwoSum), so the result is about as
+// accurate as a float64 dot product rounded once: never less accurate than PyTorch's. The
+// slices' partial sums (value, error) go to global memory; the last block of a column window to
+// finish (an arrival counter, as tile_epilogue.cuh's reductions do) folds them in slice order,
+// stages the window as a kRows x 128 tile and runs tile_epilogue on it.
+#pragma once
+#include <algorithm>
+
+#include "fused_args.h"
+#include "norm_finalize.cuh"
+#include "row_reduce.cuh"
+#include "tile_epilogue.cuh"
+
+namespace gemmfuse {
+
+constexpr int kGemvThreads = 256;
+constexpr int kGemvMaxRows = 8;
+constexpr int kGemvMaxSlice = 2048;  // K per block at most: x's slice fits shared memory
+
+// a + b = sum + err exactly, for finite sums (the caller keeps the sum alone when it is not).
+__device__ __forceinline__ float two_sum_finite(float a, float b, float& err) {
+  const float sum = a + b, bb = sum - a;
+  err = (a - (sum - bb)) + (b - bb);
+  return sum;
+}
+
+// A compensated sum's value: an infinite or NaN sum stands alone, as PyTorch's would.
+__device__ __forceinline__ float compensated_value(float s, float c) {
+  return isfinite(s) ? s + c : s;
+}
+
+template <class Epi, int kRows>
+__global__ void __launch_bounds__(kGemvThreads) gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
+  extern __shared__ float4 smem_gemv[];
+  float* xs = reinterpret_cast<float*>(smem_gemv);  // [kRows, slice], then the epilogue tile
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int n0 = blockIdx.x * kTile, M = args.M, N = args.N;
+  const int k0 = blockIdx.y * g.slice, k_len = min(g.slice, g.K - k0);
+
+  for (int i = tid; i < kRows * (g.slice / 4); i += kGemvThreads) {
+    const int m = i / (g.slice / 4), k = (i % (g.slice / 4)) * 4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m < M && k < k_len) v = __ldg(reinterpret_cast<const float4*>(g.x + m * g.x_stride + k0 + k));
+    reinterpret_cast<float4*>(xs)[i] = v;
+  }
+  __syncthreads();
+
+  for (int n = n0 + warp; n < min(n0 + kTile, N); n += kGemvThreads / 32) {
+    const float* wrow = g.w + static_cast<int64_t>(n) * g.K + k0;
+    float s[kRows], c[kRows];
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) s[m] = c[m] = 0.f;
+    for (int kb = lane * 4; kb < k_len; kb += 4 * 128) {
+      float4 wv[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {  // all four loads issued before any is used
+        const int k = kb + u * 128;
+        wv[u] = k < k_len ? __ldg(reinterpret_cast<const float4*>(wrow + k))
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int k = kb + u * 128;
+        if (k < k_len) {  // past the slice there is nothing in shared memory to multiply
+          const float wk[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+#pragma unroll
+          for (int m = 0; m < kRows; ++m) {
+            const float4 xv = *reinterpret_cast<const float4*>(xs + m * g.slice + k);
+            const float xk[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float p = xk[e] * wk[e];
+              float err;
+              s[m] = two_sum_finite(s[m], p, err);
+              c[m] += err + fmaf(xk[e], wk[e], -p);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {  // a fixed xor tree: the same order every run
+        const float so = __shfl_xor_sync(0xffffffffu, s[m], off);
+        const float co = __shfl_xor_sync(0xffffffffu, c[m], off);
+        float err;
+        s[m] = two_sum_finite(s[m], so, err);
+        c[m] += co + err;
+      }
+      if (lane == 0 && m < M)
+        g.partial[(static_cast<int64_t>(blockIdx.y) * M + m) * N + n] = make_float2(s[m], c[m]);
+    }
+  }
+
+  // The last slice of this column window to finish folds all of them and runs the epilogue.
+  __shared__ bool is_last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(g.counter + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int cols_here = min(kTile, N - n0);
+  float* tile = xs;  // x's slice is no longer needed
+  for (int i = tid; i < M * kTile; i += kGemvThreads) {
+    const int m = i / kTile, col = i % kTile;
+    if (col >= cols_here) continue;
+    float s = 0.f, c = 0.f;
+    for (int sl = 0; sl < static_cast<int>(gridDim.y); ++sl) {
+      const float2 part = __ldcg(g.partial + (static_cast<int64_t>(sl) * M + m) * N + n0 + col);
+      float err;
+      s = two_sum_finite(s, part.x, err);
+      c += part.y + err;
+    }
+    tile[m * kEpiStride + col] =
+        epilogue_input<Epi>(compensated_value(s, c), 1.f, n0 + col, args);
+  }
+  if (tid == 0) g.counter[blockIdx.x] = 0;  // ready for the next launch
+  __syncthreads();
+  const TileCoord coord{0, n0, 0, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+  tile_epilogue<Epi, kGemvThreads>(tile, args, coord, tid, [] { __syncthreads(); });
+}
+
+// Slices of K: enough blocks to keep every SM streaming W (two per SM), at most kGemvMaxSlice
+// of K each, a multiple of 128 (a warp's four 16-byte loads per lane).
+inline int gemv_slice(int K, int N, int sms) {
+  const int windows = (N + kTile - 1) / kTile;
+  const int by_sms = (2 * sms + windows - 1) / windows;
+  const int slices = std::max((K + kGemvMaxSlice - 1) / kGemvMaxSlice,
+                              std::min((K + 127) / 128, by_sms));
+  return ((K + slices - 1) / slices + 127) / 128 * 128;
+}
+
+template <class Epi, int kRows>
+cudaError_t launch_gemv_rows(const FusedArgs& args, const GemvArgs& g, cudaStream_t stream) {
+  const dim3 grid((args.N + kTile - 1) / kTile, (g.K + g.slice - 1) / g.slice);
+  const int smem = kRows * std::max(g.slice, kEpiStride) * static_cast<int>(sizeof(float));
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(gemv_epilogue_kernel<Epi, kRows>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 kRows * kGemvMaxSlice * static_cast<int>(sizeof(float)));
+    if (err != cudaSuccess) return err;
+  }
+  gemv_epilogue_kernel<Epi, kRows><<<grid, kGemvThreads, smem, stream>>>(args, g);
+  return cudaGetLastError();
+}
+
+template <class Epi>
+cudaError_t launch_gemv(const FusedArgs& args, const GemvArgs& g, cudaStream_t stream) {
+  if (args.M == 0 || args.N == 0) return cudaSuccess;
+  if (args.M > kGemvMaxRows || g.slice % 128 != 0 || g.slice > kGemvMaxSlice || g.K % 4 != 0 ||
+      g.x_stride % 4 != 0)
+    return cudaErrorInvalidValue;
+  if ((g.K + g.slice - 1) / g.slice > 65535) return cudaErrorInvalidConfiguration;
+  cudaError_t err;
+  if (args.M <= 1)
+    err = launch_gemv_rows<Epi, 1>(args, g, stream);
+  else if (args.M <= 2)
+    err = launch_gemv_rows<Epi, 2>(args, g, stream);
+  else if (args.M <= 4)
+    err = launch_gemv_rows<Epi, 4>(args, g, stream);
+  else
+    err = launch_gemv_rows<Epi, 8>(args, g, stream);
+  if (err != cudaSuccess || !args.norm_wide) return err;
+  return launch_norm_finalize<Epi>(args, stream);
+}
+
+}  // namespace gemmfuse
