@@ -87,6 +87,21 @@ def test_weight_cache_tracks_changes():
     assert len(calls) == 4
 
 
+def test_float32_copies_track_changes():
+    cache = SplitWeightCache()
+    v = torch.randn(16).bfloat16()
+    first = cache.float32(v)
+    assert first.dtype == torch.float32 and torch.equal(first, v.float())
+    assert cache.float32(v) is first  # converted once
+    v.mul_(3)  # in place: version bump
+    again = cache.float32(v)
+    assert again is not first and torch.equal(again, v.float())
+    cache.clear()
+    assert cache.float32(v) is not again
+    f = torch.randn(16)
+    assert cache.float32(f) is f and cache.float32(None) is None  # nothing to convert
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -68,7 +68,7 @@ PRECISIONS = {"fp32": True, "tf32": False}
 MIN_FUSED_WORK = 1e8
 MIN_FUSED_ROWS = 16
 MIN_FUSED_K = 1024
-GEMV_MAX_ROWS = 8  # kGemvMaxRows in csrc/gemv_epilogue.cuh
+GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/gemv_epilogue.cuh
 
 
 @functools.cache
@@ -89,6 +89,10 @@ class SplitWeightCache:
     storage it was built from, so that address cannot be reused by a new weight unnoticed.
     Writes through ``param.data`` bypass the version counter: call :meth:`clear` after them.
     Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel.
+
+    For a bfloat16 model (which needs no split) it keeps, by the same rules, the float32 copies
+    of the per-channel vectors the kernel's epilogue reads (:meth:`float32`): 4 bytes per
+    channel and vector.
     """
 
     def __init__(self):
@@ -98,6 +102,19 @@ class SplitWeightCache:
         self._storage = None
         self._key = None
         self._split = None
+        self._float32 = {}
+
+    def float32(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` as a contiguous float32 tensor, converted once per version of ``t``."""
+        if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+            return t
+        storage = t.untyped_storage()
+        key = (t._version, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        hit = self._float32.get(id(t))
+        if hit is None or hit[0] is not storage or hit[1] != key:
+            hit = (storage, key, t.detach().to(torch.float32).contiguous())
+            self._float32[id(t)] = hit
+        return hit[2]
 
     def get(self, ext, weight: torch.Tensor, k_padded: int):
         storage = weight.untyped_storage()
@@ -251,7 +268,7 @@ def select_path(
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the epilogue path's few-rows kernel takes this float32 problem (16-byte rows)."""
+    """Whether the epilogue path's one-or-two-rows kernel takes this float32 problem."""
     m, k = x.shape
     return (
         m <= GEMV_MAX_ROWS
@@ -292,8 +309,9 @@ def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, 
     elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
         w = weight if weight.is_contiguous() else weight.contiguous()
         out = ext.fused_forward_bf16(
-            x, w, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide
-        )
+            x, w, cache.float32(bias), cache.float32(gn_weight), cache.float32(gn_bias), vectors,
+            epilogue.scalars, group_size, eps, norm_wide,
+        )  # fmt: skip
     else:
         k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
         w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)

@@ -190,14 +190,14 @@ def test_small_problems_take_the_epilogue_path_under_auto(number):
 
 
 @pytest.mark.parametrize("number", [62, 75])
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 9])
 @pytest.mark.parametrize("k", [4, 1002, 4096])
 @pytest.mark.parametrize("n,groups", [(1024, 64), (640, 2)])
 def test_epilogue_path_few_rows(number, m, k, n, groups):
-    """Up to 8 rows with K a multiple of 4, the epilogue path's matrix-vector kernel (its own
-    compensated GEMM and the chain in one launch); 9 rows or K = 1002 take PyTorch's GEMM and
-    the tile kernel. Either way: allclose to eager and within the float64 bar. Groups of 16
-    fit a tile; groups of 320 straddle tiles (the second pass)."""
+    """One or two rows with K a multiple of 4 take the epilogue path's matrix-vector kernel (its
+    own compensated GEMM and the chain in one launch); more rows, or K = 1002, take PyTorch's
+    GEMM and the tile kernel. Either way: allclose to eager and within the float64 bar. Groups
+    of 16 fit a tile; groups of 320 straddle tiles (the second pass)."""
     init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
     ref, new = small_pair(number, seed=m * k, init=init)
     ref, new = ref.to(CUDA), new.to(CUDA)

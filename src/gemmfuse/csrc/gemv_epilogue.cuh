@@ -1,4 +1,4 @@
-// The epilogue path's kernel for a few rows (M <= kGemvMaxRows, float32): the matrix-vector
+// The epilogue path's kernel for one or two rows (M <= kGemvMaxRows, float32): the matrix-vector
 // product and the whole chain in one launch (plus norm_finalize.cuh's second pass for groups
 // wider than a tile).
 //
@@ -23,7 +23,10 @@
 namespace gemmfuse {
 
 constexpr int kGemvThreads = 256;
-constexpr int kGemvMaxRows = 8;
+// The compensated sums cost about ten flops per product: at one or two rows the kernel streams W
+// at memory speed, at eight it was compute-bound (0.32 ms against eager's 0.22 ms at N = K =
+// 8192, commit c09be89), so more rows take PyTorch's GEMM and the tile kernel.
+constexpr int kGemvMaxRows = 2;
 constexpr int kGemvMaxSlice = 2048;  // K per block at most: x's slice fits shared memory
 
 // a + b = sum + err exactly, for finite sums (the caller keeps the sum alone when it is not).
@@ -162,15 +165,8 @@ cudaError_t launch_gemv(const FusedArgs& args, const GemvArgs& g, cudaStream_t s
       g.x_stride % 4 != 0)
     return cudaErrorInvalidValue;
   if ((g.K + g.slice - 1) / g.slice > 65535) return cudaErrorInvalidConfiguration;
-  cudaError_t err;
-  if (args.M <= 1)
-    err = launch_gemv_rows<Epi, 1>(args, g, stream);
-  else if (args.M <= 2)
-    err = launch_gemv_rows<Epi, 2>(args, g, stream);
-  else if (args.M <= 4)
-    err = launch_gemv_rows<Epi, 4>(args, g, stream);
-  else
-    err = launch_gemv_rows<Epi, 8>(args, g, stream);
+  const cudaError_t err = args.M == 1 ? launch_gemv_rows<Epi, 1>(args, g, stream)
+                                      : launch_gemv_rows<Epi, 2>(args, g, stream);
   if (err != cudaSuccess || !args.norm_wide) return err;
   return launch_norm_finalize<Epi>(args, stream);
 }
