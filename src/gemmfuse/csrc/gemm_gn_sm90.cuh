@@ -247,8 +247,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   using V = Variant<kSplit>;
   constexpr int kStageBytes = V::kStageBytes, kStages = V::kStages;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // Aligned to 1 KB by pointer arithmetic on the shared array (not through an integer), so the
+  // compiler still knows it is shared memory: the epilogue's accesses compile to LDS/STS.
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   __shared__ __align__(8) uint64_t epilogue_done;
@@ -391,9 +392,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         // each column's values once.
         {
           const int c = threadIdx.x % kTile, gcol = min(n0 + c, args.N - 1);
+          const ColumnTerms col = column_terms(gcol, args);
           for (int r = threadIdx.x / kTile; r < kTile; r += kConsumerThreads / kTile)
             staging[r * kEpiStride + c] =
-                epilogue_input<Epi>(staging[r * kEpiStride + c], 1.f, gcol, args);
+                epilogue_input<Epi>(staging[r * kEpiStride + c], 1.f, col, gcol, args);
         }
         consumers_sync();
         const TileCoord coord{tile_m, n0, m_idx, n0 / kTile, n_tiles};

@@ -23,13 +23,28 @@ constexpr int kEpiStride = kTile + 1;
 
 // A GEMM result as the epilogue's input: unscaled (row and column powers of two), biased,
 // rounded where the model's dtype would round, and passed through the generated `pre` ops.
+// A column's inverse weight scale and bias, loaded once for all of a tile's rows.
+struct ColumnTerms {
+  float inv_scale, bias;
+};
+__device__ __forceinline__ ColumnTerms column_terms(int gcol, const FusedArgs& args) {
+  return {args.b_inv_scale != nullptr ? __ldg(args.b_inv_scale + gcol) : 1.f,
+          args.bias != nullptr ? __ldg(args.bias + gcol) : 0.f};
+}
+
+template <class Epi>
+__device__ __forceinline__ float epilogue_input(float acc, float a_inv, ColumnTerms col, int gcol,
+                                                const FusedArgs& args) {
+  float v = acc * a_inv;
+  if (args.b_inv_scale != nullptr) v *= col.inv_scale;
+  if (args.bias != nullptr) v += col.bias;
+  return Epi::pre(round_like_model(v, args.params), gcol, args.params);
+}
+
 template <class Epi>
 __device__ __forceinline__ float epilogue_input(float acc, float a_inv, int gcol,
                                                 const FusedArgs& args) {
-  float v = acc * a_inv;
-  if (args.b_inv_scale != nullptr) v *= __ldg(args.b_inv_scale + gcol);
-  if (args.bias != nullptr) v += __ldg(args.bias + gcol);
-  return Epi::pre(round_like_model(v, args.params), gcol, args.params);
+  return epilogue_input<Epi>(acc, a_inv, column_terms(gcol, args), gcol, args);
 }
 
 // Where a tile sits: its origin and its index in the grid of tiles.
@@ -74,13 +89,22 @@ __device__ __forceinline__ float group_rstd(float m2, int n, float eps) {
   return static_cast<float>(__drcp_rn(__dsqrt_rn(__dadd_rn(var, static_cast<double>(eps)))));
 }
 
-// GroupNorm of one value given its group's mean and rstd, then the affine part and `post`.
+// GroupNorm of one value given its group's mean and rstd, then the affine part (the channel's
+// weight w and bias b, when the GroupNorm has them) and `post`.
+template <class Epi>
+__device__ __forceinline__ float normalize(float v, float mean, float rstd, float w, float b,
+                                           int gcol, const FusedArgs& args) {
+  float y = (v - mean) * rstd;
+  if (args.gn_weight != nullptr) y = y * w + b;
+  return Epi::post(round_like_model(y, args.params), gcol, args.params);
+}
+
 template <class Epi>
 __device__ __forceinline__ float normalize(float v, float mean, float rstd, int gcol,
                                            const FusedArgs& args) {
-  float y = (v - mean) * rstd;
-  if (args.gn_weight != nullptr) y = y * __ldg(args.gn_weight + gcol) + __ldg(args.gn_bias + gcol);
-  return Epi::post(round_like_model(y, args.params), gcol, args.params);
+  const bool affine = args.gn_weight != nullptr;
+  return normalize<Epi>(v, mean, rstd, affine ? __ldg(args.gn_weight + gcol) : 0.f,
+                        affine ? __ldg(args.gn_bias + gcol) : 0.f, gcol, args);
 }
 
 // `tid` runs over kThreads threads that all call this; `sync()` is a barrier among exactly them.
@@ -121,6 +145,15 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       store(false);  // fp32, normalised in place by norm_finalize.cuh
       return;
     }
+    // The tile's GroupNorm weights and biases, loaded once rather than once per row.
+    __shared__ float s_gn_weight[kTile], s_gn_bias[kTile];
+    if (args.gn_weight != nullptr) {
+      for (int c = tid; c < cols_here; c += kThreads) {
+        s_gn_weight[c] = __ldg(args.gn_weight + tc.n0 + c);
+        s_gn_bias[c] = __ldg(args.gn_bias + tc.n0 + c);
+      }
+      sync();
+    }
     const int groups_here = cols_here / gs;  // N and kTile are multiples of gs
     for (int task = tid; task < rows_here * groups_here; task += kThreads) {
       const int r = task % rows_here;
@@ -128,7 +161,9 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       float* v = tile + r * kEpiStride + c0;
       const float2 mom = segment_moments(v, gs);
       const float rstd = group_rstd(mom.y, gs, args.eps);
-      for (int j = 0; j < gs; ++j) v[j] = normalize<Epi>(v[j], mom.x, rstd, tc.n0 + c0 + j, args);
+      for (int j = 0; j < gs; ++j)
+        v[j] = normalize<Epi>(v[j], mom.x, rstd, s_gn_weight[c0 + j], s_gn_bias[c0 + j],
+                              tc.n0 + c0 + j, args);
     }
     sync();
   }
