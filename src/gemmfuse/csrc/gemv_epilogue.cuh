@@ -5,8 +5,8 @@
 // At a few rows the GEMM is a stream through W (M = 1, N = K = 8192: 268 MB, about 80 us at the
 // H100's bandwidth) and the rest is latency: PyTorch's matrix-vector product followed by the
 // tile kernel lost to eager at M = 1. Here block (t, s) reads W rows [128 t, 128 t + 128) over
-// the s-th slice of K, each warp four rows at a time with two 16-byte loads of each in flight
-// per lane, x's slice staged in shared memory. Every product and sum is compensated (Ogita-Rump-Oishi Dot2:
+// the s-th slice of K, each warp a row at a time with four 16-byte loads in flight per lane, x's
+// slice staged in shared memory. Every product and sum is compensated (Ogita-Rump-Oishi Dot2:
 // the product's rounding error from an fma, the sum's from TwoSum), so the result is about as
 // accurate as a float64 dot product rounded once: never less accurate than PyTorch's. The
 // slices' partial sums (value, error) go to global memory; the last block of a column window to
@@ -42,7 +42,7 @@ __device__ __forceinline__ float compensated_value(float s, float c) {
 }
 
 template <class Epi, int kRows>
-__global__ void __launch_bounds__(kGemvThreads, 1) gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
+__global__ void __launch_bounds__(kGemvThreads) gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
   extern __shared__ float4 smem_gemv[];
   float* xs = reinterpret_cast<float*>(smem_gemv);  // [kRows, slice], then the epilogue tile
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -57,71 +57,51 @@ __global__ void __launch_bounds__(kGemvThreads, 1) gemv_epilogue_kernel(FusedArg
   }
   __syncthreads();
 
-  // A warp takes kRowBatch of its rows at once, kLoads 16-byte loads of each per lane in flight:
-  // at a short slice a row is one load per lane, and rows one after another were a chain of
-  // memory round trips. Each lane still sums its products in the same order (k ascending).
-  constexpr int kWarps = kGemvThreads / 32, kRowBatch = 4, kLoads = 2;
-  const int n_end = min(n0 + kTile, N);
-  for (int nb = n0 + warp; nb < n_end; nb += kRowBatch * kWarps) {
-    const float* wrow[kRowBatch];
-    bool live[kRowBatch];
-    float s[kRowBatch][kRows], c[kRowBatch][kRows];
+  for (int n = n0 + warp; n < min(n0 + kTile, N); n += kGemvThreads / 32) {
+    const float* wrow = g.w + static_cast<int64_t>(n) * g.K + k0;
+    float s[kRows], c[kRows];
 #pragma unroll
-    for (int q = 0; q < kRowBatch; ++q) {
-      live[q] = nb + q * kWarps < n_end;  // uniform across the warp
-      wrow[q] = g.w + static_cast<int64_t>(live[q] ? nb + q * kWarps : nb) * g.K + k0;
+    for (int m = 0; m < kRows; ++m) s[m] = c[m] = 0.f;
+    for (int kb = lane * 4; kb < k_len; kb += 4 * 128) {
+      float4 wv[4];
 #pragma unroll
-      for (int m = 0; m < kRows; ++m) s[q][m] = c[q][m] = 0.f;
-    }
-    for (int kb = lane * 4; kb < k_len; kb += kLoads * 128) {
-      float4 wv[kRowBatch][kLoads];
-#pragma unroll
-      for (int q = 0; q < kRowBatch; ++q) {
-#pragma unroll
-        for (int u = 0; u < kLoads; ++u) {  // every load issued before any is used
-          const int k = kb + u * 128;
-          wv[q][u] = live[q] && k < k_len ? __ldg(reinterpret_cast<const float4*>(wrow[q] + k))
-                                          : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+      for (int u = 0; u < 4; ++u) {  // all four loads issued before any is used
+        const int k = kb + u * 128;
+        wv[u] = k < k_len ? __ldg(reinterpret_cast<const float4*>(wrow + k))
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
+      for (int u = 0; u < 4; ++u) {
         const int k = kb + u * 128;
-        if (k >= k_len) continue;  // past the slice there is nothing in shared memory
+        if (k < k_len) {  // past the slice there is nothing in shared memory to multiply
+          const float wk[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
 #pragma unroll
-        for (int m = 0; m < kRows; ++m) {
-          const float4 xv = *reinterpret_cast<const float4*>(xs + m * g.slice + k);
-          const float xk[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-          for (int q = 0; q < kRowBatch; ++q) {
-            const float wk[4] = {wv[q][u].x, wv[q][u].y, wv[q][u].z, wv[q][u].w};
+          for (int m = 0; m < kRows; ++m) {
+            const float4 xv = *reinterpret_cast<const float4*>(xs + m * g.slice + k);
+            const float xk[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const float p = xk[e] * wk[e];
               float err;
-              s[q][m] = two_sum_finite(s[q][m], p, err);
-              c[q][m] += err + fmaf(xk[e], wk[e], -p);
+              s[m] = two_sum_finite(s[m], p, err);
+              c[m] += err + fmaf(xk[e], wk[e], -p);
             }
           }
         }
       }
     }
 #pragma unroll
-    for (int q = 0; q < kRowBatch; ++q) {
+    for (int m = 0; m < kRows; ++m) {
 #pragma unroll
-      for (int m = 0; m < kRows; ++m) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {  // a fixed xor tree: the same order every run
-          const float so = __shfl_xor_sync(0xffffffffu, s[q][m], off);
-          const float co = __shfl_xor_sync(0xffffffffu, c[q][m], off);
-          float err;
-          s[q][m] = two_sum_finite(s[q][m], so, err);
-          c[q][m] += co + err;
-        }
-        if (lane == 0 && m < M && live[q])
-          g.partial[(static_cast<int64_t>(blockIdx.y) * M + m) * N + nb + q * kWarps] =
-              make_float2(s[q][m], c[q][m]);
+      for (int off = 16; off > 0; off >>= 1) {  // a fixed xor tree: the same order every run
+        const float so = __shfl_xor_sync(0xffffffffu, s[m], off);
+        const float co = __shfl_xor_sync(0xffffffffu, c[m], off);
+        float err;
+        s[m] = two_sum_finite(s[m], so, err);
+        c[m] += co + err;
       }
+      if (lane == 0 && m < M)
+        g.partial[(static_cast<int64_t>(blockIdx.y) * M + m) * N + n] = make_float2(s[m], c[m]);
     }
   }
 
