@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gemmfuse.chains import chain_pool, chain_references, linear_data
@@ -68,6 +68,10 @@ def run_chain(spec, m, k, group_size, groups, eps, seed, kernel):
     seed=st.integers(0, 2**31 - 1),
     kernel=st.sampled_from([*fused_kernels(), "auto"]),
 )
+# Drawn at commit 48682c0 and failing there: the epilogue path's error (eager's GEMM; one
+# group of 48, a mean over channels) 2.38e-7 against the float64 bar's 1.75e-7. Kept as a case
+# of every run until it passes.
+@example(index=1, m=5, k=300, group_size=48, groups=1, eps=1e-5, seed=5, kernel="auto")
 def test_random_chain_matches_pytorch(index, m, k, group_size, groups, eps, seed, kernel):
     spec = POOL[index]
     epilogue, eager, exact, got, path, floor = run_chain(
