@@ -90,16 +90,22 @@ def test_weight_cache_tracks_changes():
 def test_float32_copies_track_changes():
     cache = SplitWeightCache()
     v = torch.randn(16).bfloat16()
-    first = cache.float32(v)
+    first = cache.float32(v, "bias")
     assert first.dtype == torch.float32 and torch.equal(first, v.float())
-    assert cache.float32(v) is first  # converted once
+    assert cache.float32(v, "bias") is first  # converted once
     v.mul_(3)  # in place: version bump
-    again = cache.float32(v)
+    again = cache.float32(v, "bias")
     assert again is not first and torch.equal(again, v.float())
     cache.clear()
-    assert cache.float32(v) is not again
+    assert cache.float32(v, "bias") is not again
+    strided = torch.randn(32)[::2]  # float32 but not dense: copied
+    dense = cache.float32(strided, "gn_weight")
+    assert dense.is_contiguous() and torch.equal(dense, strided)
+    other = torch.randn(16).bfloat16()  # a new tensor in a slot replaces the slot's copy
+    cache.float32(other, "bias")
+    assert len(cache._float32) == 2
     f = torch.randn(16)
-    assert cache.float32(f) is f and cache.float32(None) is None  # nothing to convert
+    assert cache.float32(f, "bias") is f and cache.float32(None, "bias") is None
 
 
 @pytest.mark.parametrize(

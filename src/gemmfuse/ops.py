@@ -90,9 +90,9 @@ class SplitWeightCache:
     Writes through ``param.data`` bypass the version counter: call :meth:`clear` after them.
     Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel.
 
-    For a bfloat16 model (which needs no split) it keeps, by the same rules, the float32 copies
-    of the per-channel vectors the kernel's epilogue reads (:meth:`float32`): 4 bytes per
-    channel and vector.
+    It also keeps, by the same rules, dense float32 copies of the per-channel vectors the
+    kernels read (:meth:`float32`) where they are not already (a bfloat16 model's bias and
+    GroupNorm affine): 4 bytes per channel and vector, one copy per vector slot.
     """
 
     def __init__(self):
@@ -104,16 +104,17 @@ class SplitWeightCache:
         self._split = None
         self._float32 = {}
 
-    def float32(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """``t`` as a contiguous float32 tensor, converted once per version of ``t``."""
+    def float32(self, t: torch.Tensor | None, slot: str) -> torch.Tensor | None:
+        """``t`` as a contiguous float32 tensor, converted once per version of ``t``; ``slot``
+        names its role ("bias", ...), so a new tensor in a slot replaces the old copy."""
         if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
             return t
         storage = t.untyped_storage()
         key = (t._version, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
-        hit = self._float32.get(id(t))
+        hit = self._float32.get(slot)
         if hit is None or hit[0] is not storage or hit[1] != key:
             hit = (storage, key, t.detach().to(torch.float32).contiguous())
-            self._float32[id(t)] = hit
+            self._float32[slot] = hit
         return hit[2]
 
     def get(self, ext, weight: torch.Tensor, k_padded: int):
@@ -290,13 +291,16 @@ def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, 
     eps = norm.eps if norm else 0.0
     # Groups that straddle 128-channel tiles get cross-tile statistics and a second pass.
     norm_wide = norm is not None and TILE % group_size != 0
+    # The kernels read the channel vectors as dense float32 arrays.
+    bias, gn_weight, gn_bias = (
+        cache.float32(t, slot)
+        for t, slot in ((bias, "bias"), (gn_weight, "gn_weight"), (gn_bias, "gn_bias"))
+    )
     vectors = [
         params[i].reshape(-1).expand(n).to(torch.float32).contiguous()
         for i in epilogue.channel_params
     ]
     if path == "epilogue" and _gemv_fits(x, weight):
-        if bias is not None and not bias.is_contiguous():
-            bias = bias.contiguous()
         out = ext.gemv_forward(
             x, weight, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps,
             norm_wide,
@@ -309,9 +313,8 @@ def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, 
     elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
         w = weight if weight.is_contiguous() else weight.contiguous()
         out = ext.fused_forward_bf16(
-            x, w, cache.float32(bias), cache.float32(gn_weight), cache.float32(gn_bias), vectors,
-            epilogue.scalars, group_size, eps, norm_wide,
-        )  # fmt: skip
+            x, w, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide
+        )
     else:
         k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
         w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)

@@ -98,6 +98,33 @@ void set_channel_params(gemmfuse::FusedArgs& args, const std::vector<torch::Tens
     args.params.scalar[i] = static_cast<float>(scalar_params[i]);
 }
 
+// The chain's share of the kernel arguments, checked: sizes, the bias and GroupNorm vectors
+// (float32, contiguous, N long), the group size and the epilogue's own arguments.
+gemmfuse::FusedArgs chain_args(int64_t M, int64_t N, const c10::optional<torch::Tensor>& bias,
+                               const c10::optional<torch::Tensor>& gn_weight,
+                               const c10::optional<torch::Tensor>& gn_bias,
+                               const std::vector<torch::Tensor>& vec_params,
+                               const std::vector<double>& scalar_params, int64_t group_size,
+                               double eps, bool norm_wide) {
+  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31), "gemmfuse: sizes must fit in 32 bits");
+  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
+  check_vector(bias, N, "bias");
+  check_vector(gn_weight, N, "gn_weight");
+  check_vector(gn_bias, N, "gn_bias");
+  TORCH_CHECK(gn_weight.has_value() == gn_bias.has_value(), "gemmfuse: gn_weight and gn_bias go together");
+  gemmfuse::FusedArgs args{};
+  args.bias = ptr_or_null(bias);
+  args.gn_weight = ptr_or_null(gn_weight);
+  args.gn_bias = ptr_or_null(gn_bias);
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(N);
+  set_channel_params(args, vec_params, scalar_params);
+  args.group_size = static_cast<int>(group_size);
+  args.eps = static_cast<float>(eps);
+  args.norm_wide = norm_wide ? 1 : 0;
+  return args;
+}
+
 }  // namespace
 
 // Splits rows of a float32 [rows, k] matrix (unit column stride) into fp16 hi/lo
@@ -138,39 +165,25 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
                   w_hi.is_contiguous() && w_lo.is_contiguous() && w_hi.device() == x.device(),
               "gemmfuse: malformed weight split");
   TORCH_CHECK(x.size(1) <= k_padded && k_padded - x.size(1) < 64, "gemmfuse: x and weight K differ");
-  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31), "gemmfuse: sizes must fit in 32 bits");
-  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
   check_vector(w_inv_scale, N, "w_inv_scale");
-  check_vector(bias, N, "bias");
-  check_vector(gn_weight, N, "gn_weight");
-  check_vector(gn_bias, N, "gn_bias");
-  TORCH_CHECK(gn_weight.has_value() == gn_bias.has_value(), "gemmfuse: gn_weight and gn_bias go together");
+  gemmfuse::FusedArgs args = chain_args(M, N, bias, gn_weight, gn_bias, vec_params, scalar_params,
+                                        group_size, eps, norm_wide);
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
 
   x = x.stride(1) == 1 ? x : x.contiguous();
   auto a = split_rows(x, k_padded);
 
-  gemmfuse::FusedArgs args{};
   args.a_hi = reinterpret_cast<const __half*>(a[0].data_ptr<at::Half>());
   args.a_lo = reinterpret_cast<const __half*>(a[1].data_ptr<at::Half>());
   args.a_inv_scale = a[2].data_ptr<float>();
   args.b_hi = reinterpret_cast<const __half*>(w_hi.data_ptr<at::Half>());
   args.b_lo = reinterpret_cast<const __half*>(w_lo.data_ptr<at::Half>());
   args.b_inv_scale = w_inv_scale.data_ptr<float>();
-  args.bias = ptr_or_null(bias);
-  args.gn_weight = ptr_or_null(gn_weight);
-  args.gn_bias = ptr_or_null(gn_bias);
-  args.M = static_cast<int>(M);
-  args.N = static_cast<int>(N);
-  set_channel_params(args, vec_params, scalar_params);
   args.k_padded = static_cast<int>(k_padded);
   args.k_cols = static_cast<int>(k_padded);  // the split pre-pass zero-pads to k_padded
   args.a_row_stride = args.b_row_stride = k_padded;
-  args.group_size = static_cast<int>(group_size);
   args.split = split ? 1 : 0;
-  args.eps = static_cast<float>(eps);
-  args.norm_wide = norm_wide ? 1 : 0;
 
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
   const auto outputs = allocate_outputs(args, x, torch::kFloat32, stream);
@@ -179,8 +192,9 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
 }
 
 // A bfloat16 model on Hopper: x [M, K] and W [N, K] in bf16 go to the tensor cores as they are
-// (one pass, fp32 accumulation); the epilogue runs in fp32; the output is bf16 ([M, N], or [M]
-// when the epilogue reduces). K must be a multiple of 8 (16-byte rows for TMA).
+// (one pass, fp32 accumulation); the epilogue runs in fp32 (the bias and GroupNorm vectors come
+// as float32); the output is bf16 ([M, N], or [M] when the epilogue reduces). K must be a
+// multiple of 8 (16-byte rows for TMA).
 torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
                                  c10::optional<torch::Tensor> gn_weight,
                                  c10::optional<torch::Tensor> gn_bias,
@@ -196,39 +210,20 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
   TORCH_CHECK(K % 8 == 0 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
               "gemmfuse: bf16 rows must be 16-byte aligned (K a multiple of 8)");
-  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31) && K < (int64_t{1} << 30),
-              "gemmfuse: sizes must fit in 32 bits");
-  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
+  TORCH_CHECK(K < (int64_t{1} << 30), "gemmfuse: sizes must fit in 32 bits");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto as_float = [](const c10::optional<torch::Tensor>& t) -> c10::optional<torch::Tensor> {
-    if (!t.has_value()) return c10::nullopt;
-    return t->to(torch::kFloat32).contiguous();
-  };
-  const auto bias_f = as_float(bias), gn_weight_f = as_float(gn_weight), gn_bias_f = as_float(gn_bias);
-  check_vector(bias_f, N, "bias");
-  check_vector(gn_weight_f, N, "gn_weight");
-  check_vector(gn_bias_f, N, "gn_bias");
-
-  gemmfuse::FusedArgs args{};
+  gemmfuse::FusedArgs args = chain_args(M, N, bias, gn_weight, gn_bias, vec_params, scalar_params,
+                                        group_size, eps, norm_wide);
   args.a_hi = reinterpret_cast<const __half*>(x.data_ptr());  // bf16 bits; the kernel knows
   args.b_hi = reinterpret_cast<const __half*>(w.data_ptr());
-  args.bias = ptr_or_null(bias_f);
-  args.gn_weight = ptr_or_null(gn_weight_f);
-  args.gn_bias = ptr_or_null(gn_bias_f);
-  args.M = static_cast<int>(M);
-  args.N = static_cast<int>(N);
-  set_channel_params(args, vec_params, scalar_params);
   args.k_padded = static_cast<int>((K + 63) / 64 * 64);
   args.k_cols = static_cast<int>(K);
   args.a_row_stride = x.stride(0);
   args.b_row_stride = K;
-  args.group_size = static_cast<int>(group_size);
   args.split = 0;
   args.bf16 = 1;
   args.params.round_bf16 = 1;
-  args.eps = static_cast<float>(eps);
-  args.norm_wide = norm_wide ? 1 : 0;
   const auto outputs = allocate_outputs(args, x, torch::kBFloat16, stream);
   check_cuda(gemmfuse::launch_fused(args, 2, stream), "fused bf16 kernel launch");
   const auto& result = outputs.front();
@@ -244,24 +239,10 @@ torch::Tensor epilogue_forward(torch::Tensor y, c10::optional<torch::Tensor> gn_
                                bool norm_wide) {
   TORCH_CHECK(y.is_cuda() && y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.is_contiguous(),
               "gemmfuse: y must be a contiguous 2-D float32 CUDA tensor");
-  const int64_t M = y.size(0), N = y.size(1);
-  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31), "gemmfuse: sizes must fit in 32 bits");
-  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
-  check_vector(gn_weight, N, "gn_weight");
-  check_vector(gn_bias, N, "gn_bias");
-  TORCH_CHECK(gn_weight.has_value() == gn_bias.has_value(), "gemmfuse: gn_weight and gn_bias go together");
+  gemmfuse::FusedArgs args = chain_args(y.size(0), y.size(1), c10::nullopt, gn_weight, gn_bias,
+                                        vec_params, scalar_params, group_size, eps, norm_wide);
   c10::cuda::CUDAGuard guard(y.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-
-  gemmfuse::FusedArgs args{};
-  args.gn_weight = ptr_or_null(gn_weight);
-  args.gn_bias = ptr_or_null(gn_bias);
-  args.M = static_cast<int>(M);
-  args.N = static_cast<int>(N);
-  set_channel_params(args, vec_params, scalar_params);
-  args.group_size = static_cast<int>(group_size);
-  args.eps = static_cast<float>(eps);
-  args.norm_wide = norm_wide ? 1 : 0;
   args.out = y.data_ptr<float>();
   const auto outputs = allocate_outputs(args, y, torch::kFloat32, stream);
   check_cuda(gemmfuse::launch_epilogue_only(args, stream), "epilogue kernel launch");
@@ -288,25 +269,11 @@ torch::Tensor gemv_forward(torch::Tensor x, torch::Tensor w, c10::optional<torch
   TORCH_CHECK(K % 4 == 0 && x.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
               "gemmfuse: gemv_forward needs 16-byte aligned rows (K a multiple of 4)");
-  TORCH_CHECK(N < (int64_t{1} << 31) && K < (int64_t{1} << 30), "gemmfuse: sizes must fit in 32 bits");
-  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
-  check_vector(bias, N, "bias");
-  check_vector(gn_weight, N, "gn_weight");
-  check_vector(gn_bias, N, "gn_bias");
-  TORCH_CHECK(gn_weight.has_value() == gn_bias.has_value(), "gemmfuse: gn_weight and gn_bias go together");
+  TORCH_CHECK(K < (int64_t{1} << 30), "gemmfuse: sizes must fit in 32 bits");
+  gemmfuse::FusedArgs args = chain_args(M, N, bias, gn_weight, gn_bias, vec_params, scalar_params,
+                                        group_size, eps, norm_wide);
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-
-  gemmfuse::FusedArgs args{};
-  args.bias = ptr_or_null(bias);
-  args.gn_weight = ptr_or_null(gn_weight);
-  args.gn_bias = ptr_or_null(gn_bias);
-  args.M = static_cast<int>(M);
-  args.N = static_cast<int>(N);
-  set_channel_params(args, vec_params, scalar_params);
-  args.group_size = static_cast<int>(group_size);
-  args.eps = static_cast<float>(eps);
-  args.norm_wide = norm_wide ? 1 : 0;
   auto outputs = allocate_outputs(args, x, torch::kFloat32, stream);
 
   gemmfuse::GemvArgs gemv{};
