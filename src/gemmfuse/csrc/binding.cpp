@@ -75,8 +75,8 @@ std::vector<torch::Tensor> allocate_outputs(gemmfuse::FusedArgs& args, const tor
   }
   if (args.norm_wide) {
     args.stats_per_tile = segments_per_tile(args.group_size);
-    keep.push_back(torch::empty({M, n_tiles * args.stats_per_tile * 2}, f32));
-    args.norm_stats = reinterpret_cast<float2*>(keep.back().data_ptr<float>());
+    keep.push_back(torch::empty({M, n_tiles * args.stats_per_tile * 4}, f32));
+    args.norm_stats = reinterpret_cast<float4*>(keep.back().data_ptr<float>());
   } else if (reduce != 0) {
     // (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh): twice the partials.
     keep.push_back(torch::empty({reduce >= 3 ? 2 * n_tiles : n_tiles, M}, f32));

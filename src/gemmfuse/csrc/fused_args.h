@@ -52,11 +52,12 @@ struct FusedArgs {
   int bf16;                  // the operands are bfloat16 (a bf16 model)
   float eps;
   // GroupNorm groups straddle tiles: the GEMM kernel stores pre-norm fp32 values in `out` and
-  // per (row, tile, group segment) moments in norm_stats [M, N tiles, stats_per_tile];
+  // per (row, tile, group segment) moments in norm_stats [M, N tiles, stats_per_tile]
+  // (mean, mean_lo, centred sum of squares, unused: tile_epilogue.cuh's SegmentMoments);
   // norm_finalize.cuh does the rest.
   int norm_wide;
   int stats_per_tile;
-  float2* norm_stats;
+  float4* norm_stats;
   EpilogueParams params;
 };
 

@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
 
   const TileCoord coord{tile_m, tile_n, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
                         static_cast<int>(gridDim.y)};
-  tile_epilogue<Epi, kThreads>(tile, args, coord, threadIdx.x, [] { __syncthreads(); });
+  tile_epilogue<Epi, kThreads, true>(tile, args, coord, threadIdx.x, [] { __syncthreads(); });
 }
 
 template <class Epi>

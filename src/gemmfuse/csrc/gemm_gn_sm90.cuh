@@ -22,7 +22,8 @@
 // Measured on #62 (docs/DESIGN.md section 4): one-pass bf16 237 us against 262 us for
 // one-pass 128x128 tiles, one block per tile; the split variant is 3-8% slower persistent, so
 // it keeps a block per tile.
-// The epilogue is tile_epilogue.cuh's, run by the 256 consumer threads on 128x128 halves.
+// The epilogue is tile_epilogue.cuh's, run by the 256 consumer threads on 128x128 halves, with
+// the fp32-accurate statistics in the split variant and plain ones in the one-pass variants.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -312,6 +313,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     float* staging = reinterpret_cast<float*>(smem);  // the ring, once a tile's GEMM is done
     const int warp = tid_wg / 32, lane = tid_wg % 32;
     const int n_tiles = (args.N + kTile - 1) / kTile;  // 128-column tiles, the epilogue's unit
+    static_assert(V::kBlockN <= kConsumerThreads, "a column per consumer thread");
+    __shared__ float s_col_scale[V::kBlockN], s_col_bias[V::kBlockN];
 
     int it = 0;
     for (int t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
@@ -320,6 +323,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       float acc[V::kAccRegs];
 #pragma unroll
       for (int i = 0; i < V::kAccRegs; ++i) acc[i] = 0.f;
+      // The tile's column terms, a column per consumer thread, loaded while the GEMM runs (the
+      // last tile's epilogue is done reading them; the epilogue's first barrier publishes them).
+      if (threadIdx.x < V::kBlockN) {
+        const ColumnTerms col = column_terms(min(tile_n + static_cast<int>(threadIdx.x), args.N - 1), args);
+        s_col_scale[threadIdx.x] = col.inv_scale;
+        s_col_bias[threadIdx.x] = col.bias;
+      }
 
       if constexpr (kSplit) {
         float tc[V::kAccRegs];
@@ -368,38 +378,38 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (k_tiles > 0) release((it - 1) % kStages);
       }
 
-      // The epilogue, on each 128-column half of the tile in turn.
+      // The epilogue, on each 128-column half of the tile in turn: the accumulators go to the
+      // staging tile as epilogue inputs (unscaled, biased, `pre`), then tile_epilogue.
 #pragma unroll
       for (int h = 0; h < V::kBlockN / kTile; ++h) {
         const int n0 = tile_n + h * kTile;
         if (n0 >= args.N) break;  // uniform across the consumers
         consumers_sync();  // every wgmma has read the ring; the last epilogue is done with it
+        float a_inv[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
-          const float a_inv =
-              args.a_inv_scale ? __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1)) : 1.f;
+          a_inv[half] = args.a_inv_scale ? __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1)) : 1.f;
+        }
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < 16; ++j) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              staging[r * kEpiStride + j * 8 + 2 * (lane % 4) + e] =
-                  acc[4 * (h * 16 + j) + 2 * half + e] * a_inv;
+          for (int e = 0; e < 2; ++e) {
+            const int c = j * 8 + 2 * (lane % 4) + e;
+            const ColumnTerms col{s_col_scale[h * kTile + c], s_col_bias[h * kTile + c]};
+            const int gcol = min(n0 + c, args.N - 1);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
+              staging[r * kEpiStride + c] = epilogue_input<Epi>(
+                  acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, gcol, args);
+            }
           }
         }
         consumers_sync();
-        // The column scale, bias and `pre` in a second sweep, a thread per column, which loads
-        // each column's values once.
-        {
-          const int c = threadIdx.x % kTile, gcol = min(n0 + c, args.N - 1);
-          const ColumnTerms col = column_terms(gcol, args);
-          for (int r = threadIdx.x / kTile; r < kTile; r += kConsumerThreads / kTile)
-            staging[r * kEpiStride + c] =
-                epilogue_input<Epi>(staging[r * kEpiStride + c], 1.f, col, gcol, args);
-        }
-        consumers_sync();
         const TileCoord coord{tile_m, n0, m_idx, n0 / kTile, n_tiles};
-        tile_epilogue<Epi, kConsumerThreads>(staging, args, coord, threadIdx.x, consumers_sync);
+        tile_epilogue<Epi, kConsumerThreads, kSplit>(staging, args, coord, threadIdx.x,
+                                                     consumers_sync);
       }
       consumers_sync();  // every consumer is done with the ring
       if (threadIdx.x == 0) mbar_arrive(&epilogue_done);

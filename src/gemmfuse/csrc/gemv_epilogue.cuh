@@ -5,8 +5,8 @@
 // At a few rows the GEMM is a stream through W (M = 1, N = K = 8192: 268 MB, about 80 us at the
 // H100's bandwidth) and the rest is latency: PyTorch's matrix-vector product followed by the
 // tile kernel lost to eager at M = 1. Here block (t, s) reads W rows [128 t, 128 t + 128) over
-// the s-th slice of K, each warp a row at a time with four 16-byte loads in flight per lane, x's
-// slice staged in shared memory. Every product and sum is compensated (Ogita-Rump-Oishi Dot2:
+// the s-th slice of K, each warp a row at a time with four 16-byte loads in flight per lane (eight
+// rows at a time over short slices), x's slice staged in shared memory. Every product and sum is compensated (Ogita-Rump-Oishi Dot2:
 // the product's rounding error from an fma, the sum's from TwoSum), so the result is about as
 // accurate as a float64 dot product rounded once: never less accurate than PyTorch's. The
 // slices' partial sums (value, error) go to global memory; the last block of a column window to
@@ -28,6 +28,11 @@ constexpr int kGemvThreads = 256;
 // 8192, commit c09be89), so more rows take PyTorch's GEMM and the tile kernel.
 constexpr int kGemvMaxRows = 2;
 constexpr int kGemvMaxSlice = 2048;  // K per block at most: x's slice fits shared memory
+// A warp streams W a row at a time with kGemvRowLoads 16-byte loads per lane in flight, or, over
+// slices of at most kGemvShortSlice of K, kGemvShortRows rows at a time with one load each.
+constexpr int kGemvRowLoads = 4;
+constexpr int kGemvShortSlice = 256;
+constexpr int kGemvShortRows = 8;
 
 // a + b = sum + err exactly, for finite sums (the caller keeps the sum alone when it is not).
 __device__ __forceinline__ float two_sum_finite(float a, float b, float& err) {
@@ -41,8 +46,8 @@ __device__ __forceinline__ float compensated_value(float s, float c) {
   return isfinite(s) ? s + c : s;
 }
 
-template <class Epi, int kRows>
-__global__ void __launch_bounds__(kGemvThreads) gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
+template <class Epi, int kRows, int kRowBatch>
+__global__ void __launch_bounds__(kGemvThreads, 2) gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
   extern __shared__ float4 smem_gemv[];
   float* xs = reinterpret_cast<float*>(smem_gemv);  // [kRows, slice], then the epilogue tile
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -57,51 +62,72 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_epilogue_kernel(FusedArgs a
   }
   __syncthreads();
 
-  for (int n = n0 + warp; n < min(n0 + kTile, N); n += kGemvThreads / 32) {
-    const float* wrow = g.w + static_cast<int64_t>(n) * g.K + k0;
-    float s[kRows], c[kRows];
+  // A warp takes kRowBatch of its rows at once, kLoads 16-byte loads of each per lane in flight:
+  // long slices a row at a time, short ones (a load or two per lane and row, where rows one
+  // after another were a chain of memory round trips) several rows at once. Either way each
+  // lane sums its products in the same order (k ascending).
+  constexpr int kWarps = kGemvThreads / 32, kLoads = kRowBatch == 1 ? kGemvRowLoads : 1;
+  const int n_end = min(n0 + kTile, N);
+  for (int nb = n0 + warp; nb < n_end; nb += kRowBatch * kWarps) {
+    const float* wrow[kRowBatch];
+    bool live[kRowBatch];
+    float s[kRowBatch][kRows], c[kRowBatch][kRows];
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) s[m] = c[m] = 0.f;
-    for (int kb = lane * 4; kb < k_len; kb += 4 * 128) {
-      float4 wv[4];
+    for (int q = 0; q < kRowBatch; ++q) {
+      live[q] = nb + q * kWarps < n_end;  // uniform across the warp
+      wrow[q] = g.w + static_cast<int64_t>(live[q] ? nb + q * kWarps : nb) * g.K + k0;
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {  // all four loads issued before any is used
-        const int k = kb + u * 128;
-        wv[u] = k < k_len ? __ldg(reinterpret_cast<const float4*>(wrow + k))
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int m = 0; m < kRows; ++m) s[q][m] = c[q][m] = 0.f;
+    }
+    for (int kb = lane * 4; kb < k_len; kb += kLoads * 128) {
+      float4 wv[kRowBatch][kLoads];
+#pragma unroll
+      for (int q = 0; q < kRowBatch; ++q) {
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {  // every load issued before any is used
+          const int k = kb + u * 128;
+          wv[q][u] = live[q] && k < k_len ? __ldg(reinterpret_cast<const float4*>(wrow[q] + k))
+                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < kLoads; ++u) {
         const int k = kb + u * 128;
-        if (k < k_len) {  // past the slice there is nothing in shared memory to multiply
-          const float wk[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+        if (k >= k_len) continue;  // past the slice there is nothing in shared memory
 #pragma unroll
-          for (int m = 0; m < kRows; ++m) {
-            const float4 xv = *reinterpret_cast<const float4*>(xs + m * g.slice + k);
-            const float xk[4] = {xv.x, xv.y, xv.z, xv.w};
+        for (int m = 0; m < kRows; ++m) {
+          const float4 xv = *reinterpret_cast<const float4*>(xs + m * g.slice + k);
+          const float xk[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+          for (int q = 0; q < kRowBatch; ++q) {
+            const float wk[4] = {wv[q][u].x, wv[q][u].y, wv[q][u].z, wv[q][u].w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const float p = xk[e] * wk[e];
               float err;
-              s[m] = two_sum_finite(s[m], p, err);
-              c[m] += err + fmaf(xk[e], wk[e], -p);
+              s[q][m] = two_sum_finite(s[q][m], p, err);
+              c[q][m] += err + fmaf(xk[e], wk[e], -p);
             }
           }
         }
       }
     }
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) {
+    for (int q = 0; q < kRowBatch; ++q) {
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {  // a fixed xor tree: the same order every run
-        const float so = __shfl_xor_sync(0xffffffffu, s[m], off);
-        const float co = __shfl_xor_sync(0xffffffffu, c[m], off);
-        float err;
-        s[m] = two_sum_finite(s[m], so, err);
-        c[m] += co + err;
+      for (int m = 0; m < kRows; ++m) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {  // a fixed xor tree: the same order every run
+          const float so = __shfl_xor_sync(0xffffffffu, s[q][m], off);
+          const float co = __shfl_xor_sync(0xffffffffu, c[q][m], off);
+          float err;
+          s[q][m] = two_sum_finite(s[q][m], so, err);
+          c[q][m] += co + err;
+        }
+        if (lane == 0 && m < M && live[q])
+          g.partial[(static_cast<int64_t>(blockIdx.y) * M + m) * N + nb + q * kWarps] =
+              make_float2(s[q][m], c[q][m]);
       }
-      if (lane == 0 && m < M)
-        g.partial[(static_cast<int64_t>(blockIdx.y) * M + m) * N + n] = make_float2(s[m], c[m]);
     }
   }
 
@@ -131,7 +157,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_epilogue_kernel(FusedArgs a
   if (tid == 0) g.counter[blockIdx.x] = 0;  // ready for the next launch
   __syncthreads();
   const TileCoord coord{0, n0, 0, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
-  tile_epilogue<Epi, kGemvThreads>(tile, args, coord, tid, [] { __syncthreads(); });
+  tile_epilogue<Epi, kGemvThreads, true>(tile, args, coord, tid, [] { __syncthreads(); });
 }
 
 // Slices of K: enough blocks to keep every SM streaming W (two per SM), at most kGemvMaxSlice
@@ -144,18 +170,24 @@ inline int gemv_slice(int K, int N, int sms) {
   return ((K + slices - 1) / slices + 127) / 128 * 128;
 }
 
-template <class Epi, int kRows>
+template <class Epi, int kRows, int kRowBatch>
 cudaError_t launch_gemv_rows(const FusedArgs& args, const GemvArgs& g, cudaStream_t stream) {
+  auto kernel = gemv_epilogue_kernel<Epi, kRows, kRowBatch>;
   const dim3 grid((args.N + kTile - 1) / kTile, (g.K + g.slice - 1) / g.slice);
   const int smem = kRows * std::max(g.slice, kEpiStride) * static_cast<int>(sizeof(float));
   if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(gemv_epilogue_kernel<Epi, kRows>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  kRows * kGemvMaxSlice * static_cast<int>(sizeof(float)));
     if (err != cudaSuccess) return err;
   }
-  gemv_epilogue_kernel<Epi, kRows><<<grid, kGemvThreads, smem, stream>>>(args, g);
+  kernel<<<grid, kGemvThreads, smem, stream>>>(args, g);
   return cudaGetLastError();
+}
+
+template <class Epi, int kRows>
+cudaError_t launch_gemv_rows(const FusedArgs& args, const GemvArgs& g, cudaStream_t stream) {
+  return g.slice <= kGemvShortSlice ? launch_gemv_rows<Epi, kRows, kGemvShortRows>(args, g, stream)
+                                    : launch_gemv_rows<Epi, kRows, 1>(args, g, stream);
 }
 
 template <class Epi>

@@ -23,27 +23,35 @@ constexpr int kFinalizeChunk = 1024;       // columns per step
 constexpr int kFinalizeGroups = kFinalizeChunk + 1;  // groups a chunk can meet (size 1 up)
 
 struct Moments {
-  float n, mean, m2;  // count, mean, centred sum of squares
+  float n, mean, mean_lo, m2;  // count, mean (mean + mean_lo), centred sum of squares
 };
 
+// Chan's merge, the mean kept as mean + mean_lo: the step d * wb is added with TwoSum, its
+// rounding (and that of d) go to mean_lo.
 __device__ __forceinline__ Moments merge_moments(Moments a, Moments b) {
   if (b.n == 0.f) return a;
   if (a.n == 0.f) return b;
-  const float n = a.n + b.n, d = b.mean - a.mean, wb = b.n / n;
-  return {n, a.mean + d * wb, a.m2 + b.m2 + d * d * a.n * wb};
+  const float n = a.n + b.n, wb = b.n / n;
+  float d_err, m_err;
+  const float d_hi = two_sum(b.mean, -a.mean, d_err);
+  const float d = d_hi + (d_err + (b.mean_lo - a.mean_lo));
+  const float step = d * wb;
+  const float mean = two_sum(a.mean, step, m_err);
+  const float step_err = isfinite(step) ? fmaf(d, wb, -step) : 0.f;
+  return {n, mean, a.mean_lo + (m_err + step_err), a.m2 + b.m2 + d * d * a.n * wb};
 }
 
 // The moments of group g from tiles t0, t0 + step, ... of its span (in tile order).
-__device__ __forceinline__ Moments group_moments(const float2* stats, int g, int t0, int step,
+__device__ __forceinline__ Moments group_moments(const float4* stats, int g, int t0, int step,
                                                  const FusedArgs& args) {
   const int gs = args.group_size;
   const int c_begin = g * gs, c_end = (g + 1) * gs;
-  Moments acc{0.f, 0.f, 0.f};
+  Moments acc{0.f, 0.f, 0.f, 0.f};
   for (int t = c_begin / kTile + t0; t <= (c_end - 1) / kTile; t += step) {
     const int seg = g - (t * kTile) / gs;
     const int n = min(c_end, (t + 1) * kTile) - max(c_begin, t * kTile);
-    const float2 s = stats[t * args.stats_per_tile + seg];
-    acc = merge_moments(acc, {static_cast<float>(n), s.x, s.y});
+    const float4 s = stats[t * args.stats_per_tile + seg];
+    acc = merge_moments(acc, {static_cast<float>(n), s.x, s.y, s.z});
   }
   return acc;
 }
@@ -52,10 +60,11 @@ __device__ __forceinline__ Moments group_moments(const float2* stats, int g, int
 // [c_first, c_last) are finished in place (or into args.out_bf16), or, when the chain reduces
 // (then the whole row), reduced into args.row_out.
 template <class Epi>
-__device__ __forceinline__ void finish_row(const float2* stats, float* row, int r, int c_first,
+__device__ __forceinline__ void finish_row(const float4* stats, float* row, int r, int c_first,
                                            int c_last, const FusedArgs& args) {
   constexpr int kind = Epi::kReduce;
-  __shared__ float s_mean[Epi::kNorm ? kFinalizeGroups : 1], s_rstd[Epi::kNorm ? kFinalizeGroups : 1];
+  constexpr int kGroupSlots = Epi::kNorm ? kFinalizeGroups : 1;
+  __shared__ float s_mean[kGroupSlots], s_mean_lo[kGroupSlots], s_rstd[kGroupSlots];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gs = args.group_size, N = args.N;
   // Groups spanning few tiles: a thread merges a group; wide ones: a warp, lanes over tiles.
@@ -74,27 +83,33 @@ __device__ __forceinline__ void finish_row(const float2* stats, float* row, int 
           for (int off = 16; off > 0; off >>= 1) {
             const Moments o{__shfl_xor_sync(0xffffffffu, m.n, off),
                             __shfl_xor_sync(0xffffffffu, m.mean, off),
+                            __shfl_xor_sync(0xffffffffu, m.mean_lo, off),
                             __shfl_xor_sync(0xffffffffu, m.m2, off)};
             // Lower lanes' tiles come first: every lane merges in the same order.
             m = (lane & off) ? merge_moments(o, m) : merge_moments(m, o);
           }
           if (lane == 0) {
             s_mean[i] = m.mean;
-            s_rstd[i] = group_rstd(m.m2, gs, args.eps);
+            s_mean_lo[i] = m.mean_lo;
+            s_rstd[i] = group_rstd<true>(m.m2, gs, args.eps);
           }
         }
       } else {
         for (int i = tid; i < groups; i += kFinalizeThreads) {
           const Moments m = group_moments(stats, g0 + i, 0, 1, args);
           s_mean[i] = m.mean;
-          s_rstd[i] = group_rstd(m.m2, gs, args.eps);
+          s_mean_lo[i] = m.mean_lo;
+          s_rstd[i] = group_rstd<true>(m.m2, gs, args.eps);
         }
       }
       __syncthreads();
     }
     for (int c = c0 + tid; c < c1; c += kFinalizeThreads) {
       float y = row[c];
-      if constexpr (Epi::kNorm) y = normalize<Epi>(y, s_mean[c / gs - g0], s_rstd[c / gs - g0], c, args);
+      if constexpr (Epi::kNorm) {
+        const int i = c / gs - g0;
+        y = normalize<Epi>(y, s_mean[i], s_mean_lo[i], s_rstd[i], c, args);
+      }
       if constexpr (kind == 0) {
         if (args.out_bf16 != nullptr)
           args.out_bf16[static_cast<int64_t>(r) * N + c] = __float2bfloat16_rn(y);
@@ -160,7 +175,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedAr
   __syncthreads();
   const TileCoord coord{m0, n0, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
                         static_cast<int>(gridDim.y)};
-  tile_epilogue<Epi, kFinalizeThreads>(tile, args, coord, tid, [] { __syncthreads(); });
+  tile_epilogue<Epi, kFinalizeThreads, true>(tile, args, coord, tid, [] { __syncthreads(); });
 }
 
 template <class Epi>

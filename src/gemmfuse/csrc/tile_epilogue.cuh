@@ -4,12 +4,13 @@
 // walks down a column hit distinct banks). Then, by the GroupNorm's group size:
 // - groups that divide kTile (they never straddle tiles): statistics per (row, group) with two
 //   passes over shared memory (a shifted mean, then the centred sum of squares), then the affine
-//   transform and the generated `post` ops in place; the tile is then stored, or reduced across
-//   its columns into one partial per row, and the last column tile of a row band to finish folds
-//   the partials of all column tiles in tile order (the result does not depend on arrival order);
+//   transform and the generated `post` ops; the tile is then stored, or reduced across its
+//   columns into one partial per row (each group's task reducing its own outputs, the row then
+//   merging its groups in order), and the last column tile of a row band to finish folds the
+//   partials of all column tiles in tile order (the result does not depend on arrival order);
 // - wider groups, or groups that straddle tiles (args.norm_wide): each (row, group segment in
-//   this tile) gets its count, mean and centred sum of squares, written to args.norm_stats, and
-//   the pre-norm tile is stored as fp32; norm_finalize.cuh merges the segments and finishes.
+//   this tile) gets its mean and centred sum of squares, written to args.norm_stats, and the
+//   pre-norm tile is stored as fp32; norm_finalize.cuh merges the segments and finishes.
 #pragma once
 #include <cstdint>
 
@@ -54,63 +55,106 @@ struct TileCoord {
   int n_tiles;     // column tiles in the grid
 };
 
-// Mean and centred sum of squares of v[0..n), two passes shifted by v[0]: a run of equal values
-// gets exactly that mean and a sum of squares of exactly 0 (as PyTorch's Welford gives), and a
-// large common offset does not cost the sum its precision. Both passes are compensated (TwoSum,
-// and each square's rounding error recovered with an fma): an error in the mean shifts every
-// normalised value of the group alike, one in the variance scales them all, and a later op or
-// sum over channels (where a GroupNorm output cancels to about 0) shows either; uncompensated,
-// a sequential sum of n terms loses about sqrt(n) ulps, more than PyTorch's tree reductions.
-__device__ __forceinline__ float2 segment_moments(const float* v, int n) {
+// A run of values' moments: the mean as the unevaluated sum mean + mean_lo (about twice float's
+// precision) and the centred sum of squares. Normalising with (v - mean) - mean_lo keeps the
+// outputs' own sum at about 0 where the group's mean is large against its spread: with the mean
+// rounded to a float, every output would be shifted by that rounding times rstd, which a later
+// sum over channels (where a GroupNorm output cancels to about 0) shows in full.
+struct SegmentMoments {
+  float mean, mean_lo, m2;
+};
+
+// Moments of v[0..n), two passes shifted by v[0]: a run of equal values gets exactly that mean
+// and a sum of squares of exactly 0 (as PyTorch's Welford gives), and a large common offset
+// does not cost the sum its precision.
+// kExact (the fp32-accurate paths): both passes compensated (TwoSum, and each square's rounding
+// error recovered with an fma), and the mean carried to mean_lo: an error in the mean shifts
+// every normalised value of the group alike, one in the variance scales them all, and a later
+// op or sum over channels shows either; uncompensated, a sequential sum of n terms loses about
+// sqrt(n) ulps, more than PyTorch's tree reductions. Otherwise (the one-pass tf32 and bf16
+// variants, whose GEMM error is thousands of times larger): plain sums, two chains at a time.
+template <bool kExact>
+__device__ __forceinline__ SegmentMoments segment_moments(const float* v, int n) {
   const float shift = v[0];
-  float sum = 0.f, comp = 0.f;
-  for (int j = 1; j < n; ++j) {
-    float err;
-    sum = two_sum(sum, v[j] - shift, err);
-    comp += err;
+  if constexpr (!kExact) {
+    float s0 = 0.f, s1 = 0.f;
+    int j = 0;
+    for (; j + 1 < n; j += 2) {
+      s0 += v[j] - shift;
+      s1 += v[j + 1] - shift;
+    }
+    if (j < n) s0 += v[j] - shift;
+    const float mean = shift + (s0 + s1) / static_cast<float>(n);
+    float q0 = 0.f, q1 = 0.f;
+    for (j = 0; j + 1 < n; j += 2) {
+      const float d0 = v[j] - mean, d1 = v[j + 1] - mean;
+      q0 = fmaf(d0, d0, q0);
+      q1 = fmaf(d1, d1, q1);
+    }
+    if (j < n) q0 = fmaf(v[j] - mean, v[j] - mean, q0);
+    return {mean, 0.f, q0 + q1};
+  } else {
+    float sum = 0.f, comp = 0.f;
+    for (int j = 1; j < n; ++j) {
+      float err;
+      sum = two_sum(sum, v[j] - shift, err);
+      comp += err;
+    }
+    // mean - shift = (sum + comp) / n = d + d_lo (the division's remainder from an fma).
+    const float nf = static_cast<float>(n);
+    float s_err, m_err;
+    const float s = two_sum(sum, comp, s_err);
+    const float d = s / nf;
+    const float d_lo = isfinite(d) ? (fmaf(-d, nf, s) + s_err) / nf : 0.f;
+    const float mean = two_sum(shift, d, m_err);
+    const float mean_lo = m_err + d_lo;
+    float sq = 0.f;
+    comp = 0.f;
+    for (int j = 0; j < n; ++j) {
+      const float dj = (v[j] - mean) - mean_lo, p = dj * dj;
+      float err;
+      sq = two_sum(sq, p, err);
+      comp += err + fmaf(dj, dj, -p);
+    }
+    return {mean, mean_lo, sq + comp};
   }
-  const float mean = shift + (sum + comp) / static_cast<float>(n);
-  float sq = 0.f;
-  comp = 0.f;
-  for (int j = 0; j < n; ++j) {
-    const float d = v[j] - mean, p = d * d;
-    float err;
-    sq = two_sum(sq, p, err);
-    comp += err + fmaf(d, d, -p);
-  }
-  return make_float2(mean, sq + comp);
 }
 
-// 1 / sqrt(m2 / n + eps) of a group, in double (once per group): correctly rounded but for
-// double's own, negligible, rounding, where the float chain rounds four times. The _rn
+// 1 / sqrt(m2 / n + eps) of a group. kExact: in double (once per group), correctly rounded but
+// for double's own, negligible, rounding, where the float chain rounds four times; the _rn
 // intrinsics keep it inline (the operators' slow paths are calls, with a stack frame).
+// Otherwise one rsqrt (about 2 ulps).
+template <bool kExact>
 __device__ __forceinline__ float group_rstd(float m2, int n, float eps) {
+  if constexpr (!kExact) return rsqrtf(fmaf(m2, 1.f / static_cast<float>(n), eps));
   const double var = __dmul_rn(static_cast<double>(m2), __drcp_rn(static_cast<double>(n)));
   return static_cast<float>(__drcp_rn(__dsqrt_rn(__dadd_rn(var, static_cast<double>(eps)))));
 }
 
-// GroupNorm of one value given its group's mean and rstd, then the affine part (the channel's
-// weight w and bias b, when the GroupNorm has them) and `post`.
+// GroupNorm of one value given its group's mean (mean + mean_lo) and rstd, then the affine part
+// (the channel's weight w and bias b, when the GroupNorm has them) and `post`.
 template <class Epi>
-__device__ __forceinline__ float normalize(float v, float mean, float rstd, float w, float b,
-                                           int gcol, const FusedArgs& args) {
-  float y = (v - mean) * rstd;
+__device__ __forceinline__ float normalize(float v, float mean, float mean_lo, float rstd,
+                                           float w, float b, int gcol, const FusedArgs& args) {
+  float y = ((v - mean) - mean_lo) * rstd;
   if (args.gn_weight != nullptr) y = y * w + b;
   return Epi::post(round_like_model(y, args.params), gcol, args.params);
 }
 
 template <class Epi>
-__device__ __forceinline__ float normalize(float v, float mean, float rstd, int gcol,
-                                           const FusedArgs& args) {
+__device__ __forceinline__ float normalize(float v, float mean, float mean_lo, float rstd,
+                                           int gcol, const FusedArgs& args) {
   const bool affine = args.gn_weight != nullptr;
-  return normalize<Epi>(v, mean, rstd, affine ? __ldg(args.gn_weight + gcol) : 0.f,
+  return normalize<Epi>(v, mean, mean_lo, rstd, affine ? __ldg(args.gn_weight + gcol) : 0.f,
                         affine ? __ldg(args.gn_bias + gcol) : 0.f, gcol, args);
 }
 
 // `tid` runs over kThreads threads that all call this; `sync()` is a barrier among exactly them.
-template <class Epi, int kThreads, class Sync>
+// kExact: the fp32-accurate statistics (segment_moments).
+template <class Epi, int kThreads, bool kExact, class Sync>
 __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args, TileCoord tc,
                                               int tid, Sync sync) {
+  constexpr int kind = Epi::kReduce;
   const int lane = tid & 31, warp = tid >> 5;
   const int rows_here = min(kTile, args.M - tc.m0);
   const int cols_here = min(kTile, args.N - tc.n0);
@@ -129,6 +173,10 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     }
   };
 
+  // With a GroupNorm and a reduction, each group's task also reduces its outputs (in column
+  // order) and leaves the partial in the group's first two slots, merged per row below in group
+  // order: the normalised values never go back to shared memory. Groups of one have no room.
+  bool reduced_in_groups = false;
   if constexpr (Epi::kNorm) {
     if (args.norm_wide) {
       const int g_first = tc.n0 / gs;
@@ -139,8 +187,9 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
         const int g = g_first + task / rows_here;
         const int c0 = max(g * gs, tc.n0) - tc.n0;
         const int c1 = min((g + 1) * gs, tc.n0 + cols_here) - tc.n0;
+        const SegmentMoments m = segment_moments<true>(tile + r * kEpiStride + c0, c1 - c0);
         args.norm_stats[(tc.m0 + r) * stats_row + tc.n_idx * args.stats_per_tile + (g - g_first)] =
-            segment_moments(tile + r * kEpiStride + c0, c1 - c0);
+            make_float4(m.mean, m.mean_lo, m.m2, 0.f);
       }
       store(false);  // fp32, normalised in place by norm_finalize.cuh
       return;
@@ -154,35 +203,56 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       }
       sync();
     }
+    reduced_in_groups = kind != 0 && gs >= 2;
     const int groups_here = cols_here / gs;  // N and kTile are multiples of gs
     for (int task = tid; task < rows_here * groups_here; task += kThreads) {
       const int r = task % rows_here;
       const int c0 = (task / rows_here) * gs;
       float* v = tile + r * kEpiStride + c0;
-      const float2 mom = segment_moments(v, gs);
-      const float rstd = group_rstd(mom.y, gs, args.eps);
-      for (int j = 0; j < gs; ++j)
-        v[j] = normalize<Epi>(v[j], mom.x, rstd, s_gn_weight[c0 + j], s_gn_bias[c0 + j],
-                              tc.n0 + c0 + j, args);
+      const SegmentMoments mom = segment_moments<kExact>(v, gs);
+      const float rstd = group_rstd<kExact>(mom.m2, gs, args.eps);
+      auto out = [&](int j) {
+        return normalize<Epi>(v[j], mom.mean, mom.mean_lo, rstd, s_gn_weight[c0 + j],
+                              s_gn_bias[c0 + j], tc.n0 + c0 + j, args);
+      };
+      if constexpr (kind != 0) {
+        if (reduced_in_groups) {
+          RowAcc acc = row_acc_empty<kind>();
+          for (int j = 0; j < gs; ++j) row_acc_push<kind>(acc, out(j));
+          v[0] = acc.m;
+          v[1] = acc.s;
+          continue;
+        }
+      }
+      for (int j = 0; j < gs; ++j) v[j] = out(j);
     }
     sync();
   }
 
-  if constexpr (Epi::kReduce == 0) {
+  if constexpr (kind == 0) {
     store(args.out_bf16 != nullptr);
   } else {
-    constexpr int kind = Epi::kReduce;
     // Partials are (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh), m alone otherwise.
     constexpr bool kPairs = kind >= 3;
     const int64_t s_half = static_cast<int64_t>(tc.n_tiles) * args.M;
-    for (int r = warp; r < rows_here; r += kThreads / 32) {
-      RowAcc acc = row_acc_empty<kind>();
-      for (int c = lane; c < cols_here; c += 32) row_acc_push<kind>(acc, tile[r * kEpiStride + c]);
-      acc = row_acc_warp<kind>(acc);
-      if (lane == 0) {
-        const int64_t at = static_cast<int64_t>(tc.n_idx) * args.M + tc.m0 + r;
-        args.row_partial[at] = acc.m;
-        if constexpr (kPairs) args.row_partial[s_half + at] = acc.s;
+    auto put_partial = [&](int r, RowAcc acc) {
+      const int64_t at = static_cast<int64_t>(tc.n_idx) * args.M + tc.m0 + r;
+      args.row_partial[at] = acc.m;
+      if constexpr (kPairs) args.row_partial[s_half + at] = acc.s;
+    };
+    if (reduced_in_groups) {
+      for (int r = tid; r < rows_here; r += kThreads) {
+        const float* row = tile + r * kEpiStride;
+        RowAcc acc{row[0], row[1]};
+        for (int c0 = gs; c0 < cols_here; c0 += gs) acc = row_acc_merge<kind>(acc, RowAcc{row[c0], row[c0 + 1]});
+        put_partial(r, acc);
+      }
+    } else {
+      for (int r = warp; r < rows_here; r += kThreads / 32) {
+        RowAcc acc = row_acc_empty<kind>();
+        for (int c = lane; c < cols_here; c += 32) row_acc_push<kind>(acc, tile[r * kEpiStride + c]);
+        acc = row_acc_warp<kind>(acc);
+        if (lane == 0) put_partial(r, acc);
       }
     }
     __shared__ bool is_last;
