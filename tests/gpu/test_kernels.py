@@ -12,7 +12,7 @@ from gemmfuse import FallbackWarning
 from gemmfuse.bench import check
 from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.registry import get_problem
-from helpers import build_pair, float64_bar, max_abs_err, run_both, small_pair
+from helpers import build_pair, float64_bar, max_abs_err, ops_alone, run_both, small_pair
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -103,11 +103,17 @@ def test_odd_shapes(number, m, k, group, n, kernel):
     assert got.shape == expect.shape
     assert not got.isnan().any()
     # Judged against float64, not against eager: a group of 3 nearly equal values makes
-    # GroupNorm amplify any GEMM rounding by up to 1/sqrt(eps) ~ 316, so eager fp32 and any
-    # other fp32-accurate GEMM can differ by more than 1e-4 while both are right to fp32
-    # precision. Bar: no further from float64 than eager fp32 is, or within 1e-4 of it.
+    # GroupNorm amplify any rounding by up to 1/sqrt(eps) ~ 316, so eager fp32 and any other
+    # fp32-accurate evaluation can differ by more than 1e-4 while both are right to fp32
+    # precision. Bar: issue 4's (helpers.float64_bar: eager's error plus the chain's own fp32
+    # op rounding and one ulp), or within 1e-4. Without the op rounding the comparison is a coin
+    # toss wherever both errors are mostly the same GEMM's (the epilogue path runs eager's own):
+    # at the worst element the two epilogues' amplified roundings decide which is larger. An
+    # exact epilogue on a given fp32 GEMM result came out above eager's in 9 of 20 simulated
+    # draws (257 x 1000 x 300, groups of 3), a float-mean one in 6.
     err, err_eager = max_abs_err(got, exact), max_abs_err(expect, exact)
-    assert err <= max(err_eager, 1e-4), f"gemmfuse {err:.3e} vs eager {err_eager:.3e}"
+    bar = max(float64_bar(err_eager, max_abs_err(ops_alone(ref, x), exact), exact), 1e-4)
+    assert err <= bar, f"gemmfuse {err:.3e} vs eager {err_eager:.3e}, bar {bar:.3e}"
 
 
 @pytest.mark.parametrize("number", [62, 75])

@@ -46,8 +46,17 @@ __device__ __forceinline__ float compensated_value(float s, float c) {
   return isfinite(s) ? s + c : s;
 }
 
+// Blocks per SM to fit: one row a row of W at a time stays at 64 registers, so that all of
+// N = K = 8192's blocks (five K slices of 64 column windows) are resident at once; the other
+// variants need more registers (ptxas spilled at fewer than 128).
+template <int kRows, int kRowBatch>
+constexpr int gemv_min_blocks() {
+  return kRows == 1 && kRowBatch == 1 ? 4 : 2;
+}
+
 template <class Epi, int kRows, int kRowBatch>
-__global__ void __launch_bounds__(kGemvThreads, 2) gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
+__global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch>())
+    gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
   extern __shared__ float4 smem_gemv[];
   float* xs = reinterpret_cast<float*>(smem_gemv);  // [kRows, slice], then the epilogue tile
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;

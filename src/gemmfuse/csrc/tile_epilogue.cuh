@@ -73,12 +73,16 @@ struct SegmentMoments {
 // op or sum over channels shows either; uncompensated, a sequential sum of n terms loses about
 // sqrt(n) ulps, more than PyTorch's tree reductions. Otherwise (the one-pass tf32 and bf16
 // variants, whose GEMM error is thousands of times larger): plain sums, two chains at a time.
-template <bool kExact>
-__device__ __forceinline__ SegmentMoments segment_moments(const float* v, int n) {
+// kN > 0: n is kN, known at compile time (v may then be a register array: loops unroll fully).
+template <bool kExact, int kN = 0, class Values>
+__device__ __forceinline__ SegmentMoments segment_moments(const Values& v, int n_run_time) {
+  constexpr int kUnroll = kN > 0 ? kN : 1;
+  const int n = kN > 0 ? kN : n_run_time;
   const float shift = v[0];
   if constexpr (!kExact) {
     float s0 = 0.f, s1 = 0.f;
     int j = 0;
+#pragma unroll kUnroll
     for (; j + 1 < n; j += 2) {
       s0 += v[j] - shift;
       s1 += v[j + 1] - shift;
@@ -86,6 +90,7 @@ __device__ __forceinline__ SegmentMoments segment_moments(const float* v, int n)
     if (j < n) s0 += v[j] - shift;
     const float mean = shift + (s0 + s1) / static_cast<float>(n);
     float q0 = 0.f, q1 = 0.f;
+#pragma unroll kUnroll
     for (j = 0; j + 1 < n; j += 2) {
       const float d0 = v[j] - mean, d1 = v[j + 1] - mean;
       q0 = fmaf(d0, d0, q0);
@@ -95,6 +100,7 @@ __device__ __forceinline__ SegmentMoments segment_moments(const float* v, int n)
     return {mean, 0.f, q0 + q1};
   } else {
     float sum = 0.f, comp = 0.f;
+#pragma unroll kUnroll
     for (int j = 1; j < n; ++j) {
       float err;
       sum = two_sum(sum, v[j] - shift, err);
@@ -110,6 +116,7 @@ __device__ __forceinline__ SegmentMoments segment_moments(const float* v, int n)
     const float mean_lo = m_err + d_lo;
     float sq = 0.f;
     comp = 0.f;
+#pragma unroll kUnroll
     for (int j = 0; j < n; ++j) {
       const float dj = (v[j] - mean) - mean_lo, p = dj * dj;
       float err;
@@ -147,6 +154,79 @@ __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, f
   const bool affine = args.gn_weight != nullptr;
   return normalize<Epi>(v, mean, mean_lo, rstd, affine ? __ldg(args.gn_weight + gcol) : 0.f,
                         affine ? __ldg(args.gn_bias + gcol) : 0.f, gcol, args);
+}
+
+// Writes n finished values of one output row, starting at element `at` of the output: 16 bytes
+// at a time where the address allows.
+template <int kN>
+__device__ __forceinline__ void store_run(const float (&y)[kN], int64_t at, const FusedArgs& args) {
+  if (args.out_bf16 != nullptr) {
+    __nv_bfloat16* dst = args.out_bf16 + at;
+    if (kN % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+#pragma unroll
+      for (int j = 0; j < kN; j += 8) {
+        uint4 packed;
+        uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(y[j + 2 * e], y[j + 2 * e + 1]);
+          words[e] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+        *reinterpret_cast<uint4*>(dst + j) = packed;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) dst[j] = __float2bfloat16_rn(y[j]);
+    }
+  } else {
+    float* dst = args.out + at;
+    if (kN % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+#pragma unroll
+      for (int j = 0; j < kN; j += 4)
+        *reinterpret_cast<float4*>(dst + j) = make_float4(y[j], y[j + 1], y[j + 2], y[j + 3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kN; ++j) dst[j] = y[j];
+    }
+  }
+}
+
+// The in-tile GroupNorm of one (row r, group at tile column c0) whose size kGs is known at
+// compile time: the group's values are loaded into registers at once (a run-time size walks
+// shared memory a value at a time, a chain of load latencies), normalised there, and either
+// reduced (the partial left in the group's first two slots, as in tile_epilogue) or, without a
+// reduction, stored straight to the output. w, b: the tile's GroupNorm weights and biases.
+template <class Epi, bool kExact, int kGs>
+__device__ __forceinline__ void group_task(float* tile, const float* w, const float* b, int r,
+                                           int c0, TileCoord tc, const FusedArgs& args) {
+  float* v = tile + r * kEpiStride + c0;
+  float y[kGs];
+#pragma unroll
+  for (int j = 0; j < kGs; ++j) y[j] = v[j];
+  const SegmentMoments mom = segment_moments<kExact, kGs>(y, kGs);
+  const float rstd = group_rstd<kExact>(mom.m2, kGs, args.eps);
+#pragma unroll
+  for (int j = 0; j < kGs; ++j)
+    y[j] = normalize<Epi>(y[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],
+                          tc.n0 + c0 + j, args);
+  if constexpr (Epi::kReduce != 0) {
+    RowAcc acc = row_acc_empty<Epi::kReduce>();
+#pragma unroll
+    for (int j = 0; j < kGs; ++j) row_acc_push<Epi::kReduce>(acc, y[j]);
+    v[0] = acc.m;
+    v[1] = acc.s;
+  } else {
+    store_run<kGs>(y, static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c0, args);
+  }
+}
+
+// Every (row, group) task of the tile for a group size known at compile time.
+template <class Epi, int kThreads, bool kExact, int kGs>
+__device__ __forceinline__ void group_tasks(float* tile, const float* w, const float* b,
+                                            int rows_here, int groups_here, int tid, TileCoord tc,
+                                            const FusedArgs& args) {
+  for (int task = tid; task < rows_here * groups_here; task += kThreads)
+    group_task<Epi, kExact, kGs>(tile, w, b, task % rows_here, (task / rows_here) * kGs, tc, args);
 }
 
 // `tid` runs over kThreads threads that all call this; `sync()` is a barrier among exactly them.
@@ -205,15 +285,35 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     }
     reduced_in_groups = kind != 0 && gs >= 2;
     const int groups_here = cols_here / gs;  // N and kTile are multiples of gs
-    for (int task = tid; task < rows_here * groups_here; task += kThreads) {
+    // Common group sizes with the group in registers: the tasks store the output themselves
+    // (without a reduction: then nothing is left to do) or leave their partials.
+    const float *w = s_gn_weight, *b = s_gn_bias;
+    bool in_registers = true;
+    switch (gs) {
+      case 8:
+        group_tasks<Epi, kThreads, kExact, 8>(tile, w, b, rows_here, groups_here, tid, tc, args);
+        break;
+      case 16:
+        group_tasks<Epi, kThreads, kExact, 16>(tile, w, b, rows_here, groups_here, tid, tc, args);
+        break;
+      case 32:
+        group_tasks<Epi, kThreads, kExact, 32>(tile, w, b, rows_here, groups_here, tid, tc, args);
+        break;
+      default:
+        in_registers = false;
+    }
+    if constexpr (kind == 0) {
+      if (in_registers) return;  // the caller's next barrier orders any reuse of the tile
+    }
+    for (int task = tid; task < rows_here * groups_here && !in_registers; task += kThreads) {
       const int r = task % rows_here;
       const int c0 = (task / rows_here) * gs;
       float* v = tile + r * kEpiStride + c0;
       const SegmentMoments mom = segment_moments<kExact>(v, gs);
       const float rstd = group_rstd<kExact>(mom.m2, gs, args.eps);
       auto out = [&](int j) {
-        return normalize<Epi>(v[j], mom.mean, mom.mean_lo, rstd, s_gn_weight[c0 + j],
-                              s_gn_bias[c0 + j], tc.n0 + c0 + j, args);
+        return normalize<Epi>(v[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],
+                              tc.n0 + c0 + j, args);
       };
       if constexpr (kind != 0) {
         if (reduced_in_groups) {
