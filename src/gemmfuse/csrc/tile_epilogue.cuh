@@ -127,6 +127,49 @@ __device__ __forceinline__ SegmentMoments segment_moments(const Values& v, int n
   }
 }
 
+// segment_moments<true> with a warp on one run v[0..n) (each lane a strided part, merged by a
+// fixed xor tree, lane 0's result taken by all): for long runs, where a thread per run leaves
+// most of a block idle on a chain of shared-memory loads. `lane`: 0..31, the whole warp calls.
+__device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, int n, int lane) {
+  auto warp_sum = [](float& sum, float& comp) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float so = __shfl_xor_sync(0xffffffffu, sum, off);
+      const float co = __shfl_xor_sync(0xffffffffu, comp, off);
+      float err;
+      sum = two_sum(sum, so, err);
+      comp += co + err;
+    }
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    comp = __shfl_sync(0xffffffffu, comp, 0);
+  };
+  const float shift = v[0];
+  float sum = 0.f, comp = 0.f;
+  for (int j = lane; j < n; j += 32) {
+    float err;
+    sum = two_sum(sum, v[j] - shift, err);
+    comp += err;
+  }
+  warp_sum(sum, comp);
+  const float nf = static_cast<float>(n);
+  float s_err, m_err;
+  const float s = two_sum(sum, comp, s_err);
+  const float d = s / nf;
+  const float d_lo = isfinite(d) ? (fmaf(-d, nf, s) + s_err) / nf : 0.f;
+  const float mean = two_sum(shift, d, m_err);
+  const float mean_lo = m_err + d_lo;
+  float sq = 0.f;
+  comp = 0.f;
+  for (int j = lane; j < n; j += 32) {
+    const float dj = (v[j] - mean) - mean_lo, p = dj * dj;
+    float err;
+    sq = two_sum(sq, p, err);
+    comp += err + fmaf(dj, dj, -p);
+  }
+  warp_sum(sq, comp);
+  return {mean, mean_lo, sq + comp};
+}
+
 // 1 / sqrt(m2 / n + eps) of a group. kExact: in double (once per group), correctly rounded but
 // for double's own, negligible, rounding, where the float chain rounds four times; the _rn
 // intrinsics keep it inline (the operators' slow paths are calls, with a stack frame).
@@ -262,14 +305,29 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       const int g_first = tc.n0 / gs;
       const int segments = (tc.n0 + cols_here - 1) / gs - g_first + 1;
       const int64_t stats_row = static_cast<int64_t>(args.stats_per_tile) * tc.n_tiles;
-      for (int task = tid; task < rows_here * segments; task += kThreads) {
-        const int r = task % rows_here;  // consecutive threads walk rows: distinct banks
-        const int g = g_first + task / rows_here;
-        const int c0 = max(g * gs, tc.n0) - tc.n0;
-        const int c1 = min((g + 1) * gs, tc.n0 + cols_here) - tc.n0;
-        const SegmentMoments m = segment_moments<true>(tile + r * kEpiStride + c0, c1 - c0);
+      // Task (row r, segment of group g): its columns [c0, c1) of the tile.
+      auto segment = [&](int task, int& r, int& g, int& c0, int& c1) {
+        r = task % rows_here;  // consecutive tasks walk rows: distinct banks
+        g = g_first + task / rows_here;
+        c0 = max(g * gs, tc.n0) - tc.n0;
+        c1 = min((g + 1) * gs, tc.n0 + cols_here) - tc.n0;
+      };
+      auto put = [&](int r, int g, SegmentMoments m) {
         args.norm_stats[(tc.m0 + r) * stats_row + tc.n_idx * args.stats_per_tile + (g - g_first)] =
             make_float4(m.mean, m.mean_lo, m.m2, 0.f);
+      };
+      int r, g, c0, c1;
+      if (gs >= 32) {  // a warp per task
+        for (int task = warp; task < rows_here * segments; task += kThreads / 32) {
+          segment(task, r, g, c0, c1);
+          const SegmentMoments m = segment_moments_warp(tile + r * kEpiStride + c0, c1 - c0, lane);
+          if (lane == 0) put(r, g, m);
+        }
+      } else {
+        for (int task = tid; task < rows_here * segments; task += kThreads) {
+          segment(task, r, g, c0, c1);
+          put(r, g, segment_moments<true>(tile + r * kEpiStride + c0, c1 - c0));
+        }
       }
       store(false);  // fp32, normalised in place by norm_finalize.cuh
       return;
