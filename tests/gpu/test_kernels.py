@@ -73,10 +73,11 @@ def test_full_size_epilogue_path(number):
         assert max_abs_err(got, exact) <= float64_bar(max_abs_err(expect, exact), 0.0, exact)
 
 
-# (group size, channels): groups that divide the 128-channel tile are normalised in it; the
+# (group size, channels): groups that divide the 128-channel tile are normalised in it (sizes
+# 8, 16 and 32 in registers, 64 and up a warp per group, the others a thread per group); the
 # others (straddling tiles, up to one group of all channels) take the cross-tile statistics.
-GROUPS = [(1, 200), (16, 592), (64, 1024), (3, 300), (96, 384), (512, 1024), (640, 640),
-          (2048, 2048)]  # fmt: skip
+GROUPS = [(1, 200), (8, 264), (16, 592), (32, 800), (64, 1024), (3, 300), (96, 384),
+          (512, 1024), (640, 640), (2048, 2048)]  # fmt: skip
 
 
 @pytest.mark.parametrize("number", [62, 75])
@@ -198,12 +199,14 @@ def test_small_problems_take_the_epilogue_path_under_auto(number):
 @pytest.mark.parametrize("number", [62, 75])
 @pytest.mark.parametrize("m", [1, 2, 3, 9])
 @pytest.mark.parametrize("k", [4, 1002, 4096])
-@pytest.mark.parametrize("n,groups", [(1024, 64), (640, 2)])
+@pytest.mark.parametrize("n,groups", [(1024, 64), (1024, 16), (640, 2), (4096, 2)])
 def test_epilogue_path_few_rows(number, m, k, n, groups):
     """One or two rows with K a multiple of 4 take the epilogue path's matrix-vector kernel (its
     own compensated GEMM and the chain in one launch); more rows, or K = 1002, take PyTorch's
     GEMM and the tile kernel. Either way: allclose to eager and within the float64 bar. Groups
-    of 16 fit a tile; groups of 320 straddle tiles (the second pass)."""
+    of 16 fit a tile (normalised in registers), groups of 64 too (a warp per group); groups of
+    320 straddle tiles on a short row (finished in the same launch: the row kernel, or the
+    matrix-vector kernel's last block); groups of 2048 on rows of 4096 take the second pass."""
     init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
     ref, new = small_pair(number, seed=m * k, init=init)
     ref, new = ref.to(CUDA), new.to(CUDA)

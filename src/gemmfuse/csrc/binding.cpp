@@ -285,7 +285,7 @@ torch::Tensor gemv_forward(torch::Tensor x, torch::Tensor w, c10::optional<torch
   const int64_t slices = (K + gemv.slice - 1) / gemv.slice, windows = (N + 127) / 128;
   outputs.push_back(torch::empty({slices, M, N, 2}, x.options()));
   gemv.partial = reinterpret_cast<float2*>(outputs.back().data_ptr<float>());
-  gemv.counter = arrival_counters(x, windows, stream, kWindowCounters);
+  gemv.counter = arrival_counters(x, windows + 1, stream, kWindowCounters);
   check_cuda(gemmfuse::launch_gemv_epilogue(args, gemv, stream), "gemv epilogue launch");
   return outputs.front();
 }

@@ -77,7 +77,7 @@ struct GemvArgs {
   int64_t x_stride;
   int K, slice;     // slice: K per block, a multiple of 128 (gemv_slice)
   float2* partial;  // [K slices, M, N]: each slice's compensated sums (value, error)
-  int* counter;     // [column windows], zero on entry, left zero on exit
+  int* counter;     // [column windows + 1 (the rows')], zero on entry, left zero on exit
 };
 
 // The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain

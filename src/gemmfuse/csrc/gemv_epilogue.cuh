@@ -166,14 +166,33 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   if (tid == 0) g.counter[blockIdx.x] = 0;  // ready for the next launch
   __syncthreads();
   const TileCoord coord{0, n0, 0, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
-  tile_epilogue<Epi, kGemvThreads, true>(tile, args, coord, tid, [] { __syncthreads(); });
+  tile_epilogue<Epi, kGemvThreads, true, false>(tile, args, coord, tid, [] { __syncthreads(); });
+  if (!args.norm_wide || N > kShortRow) return;
+
+  // Groups wider than a tile on short rows: the last window to finish completes the rows
+  // (norm_finalize_kernel's work, without its launch). The rows and moments it reads were
+  // written by the other windows' blocks before their arrival and never read by this block.
+  __shared__ bool rows_last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0)
+    rows_last = atomicAdd(g.counter + gridDim.x, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!rows_last) return;
+  __threadfence();
+  for (int m = 0; m < M; ++m)
+    finish_row<Epi>(args.norm_stats + static_cast<int64_t>(m) * gridDim.x * args.stats_per_tile,
+                    args.out + static_cast<int64_t>(m) * N, m, 0, N, args);
+  if (tid == 0) g.counter[gridDim.x] = 0;  // ready for the next launch
 }
 
-// Slices of K: enough blocks to keep every SM streaming W (two per SM), at most kGemvMaxSlice
-// of K each, a multiple of 128 (a warp's four 16-byte loads per lane).
+// Slices of K: enough blocks to keep every SM streaming W (kGemvBlocksPerSm each, as many as fit
+// at 64 registers: M = 1, N = K = 8192 took 108-114 us against 113-120 us at two per SM), at
+// most kGemvMaxSlice of K each, a multiple of 128 (a warp's four 16-byte loads per lane).
+constexpr int kGemvBlocksPerSm = 4;
 inline int gemv_slice(int K, int N, int sms) {
   const int windows = (N + kTile - 1) / kTile;
-  const int by_sms = (2 * sms + windows - 1) / windows;
+  const int by_sms = (kGemvBlocksPerSm * sms + windows - 1) / windows;
   const int slices = std::max((K + kGemvMaxSlice - 1) / kGemvMaxSlice,
                               std::min((K + 127) / 128, by_sms));
   return ((K + slices - 1) / slices + 127) / 128 * 128;
@@ -208,7 +227,7 @@ cudaError_t launch_gemv(const FusedArgs& args, const GemvArgs& g, cudaStream_t s
   if ((g.K + g.slice - 1) / g.slice > 65535) return cudaErrorInvalidConfiguration;
   const cudaError_t err = args.M == 1 ? launch_gemv_rows<Epi, 1>(args, g, stream)
                                       : launch_gemv_rows<Epi, 2>(args, g, stream);
-  if (err != cudaSuccess || !args.norm_wide) return err;
+  if (err != cudaSuccess || !args.norm_wide || args.N <= kShortRow) return err;
   return launch_norm_finalize<Epi>(args, stream);
 }
 

@@ -178,11 +178,59 @@ __global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedAr
   tile_epilogue<Epi, kFinalizeThreads, true>(tile, args, coord, tid, [] { __syncthreads(); });
 }
 
+// Rows of at most kShortRow channels with groups wider than (or straddling) a tile are finished
+// in one launch: the epilogue path's row_epilogue_kernel, and the few-rows kernel's last block.
+constexpr int kShortRow = 2048;
+
+// The epilogue path for such rows: a block per row stages the whole row, computes the moments
+// of each (tile, group segment) of it as tile_epilogue's wide mode does, into shared memory in
+// norm_stats' layout, and finishes the row (finish_row). Where tile_epilogue_kernel and
+// norm_finalize_kernel take two launches, each with its latency (M = 16, N = 1024 measured 5.8
+// and 5.0 us).
+template <class Epi>
+__global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArgs args) {
+  extern __shared__ float4 row_smem[];
+  const int N = args.N, gs = args.group_size, spt = args.stats_per_tile;
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int n_tiles = (N + kTile - 1) / kTile;
+  float4* stats = row_smem;                                            // [n_tiles, spt]
+  float* values = reinterpret_cast<float*>(row_smem + n_tiles * spt);  // [N]
+  float* row = args.out + static_cast<int64_t>(blockIdx.x) * N;
+  for (int c = tid; c < N; c += kFinalizeThreads) {
+    const float v = epilogue_input<Epi>(row[c], 1.f, c, args);
+    values[c] = v;
+    row[c] = v;  // finish_row reads the pre-norm values from the row (this block's own writes)
+  }
+  __syncthreads();
+  // Task: segment `seg` of tile t, a warp each for groups of 32 or more, else a thread.
+  const bool warp_per_task = gs >= 32;
+  const int first = warp_per_task ? tid / 32 : tid;
+  const int step = warp_per_task ? kFinalizeThreads / 32 : kFinalizeThreads;
+  for (int task = first; task < n_tiles * spt; task += step) {
+    const int n0 = (task / spt) * kTile, g = n0 / gs + task % spt;
+    const int c0 = max(g * gs, n0), c1 = min((g + 1) * gs, min(n0 + kTile, N));
+    if (c0 >= c1) continue;  // the tile has fewer segments (uniform across a warp)
+    const SegmentMoments m = warp_per_task ? segment_moments_warp(values + c0, c1 - c0, lane)
+                                           : segment_moments<true>(values + c0, c1 - c0);
+    if (!warp_per_task || lane == 0) stats[task] = make_float4(m.mean, m.mean_lo, m.m2, 0.f);
+  }
+  __syncthreads();
+  finish_row<Epi>(stats, row, blockIdx.x, 0, N, args);
+}
+
 template <class Epi>
 cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
   if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
     return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
+  if (args.norm_wide && args.N <= kShortRow) {
+    const int n_tiles = (args.N + kTile - 1) / kTile;
+    const int smem = n_tiles * args.stats_per_tile * static_cast<int>(sizeof(float4)) +
+                     args.N * static_cast<int>(sizeof(float));
+    if (smem > 48 * 1024) return cudaErrorInvalidConfiguration;  // kShortRow keeps it below
+    row_epilogue_kernel<Epi><<<args.M, kFinalizeThreads, smem, stream>>>(args);
+    return cudaGetLastError();
+  }
   const dim3 grid((args.M + kTile - 1) / kTile, (args.N + kTile - 1) / kTile);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
   const int smem = min(args.M, kTile) * kEpiStride * static_cast<int>(sizeof(float));

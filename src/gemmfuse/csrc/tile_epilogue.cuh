@@ -273,8 +273,9 @@ __device__ __forceinline__ void group_tasks(float* tile, const float* w, const f
 }
 
 // `tid` runs over kThreads threads that all call this; `sync()` is a barrier among exactly them.
-// kExact: the fp32-accurate statistics (segment_moments).
-template <class Epi, int kThreads, bool kExact, class Sync>
+// kExact: the fp32-accurate statistics (segment_moments). kRegisterGroups: groups of 8, 16 and
+// 32 in registers (group_task); off where registers are scarce and rows few (the few-rows GEMV).
+template <class Epi, int kThreads, bool kExact, bool kRegisterGroups = true, class Sync>
 __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args, TileCoord tc,
                                               int tid, Sync sync) {
   constexpr int kind = Epi::kReduce;
@@ -346,43 +347,58 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     // Common group sizes with the group in registers: the tasks store the output themselves
     // (without a reduction: then nothing is left to do) or leave their partials.
     const float *w = s_gn_weight, *b = s_gn_bias;
-    bool in_registers = true;
-    switch (gs) {
-      case 8:
-        group_tasks<Epi, kThreads, kExact, 8>(tile, w, b, rows_here, groups_here, tid, tc, args);
-        break;
-      case 16:
-        group_tasks<Epi, kThreads, kExact, 16>(tile, w, b, rows_here, groups_here, tid, tc, args);
-        break;
-      case 32:
-        group_tasks<Epi, kThreads, kExact, 32>(tile, w, b, rows_here, groups_here, tid, tc, args);
-        break;
-      default:
-        in_registers = false;
+    bool in_registers = false;
+    if constexpr (kRegisterGroups) {
+      in_registers = true;
+      switch (gs) {
+        case 8:
+          group_tasks<Epi, kThreads, kExact, 8>(tile, w, b, rows_here, groups_here, tid, tc, args);
+          break;
+        case 16:
+          group_tasks<Epi, kThreads, kExact, 16>(tile, w, b, rows_here, groups_here, tid, tc, args);
+          break;
+        case 32:
+          group_tasks<Epi, kThreads, kExact, 32>(tile, w, b, rows_here, groups_here, tid, tc, args);
+          break;
+        default:
+          in_registers = false;
+      }
     }
     if constexpr (kind == 0) {
       if (in_registers) return;  // the caller's next barrier orders any reuse of the tile
     }
-    for (int task = tid; task < rows_here * groups_here && !in_registers; task += kThreads) {
+    // Other sizes: groups of 64 or more a warp each (lanes over the group; a thread per group
+    // would leave most of the block idle on a chain of shared-memory loads when rows are few),
+    // smaller ones a thread each.
+    const bool warp_per_group = gs >= 64;
+    const int step = warp_per_group ? kThreads / 32 : kThreads;
+    for (int task = warp_per_group ? warp : tid; task < rows_here * groups_here && !in_registers;
+         task += step) {
       const int r = task % rows_here;
       const int c0 = (task / rows_here) * gs;
       float* v = tile + r * kEpiStride + c0;
-      const SegmentMoments mom = segment_moments<kExact>(v, gs);
+      const SegmentMoments mom =
+          warp_per_group ? segment_moments_warp(v, gs, lane) : segment_moments<kExact>(v, gs);
       const float rstd = group_rstd<kExact>(mom.m2, gs, args.eps);
       auto out = [&](int j) {
         return normalize<Epi>(v[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],
                               tc.n0 + c0 + j, args);
       };
+      const int j0 = warp_per_group ? lane : 0, j_step = warp_per_group ? 32 : 1;
       if constexpr (kind != 0) {
         if (reduced_in_groups) {
           RowAcc acc = row_acc_empty<kind>();
-          for (int j = 0; j < gs; ++j) row_acc_push<kind>(acc, out(j));
-          v[0] = acc.m;
-          v[1] = acc.s;
+          for (int j = j0; j < gs; j += j_step) row_acc_push<kind>(acc, out(j));
+          // Every lane has read its values by the tree's shuffles, before lane 0 writes.
+          if (warp_per_group) acc = row_acc_warp<kind>(acc);
+          if (j0 == 0) {
+            v[0] = acc.m;
+            v[1] = acc.s;
+          }
           continue;
         }
       }
-      for (int j = 0; j < gs; ++j) v[j] = out(j);
+      for (int j = j0; j < gs; j += j_step) v[j] = out(j);
     }
     sync();
   }
