@@ -202,17 +202,17 @@ __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArg
     row[c] = v;  // finish_row reads the pre-norm values from the row (this block's own writes)
   }
   __syncthreads();
-  // Task: segment `seg` of tile t, a warp each for groups of 32 or more, else a thread.
-  const bool warp_per_task = gs >= 32;
-  const int first = warp_per_task ? tid / 32 : tid;
-  const int step = warp_per_task ? kFinalizeThreads / 32 : kFinalizeThreads;
+  // Task: segment `seg` of tile t, a warp or a thread each (warp_per_task).
+  const bool by_warp = warp_per_task(gs, n_tiles * spt, kFinalizeThreads);
+  const int first = by_warp ? tid / 32 : tid;
+  const int step = by_warp ? kFinalizeThreads / 32 : kFinalizeThreads;
   for (int task = first; task < n_tiles * spt; task += step) {
     const int n0 = (task / spt) * kTile, g = n0 / gs + task % spt;
     const int c0 = max(g * gs, n0), c1 = min((g + 1) * gs, min(n0 + kTile, N));
     if (c0 >= c1) continue;  // the tile has fewer segments (uniform across a warp)
-    const SegmentMoments m = warp_per_task ? segment_moments_warp(values + c0, c1 - c0, lane)
-                                           : segment_moments<true>(values + c0, c1 - c0);
-    if (!warp_per_task || lane == 0) stats[task] = make_float4(m.mean, m.mean_lo, m.m2, 0.f);
+    const SegmentMoments m = by_warp ? segment_moments_warp(values + c0, c1 - c0, lane)
+                                     : segment_moments<true>(values + c0, c1 - c0);
+    if (!by_warp || lane == 0) stats[task] = make_float4(m.mean, m.mean_lo, m.m2, 0.f);
   }
   __syncthreads();
   finish_row<Epi>(stats, row, blockIdx.x, 0, N, args);

@@ -170,6 +170,15 @@ __device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, i
   return {mean, mean_lo, sq + comp};
 }
 
+// Whether `tasks` runs of n values each take a warp (segment_moments_warp) or a thread among
+// `threads`: a warp when the runs are long and too few to give most threads one (a thread per
+// run then leaves the block idle on a chain of shared-memory loads: M = 16, N = 1024, groups of
+// 64 took 14.6 us that way, 8.9 us a warp each). With a task per thread or more, a thread per
+// run: a warp each was slower (groups of 64 at M = 128, N = K = 1024: 64 us against 41 us).
+__device__ __forceinline__ bool warp_per_task(int n, int tasks, int threads) {
+  return n >= 32 && 4 * tasks <= threads;
+}
+
 // 1 / sqrt(m2 / n + eps) of a group. kExact: in double (once per group), correctly rounded but
 // for double's own, negligible, rounding, where the float chain rounds four times; the _rn
 // intrinsics keep it inline (the operators' slow paths are calls, with a stack frame).
@@ -318,7 +327,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
             make_float4(m.mean, m.mean_lo, m.m2, 0.f);
       };
       int r, g, c0, c1;
-      if (gs >= 32) {  // a warp per task
+      if (warp_per_task(gs, rows_here * segments, kThreads)) {
         for (int task = warp; task < rows_here * segments; task += kThreads / 32) {
           segment(task, r, g, c0, c1);
           const SegmentMoments m = segment_moments_warp(tile + r * kEpiStride + c0, c1 - c0, lane);
@@ -367,10 +376,8 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     if constexpr (kind == 0) {
       if (in_registers) return;  // the caller's next barrier orders any reuse of the tile
     }
-    // Other sizes: groups of 64 or more a warp each (lanes over the group; a thread per group
-    // would leave most of the block idle on a chain of shared-memory loads when rows are few),
-    // smaller ones a thread each.
-    const bool warp_per_group = gs >= 64;
+    // Other sizes: a thread per group, or a warp (warp_per_task).
+    const bool warp_per_group = warp_per_task(gs, rows_here * groups_here, kThreads);
     const int step = warp_per_group ? kThreads / 32 : kThreads;
     for (int task = warp_per_group ? warp : tid; task < rows_here * groups_here && !in_registers;
          task += step) {
