@@ -10,6 +10,7 @@ reference); then times of eager fp32, torch.compile (default) and gemmfuse, each
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import statistics
@@ -98,22 +99,33 @@ def time_ms(fn, x, iters: int, warmup: int = 5, before=None) -> float:
 
     ``before``, if given, runs ahead of each call, outside the timed region.
     """
+    return time_interleaved([(fn, before)], x, iters, warmup)[0]
+
+
+def time_interleaved(calls, x, iters: int, warmup: int = 5) -> list[float]:
+    """:func:`time_ms` of each ``(fn, before)`` in ``calls``, interleaved: every iteration times
+    each call in turn, so a slow stretch of the machine (host or GPU) weighs on all alike."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=x[0].device)
     with torch.no_grad():
-        for _ in range(warmup):
-            fn(*x)
-        times = []
+        for fn, before in calls:
+            for _ in range(warmup):
+                if before is not None:
+                    before()
+                fn(*x)
+        times = [[] for _ in calls]
         for _ in range(iters):
-            if before is not None:
-                before()
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*x)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+            for (fn, before), record in zip(calls, times, strict=True):
+                if before is not None:
+                    before()
+                flush.zero_()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(*x)
+                end.record()
+                end.synchronize()
+                record.append(start.elapsed_time(end))
+    return [statistics.median(record) for record in times]
 
 
 def git_commit() -> str:
@@ -258,11 +270,14 @@ def run_sweep(iters: int) -> list[dict]:
     """#62's chain over shapes: gemmfuse must never be slower than eager fp32.
 
     Each row times kernel="auto" (the shipped dispatch) and, to show what it chose between,
-    the fused kernel and the epilogue path forced; each is checked allclose to eager.
+    the fused kernel and the epilogue path forced; each is checked allclose to eager. The four
+    calls of a row are timed interleaved (time_interleaved): at these sizes a few tens of us
+    of machine noise would otherwise decide a row.
     """
     problem = get_problem(62)
     device = torch.device("cuda")
     fused = "hopper" if torch.cuda.get_device_capability() == (9, 0) else "portable"
+    kernels = (("auto", "gemmfuse_ms"), (fused, "fused_ms"), ("epilogue", "epilogue_ms"))
     rows = []
     for nk in SWEEP_NK:
         for group in SWEEP_GROUP:
@@ -271,19 +286,21 @@ def run_sweep(iters: int) -> list[dict]:
             for m in SWEEP_M:
                 set_seed(m)
                 x = [torch.rand(m, nk, device=device)]
-                row = {"m": m, "nk": nk, "group": group, "correct": True,
-                       "eager_ms": time_ms(ref, x, iters)}  # fmt: skip
+                row = {"m": m, "nk": nk, "group": group, "correct": True}
                 with torch.no_grad():
                     expect = ref(*x)
-                for kernel, key in (("auto", "gemmfuse_ms"), (fused, "fused_ms"),
-                                    ("epilogue", "epilogue_ms")):  # fmt: skip
+                for kernel, _ in kernels:
                     new.kernel = kernel
                     with torch.no_grad():
                         got = new(*x)
                     row["correct"] &= bool(torch.allclose(got, expect, atol=ATOL, rtol=RTOL))
                     if kernel == "auto":
                         row["path"] = new.last_path
-                    row[key] = time_ms(new, x, iters)
+                calls = [(ref, None)]
+                calls += [(new, functools.partial(setattr, new, "kernel", k)) for k, _ in kernels]
+                times = time_interleaved(calls, x, iters)
+                row["eager_ms"] = times[0]
+                row.update({key: t for (_, key), t in zip(kernels, times[1:], strict=True)})
                 new.kernel = "auto"
                 rows.append(row)
     return rows
