@@ -88,7 +88,9 @@ against the float64 reference of the fp32 model, allclose against eager in the s
 `ops.fused_pays` holds (M*N*K >= 1e8, M >= 16, K >= 1024), the epilogue path (PyTorch's fp32
 GEMM, then the whole chain in one tile kernel) elsewhere. The last two columns force each of the
 two on the same row, which is how the thresholds were chosen. Every timed window opens before
-the Python dispatch, so host cost counts. Group size 512 straddles the 128-channel tiles:
+the Python dispatch, so host cost counts. A row's four calls are timed interleaved (each
+iteration times eager, then each gemmfuse call, each after its own L2 flush), so a slow stretch
+of the machine weighs on all four alike. Group size 512 straddles the 128-channel tiles:
 those rows take the cross-tile statistics (a second pass on either path).
 
 {format_sweep(sweep) if sweep else "(not run)"}

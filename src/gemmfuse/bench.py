@@ -4,8 +4,7 @@ Per problem: Model and ModelNew built from one seed (their parameters must be id
 correctness on several seeds (fresh inputs, the allocator poisoned with NaN first, exact shape,
 allclose 1e-4 against eager fp32, max abs error of eager and of gemmfuse against a float64
 reference); then times of eager fp32, torch.compile (default) and gemmfuse, each the median of
-``--iters`` calls timed with CUDA events, the L2 cache flushed before every call, the calls of
-one comparison interleaved (``time_interleaved``).
+``--iters`` calls timed with CUDA events, the L2 cache flushed before every call.
 """
 
 from __future__ import annotations
@@ -95,16 +94,17 @@ def check(problem: Problem, ref, new, inputs_fn, seeds: int, device) -> Result:
     )
 
 
-def time_pair(eager, other, x, iters: int) -> list[float]:
-    """[eager ms, other ms], timed interleaved."""
-    return time_interleaved([(eager, None), (other, None)], x, iters)
+def time_ms(fn, x, iters: int, warmup: int = 5, before=None) -> float:
+    """Median ms of ``iters`` calls, each timed alone with CUDA events after an L2 flush.
+
+    ``before``, if given, runs ahead of each call, outside the timed region.
+    """
+    return time_interleaved([(fn, before)], x, iters, warmup)[0]
 
 
 def time_interleaved(calls, x, iters: int, warmup: int = 5) -> list[float]:
-    """Median ms of ``iters`` calls of each ``(fn, before)`` in ``calls``, each call timed alone
-    with CUDA events after an L2 flush, ``before`` (if not None) run ahead of it outside the
-    timed window. Interleaved: every iteration times each call in turn, so a slow stretch of the
-    machine (host or GPU) weighs on all of them alike."""
+    """:func:`time_ms` of each ``(fn, before)`` in ``calls``, interleaved: every iteration times
+    each call in turn, so a slow stretch of the machine (host or GPU) weighs on all alike."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=x[0].device)
     with torch.no_grad():
         for fn, before in calls:
@@ -150,25 +150,16 @@ def run_problem(number: int, seeds: int, iters: int, compile_: bool) -> Result:
     result = check(problem, ref, new, module.get_inputs, seeds, device)
     set_seed(0)
     x = [t.to(device) for t in module.get_inputs()]
-
-    def kernel(name, clear_split=False):  # sets up a gemmfuse call, outside the timed window
-        def before():
-            new.kernel = name
-            if clear_split:
-                new.weight_split.clear()
-
-        return before
-
-    calls = {"eager": (ref, None)}
+    result.ms["eager"] = time_ms(ref, x, iters)
     if compile_:
-        calls["compile"] = (torch.compile(ref), None)
-    calls["gemmfuse"] = (new, kernel("auto"))
+        result.ms["compile"] = time_ms(torch.compile(ref), x, iters)
+    result.ms["gemmfuse"] = time_ms(new, x, iters)
     # The weight split is cached; this is the time when the weights change before every call.
-    calls["weights_changed"] = (new, kernel("auto", clear_split=True))
+    result.ms["weights_changed"] = time_ms(new, x, iters, before=new.weight_split.clear)
     if torch.cuda.get_device_capability() == (9, 0):  # the portable kernel, for comparison
-        calls["portable"] = (new, kernel("portable"))
-    result.ms.update(zip(calls, time_interleaved(list(calls.values()), x, iters), strict=True))
-    new.kernel = "auto"
+        new.kernel = "portable"
+        result.ms["portable"] = time_ms(new, x, iters)
+        new.kernel = "auto"
     return result
 
 
@@ -241,7 +232,7 @@ def run_speed_modes(number: int, iters: int) -> list[ModeResult]:
         ModeResult(
             number, 'precision="tf32"', max_abs_err(got, exact), max_abs_err(expect, exact),
             bool(torch.allclose(got, expect, atol=ATOL, rtol=RTOL)), new.last_path,
-            *time_pair(ref, new, x, iters),
+            time_ms(ref, x, iters), time_ms(new, x, iters),
         )
     )  # fmt: skip
     new.precision = "fp32"
@@ -252,7 +243,7 @@ def run_speed_modes(number: int, iters: int) -> list[ModeResult]:
         ModeResult(
             number, "3xTF32 peer", max_abs_err(got, exact), max_abs_err(expect, exact),
             bool(torch.allclose(got, expect, atol=ATOL, rtol=RTOL)), "torch (3 TF32 GEMMs)",
-            *time_pair(ref, peer, x, iters),
+            time_ms(ref, x, iters), time_ms(peer, x, iters),
         )
     )  # fmt: skip
     del peer
@@ -264,7 +255,7 @@ def run_speed_modes(number: int, iters: int) -> list[ModeResult]:
         ModeResult(
             number, "bf16 model", max_abs_err(got16, exact), max_abs_err(expect16, exact),
             bool(torch.allclose(got16.float(), expect16.float(), atol=1e-2, rtol=1e-2)),
-            new16.last_path, *time_pair(ref16, new16, x16, iters),
+            new16.last_path, time_ms(ref16, x16, iters), time_ms(new16, x16, iters),
         )
     )  # fmt: skip
     return out
@@ -345,7 +336,6 @@ def run_chains(iters: int) -> list[dict]:
                     x, w, b, epilogue, *gn, params=params, weight_cache=cache
                 )[0]
 
-            eager_ms, gemmfuse_ms = time_pair(eager, fused, [x], iters)
             with torch.no_grad():
                 expect, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
                 got, path = fused_linear_with_path(
@@ -357,7 +347,7 @@ def run_chains(iters: int) -> list[dict]:
                  "max_err_eager": max_abs_err(expect, exact),
                  "max_err_gemmfuse": max_abs_err(got, exact),
                  "max_err_ops_alone": max_abs_err(ops_alone, exact),
-                 "eager_ms": eager_ms, "gemmfuse_ms": gemmfuse_ms}
+                 "eager_ms": time_ms(eager, [x], iters), "gemmfuse_ms": time_ms(fused, [x], iters)}
             )  # fmt: skip
     return rows
 
@@ -473,8 +463,7 @@ def main(
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "commit": git_commit(),
-        "method": f"median of {iters} calls, CUDA events, L2 flushed before each call; the calls "
-        "compared in a row (eager, gemmfuse, ...) timed interleaved, one of each per iteration",
+        "method": f"median of {iters} calls, CUDA events, L2 flushed before each call",
     }
     print(" | ".join(f"{k}: {v}" for k, v in meta.items()))
     print(format_table(results))
