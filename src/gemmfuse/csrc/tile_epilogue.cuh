@@ -64,6 +64,21 @@ struct SegmentMoments {
   float mean, mean_lo, m2;
 };
 
+// The mean of n values whose differences from `shift` sum to sum + comp (a compensated sum), as
+// mean + mean_lo: mean - shift = (sum + comp) / n = d + d_lo, the division's remainder from an
+// fma, and mean = shift + d with TwoSum's error going to mean_lo.
+__device__ __forceinline__ float shifted_mean(float shift, float sum, float comp, int n,
+                                              float& mean_lo) {
+  const float nf = static_cast<float>(n);
+  float s_err, m_err;
+  const float s = two_sum(sum, comp, s_err);
+  const float d = s / nf;
+  const float d_lo = isfinite(d) ? (fmaf(-d, nf, s) + s_err) / nf : 0.f;
+  const float mean = two_sum(shift, d, m_err);
+  mean_lo = m_err + d_lo;
+  return mean;
+}
+
 // Moments of v[0..n), two passes shifted by v[0]: a run of equal values gets exactly that mean
 // and a sum of squares of exactly 0 (as PyTorch's Welford gives), and a large common offset
 // does not cost the sum its precision.
@@ -106,14 +121,8 @@ __device__ __forceinline__ SegmentMoments segment_moments(const Values& v, int n
       sum = two_sum(sum, v[j] - shift, err);
       comp += err;
     }
-    // mean - shift = (sum + comp) / n = d + d_lo (the division's remainder from an fma).
-    const float nf = static_cast<float>(n);
-    float s_err, m_err;
-    const float s = two_sum(sum, comp, s_err);
-    const float d = s / nf;
-    const float d_lo = isfinite(d) ? (fmaf(-d, nf, s) + s_err) / nf : 0.f;
-    const float mean = two_sum(shift, d, m_err);
-    const float mean_lo = m_err + d_lo;
+    float mean_lo;
+    const float mean = shifted_mean(shift, sum, comp, n, mean_lo);
     float sq = 0.f;
     comp = 0.f;
 #pragma unroll kUnroll
@@ -151,13 +160,8 @@ __device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, i
     comp += err;
   }
   warp_sum(sum, comp);
-  const float nf = static_cast<float>(n);
-  float s_err, m_err;
-  const float s = two_sum(sum, comp, s_err);
-  const float d = s / nf;
-  const float d_lo = isfinite(d) ? (fmaf(-d, nf, s) + s_err) / nf : 0.f;
-  const float mean = two_sum(shift, d, m_err);
-  const float mean_lo = m_err + d_lo;
+  float mean_lo;
+  const float mean = shifted_mean(shift, sum, comp, n, mean_lo);
   float sq = 0.f;
   comp = 0.f;
   for (int j = lane; j < n; j += 32) {
