@@ -1,17 +1,18 @@
 // The epilogue path's kernel for one or two rows (M <= kGemvMaxRows, float32): the matrix-vector
 // product and the whole chain in one launch (plus norm_finalize.cuh's second pass for groups
-// wider than a tile).
+// wider than a tile on rows of more than kShortRow channels).
 //
 // At a few rows the GEMM is a stream through W (M = 1, N = K = 8192: 268 MB, about 80 us at the
 // H100's bandwidth) and the rest is latency: PyTorch's matrix-vector product followed by the
 // tile kernel lost to eager at M = 1. Here block (t, s) reads W rows [128 t, 128 t + 128) over
-// the s-th slice of K, each warp a row at a time with four 16-byte loads in flight per lane (eight
-// rows at a time over short slices), x's slice staged in shared memory. Every product and sum is compensated (Ogita-Rump-Oishi Dot2:
-// the product's rounding error from an fma, the sum's from TwoSum), so the result is about as
-// accurate as a float64 dot product rounded once: never less accurate than PyTorch's. The
-// slices' partial sums (value, error) go to global memory; the last block of a column window to
-// finish (an arrival counter, as tile_epilogue.cuh's reductions do) folds them in slice order,
-// stages the window as a kRows x 128 tile and runs tile_epilogue on it.
+// the s-th slice of K, each warp a row at a time with four 16-byte loads in flight per lane
+// (eight rows at a time over short slices), x's slice staged in shared memory. Every product and
+// sum is compensated (Ogita-Rump-Oishi Dot2: the product's rounding error from an fma, the
+// sum's from TwoSum), so the result is about as accurate as a float64 dot product rounded once:
+// never less accurate than PyTorch's. The slices' partial sums (value, error) go to global
+// memory; the last block of a column window to finish (an arrival counter, as
+// tile_epilogue.cuh's reductions do) folds them in slice order, stages the window as a
+// kRows x 128 tile and runs tile_epilogue on it.
 #pragma once
 #include <algorithm>
 
@@ -46,8 +47,8 @@ __device__ __forceinline__ float compensated_value(float s, float c) {
   return isfinite(s) ? s + c : s;
 }
 
-// Blocks per SM to fit: one row a row of W at a time stays at 64 registers, so that all of
-// N = K = 8192's blocks (five K slices of 64 column windows) are resident at once; the other
+// Blocks per SM to fit: one row of x taking W a row at a time stays at 64 registers, so that all
+// of N = K = 8192's blocks (eight K slices of 64 column windows) are resident at once; the other
 // variants need more registers (ptxas spilled at fewer than 128).
 template <int kRows, int kRowBatch>
 constexpr int gemv_min_blocks() {

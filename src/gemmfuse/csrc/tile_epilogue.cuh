@@ -429,13 +429,15 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       for (int r = tid; r < rows_here; r += kThreads) {
         const float* row = tile + r * kEpiStride;
         RowAcc acc{row[0], row[1]};
-        for (int c0 = gs; c0 < cols_here; c0 += gs) acc = row_acc_merge<kind>(acc, RowAcc{row[c0], row[c0 + 1]});
+        for (int c0 = gs; c0 < cols_here; c0 += gs)
+          acc = row_acc_merge<kind>(acc, RowAcc{row[c0], row[c0 + 1]});
         put_partial(r, acc);
       }
     } else {
       for (int r = warp; r < rows_here; r += kThreads / 32) {
         RowAcc acc = row_acc_empty<kind>();
-        for (int c = lane; c < cols_here; c += 32) row_acc_push<kind>(acc, tile[r * kEpiStride + c]);
+        for (int c = lane; c < cols_here; c += 32)
+          row_acc_push<kind>(acc, tile[r * kEpiStride + c]);
         acc = row_acc_warp<kind>(acc);
         if (lane == 0) put_partial(r, acc);
       }
