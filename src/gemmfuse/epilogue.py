@@ -281,6 +281,7 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
     pre, s, t = _cuda_ops(epilogue.pre, 0, 0)
     post, _, _ = _cuda_ops(epilogue.post, s, t)
     reduce = 0 if epilogue.reduce is None else REDUCTIONS[epilogue.reduce.op]
+    plain = epilogue.structure == Epilogue()
 
     def fn(name, body):
         return "\n".join(
@@ -302,6 +303,8 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
             "struct GeneratedEpilogue {",
             f"  static constexpr bool kNorm = {'true' if epilogue.norm else 'false'};",
             f"  static constexpr int kReduce = {reduce};",
+            # A plain GEMM (+ bias): the backward's matrix products run on this structure.
+            f"  static constexpr bool kPlain = {'true' if plain else 'false'};",
             fn("pre", pre),
             fn("post", post),
             "};",
