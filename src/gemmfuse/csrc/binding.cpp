@@ -125,6 +125,33 @@ gemmfuse::FusedArgs chain_args(int64_t M, int64_t N, const c10::optional<torch::
   return args;
 }
 
+// The optional z output (autograd's saved GEMM result): [M, N], contiguous, of the model's dtype.
+void set_z_out(gemmfuse::FusedArgs& args, const c10::optional<torch::Tensor>& z_out,
+               const torch::Tensor& x) {
+  if (!z_out.has_value()) return;
+  TORCH_CHECK(z_out->device() == x.device() && z_out->scalar_type() == x.scalar_type() &&
+                  z_out->is_contiguous() && z_out->dim() == 2 && z_out->size(0) == args.M &&
+                  z_out->size(1) == args.N,
+              "gemmfuse: z_out must be a contiguous [M, N] tensor of x's dtype on x's device");
+  if (x.scalar_type() == torch::kBFloat16)
+    args.z_out_bf16 = reinterpret_cast<__nv_bfloat16*>(z_out->data_ptr());
+  else
+    args.z_out = z_out->data_ptr<float>();
+}
+
+// A split operand (split_rows or split_cols): fp16 hi, lo [rows, k_padded], fp32 scales [rows].
+void check_split(const torch::Tensor& hi, const torch::Tensor& lo, const torch::Tensor& inv_scale,
+                 const char* name) {
+  TORCH_CHECK(hi.is_cuda() && hi.scalar_type() == torch::kFloat16 && hi.dim() == 2 &&
+                  hi.is_contiguous() && lo.sizes() == hi.sizes() && lo.is_contiguous() &&
+                  lo.scalar_type() == torch::kFloat16 && lo.device() == hi.device() &&
+                  hi.size(1) % 64 == 0 && hi.size(0) < (int64_t{1} << 31) &&
+                  hi.size(1) < (int64_t{1} << 31),
+              "gemmfuse: ", name, " must be a split_rows/split_cols result");
+  TORCH_CHECK(inv_scale.device() == hi.device(), "gemmfuse: ", name, " scales on another device");
+  check_vector(inv_scale, hi.size(0), name);
+}
+
 }  // namespace
 
 // Splits rows of a float32 [rows, k] matrix (unit column stride) into fp16 hi/lo
@@ -150,6 +177,60 @@ std::vector<torch::Tensor> split_rows(torch::Tensor x, int64_t k_padded) {
   return {hi, lo, inv_scale};
 }
 
+// The transposed split: x [rows, cols] float32 (unit column stride) -> fp16 hi, lo
+// [cols, rows_padded] and the per-column inverse power-of-two scale [cols]: split_rows of x^T.
+std::vector<torch::Tensor> split_cols(torch::Tensor x, int64_t rows_padded) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "gemmfuse: split_cols needs a 2-D float32 CUDA tensor with unit column stride");
+  TORCH_CHECK(rows_padded >= x.size(0) && rows_padded % 64 == 0, "gemmfuse: bad rows_padded");
+  TORCH_CHECK(rows_padded < (int64_t{1} << 31) && x.size(1) < (int64_t{1} << 31),
+              "gemmfuse: split_cols sizes must fit in 32 bits");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int rows = static_cast<int>(x.size(0)), cols = static_cast<int>(x.size(1));
+  auto half_opts = x.options().dtype(torch::kFloat16);
+  auto hi = torch::empty({cols, rows_padded}, half_opts);
+  auto lo = torch::empty({cols, rows_padded}, half_opts);
+  auto inv_scale = torch::empty({cols}, x.options());
+  auto col_max = torch::empty({std::max(gemmfuse::split_cols_chunks(rows), 1), cols}, x.options());
+  check_cuda(gemmfuse::launch_split_cols_f32(
+                 x.data_ptr<float>(), x.stride(0), rows, cols, static_cast<int>(rows_padded),
+                 reinterpret_cast<__half*>(hi.data_ptr<at::Half>()),
+                 reinterpret_cast<__half*>(lo.data_ptr<at::Half>()), inv_scale.data_ptr<float>(),
+                 col_max.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+             "split_cols launch");
+  return {hi, lo, inv_scale};
+}
+
+// The backward's products: a [M, K] and b [N, K], both split (split_rows / split_cols, K padded
+// alike) -> a @ b^T, float32 [M, N], on the fused kernels (kernel and split as in fused_forward).
+// Runs only in the plain GEMM's extension, whose epilogue is the identity.
+torch::Tensor gemm_split(torch::Tensor a_hi, torch::Tensor a_lo, torch::Tensor a_inv_scale,
+                         torch::Tensor b_hi, torch::Tensor b_lo, torch::Tensor b_inv_scale,
+                         int64_t kernel, bool split) {
+  TORCH_CHECK(gemmfuse::fused_is_plain(), "gemmfuse: gemm_split needs the plain GEMM's extension");
+  check_split(a_hi, a_lo, a_inv_scale, "a");
+  check_split(b_hi, b_lo, b_inv_scale, "b");
+  TORCH_CHECK(a_hi.size(1) == b_hi.size(1) && a_hi.device() == b_hi.device(),
+              "gemmfuse: a and b must share K and device");
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
+  gemmfuse::FusedArgs args = chain_args(a_hi.size(0), b_hi.size(0), c10::nullopt, c10::nullopt,
+                                        c10::nullopt, {}, {}, 1, 0.0, false);
+  c10::cuda::CUDAGuard guard(a_hi.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  args.a_hi = reinterpret_cast<const __half*>(a_hi.data_ptr<at::Half>());
+  args.a_lo = reinterpret_cast<const __half*>(a_lo.data_ptr<at::Half>());
+  args.a_inv_scale = a_inv_scale.data_ptr<float>();
+  args.b_hi = reinterpret_cast<const __half*>(b_hi.data_ptr<at::Half>());
+  args.b_lo = reinterpret_cast<const __half*>(b_lo.data_ptr<at::Half>());
+  args.b_inv_scale = b_inv_scale.data_ptr<float>();
+  args.k_padded = args.k_cols = static_cast<int>(a_hi.size(1));
+  args.a_row_stride = args.b_row_stride = a_hi.size(1);
+  args.split = split ? 1 : 0;
+  const auto outputs = allocate_outputs(args, a_inv_scale, torch::kFloat32, stream);
+  check_cuda(gemmfuse::launch_fused(args, static_cast<int>(kernel), stream), "gemm_split launch");
+  return outputs.front();
+}
+
 // x [M, K] float32 -> epilogue(x @ W^T + bias): [M, N], or [M] when the epilogue reduces
 // across channels. W arrives pre-split (split_rows) as w_hi, w_lo [N, k_padded], w_inv_scale [N].
 torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w_lo,
@@ -157,7 +238,8 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
                             c10::optional<torch::Tensor> gn_weight,
                             c10::optional<torch::Tensor> gn_bias, std::vector<torch::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
-                            int64_t kernel, bool split, bool norm_wide) {
+                            int64_t kernel, bool split, bool norm_wide,
+                            c10::optional<torch::Tensor> z_out) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
   const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
@@ -184,6 +266,7 @@ torch::Tensor fused_forward(torch::Tensor x, torch::Tensor w_hi, torch::Tensor w
   args.k_cols = static_cast<int>(k_padded);  // the split pre-pass zero-pads to k_padded
   args.a_row_stride = args.b_row_stride = k_padded;
   args.split = split ? 1 : 0;
+  set_z_out(args, z_out, x);
 
   TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
   const auto outputs = allocate_outputs(args, x, torch::kFloat32, stream);
@@ -200,7 +283,7 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
                                  c10::optional<torch::Tensor> gn_bias,
                                  std::vector<torch::Tensor> vec_params,
                                  std::vector<double> scalar_params, int64_t group_size, double eps,
-                                 bool norm_wide) {
+                                 bool norm_wide, c10::optional<torch::Tensor> z_out) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "gemmfuse: x must be a 2-D bfloat16 CUDA tensor with unit column stride");
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
@@ -224,6 +307,7 @@ torch::Tensor fused_forward_bf16(torch::Tensor x, torch::Tensor w, c10::optional
   args.split = 0;
   args.bf16 = 1;
   args.params.round_bf16 = 1;
+  set_z_out(args, z_out, x);
   const auto outputs = allocate_outputs(args, x, torch::kBFloat16, stream);
   check_cuda(gemmfuse::launch_fused(args, 2, stream), "fused bf16 kernel launch");
   const auto& result = outputs.front();

@@ -58,15 +58,28 @@ struct FusedArgs {
   int norm_wide;
   int stats_per_tile;
   float4* norm_stats;
+  // Under autograd the GEMM kernels also store z = x @ W^T + b [M, N], the chain's input before
+  // `pre` (rounded as the model rounds), for the backward: into z_out (fp32 models) or
+  // z_out_bf16 (bf16 models); both nullptr otherwise.
+  float* z_out;
+  __nv_bfloat16* z_out_bf16;
   EpilogueParams params;
 };
 
 // Defined in fused_linear.cu, one translation unit per epilogue.
 int fused_reduce_kind();
+bool fused_is_plain();  // the epilogue is the identity (a plain GEMM + bias)
 int fused_tile();  // side of the square output tile
 cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
                                   int k_padded, __half* hi, __half* lo, float* inv_scale,
                                   cudaStream_t stream);
+// The transposed split: x [rows, cols] (row stride in elements) -> hi, lo [cols, rows_padded]
+// and inv_scale [cols], each column of x scaled as split_rows scales a row. col_max is scratch of
+// split_cols_chunks(rows) * cols floats.
+cudaError_t launch_split_cols_f32(const float* x, int64_t row_stride, int rows, int cols,
+                                  int rows_padded, __half* hi, __half* lo, float* inv_scale,
+                                  float* col_max, cudaStream_t stream);
+int split_cols_chunks(int rows);
 // kernel: 0 picks by device (Hopper's on sm_90, else the portable one), 1 the portable sm_80
 // kernel, 2 the Hopper kernel (sm_90 only).
 cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream);

@@ -12,6 +12,7 @@
 namespace gemmfuse {
 
 int fused_reduce_kind() { return GeneratedEpilogue::kReduce; }
+bool fused_is_plain() { return GeneratedEpilogue::kPlain; }
 int fused_tile() { return kTile; }
 
 cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
@@ -19,6 +20,15 @@ cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, 
                                   cudaStream_t stream) {
   return launch_split_rows(x, row_stride, rows, k, k_padded, hi, lo, inv_scale, stream);
 }
+
+cudaError_t launch_split_cols_f32(const float* x, int64_t row_stride, int rows, int cols,
+                                  int rows_padded, __half* hi, __half* lo, float* inv_scale,
+                                  float* col_max, cudaStream_t stream) {
+  return launch_split_cols(x, row_stride, rows, cols, rows_padded, hi, lo, inv_scale, col_max,
+                           stream);
+}
+
+int split_cols_chunks(int rows) { return col_max_chunks(rows); }
 
 cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream) {
   int device = 0, major = 0, minor = 0;

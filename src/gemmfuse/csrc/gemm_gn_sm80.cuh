@@ -170,7 +170,9 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
         for (int e = 0; e < 2; ++e) {
           const int c = warp_n * kWarpTileN + j * 8 + 2 * t + e;
           const int gcol = min(tile_n + c, args.N - 1);
-          tile[r * kEpiStride + c] = epilogue_input<Epi>(acc[i][j][half * 2 + e], a_inv, gcol, args);
+          const float z = gemm_value(acc[i][j][half * 2 + e], a_inv, column_terms(gcol, args), args);
+          save_gemm_value(z, tile_m + r, tile_n + c, args);
+          tile[r * kEpiStride + c] = Epi::pre(z, gcol, args.params);
         }
       }
     }

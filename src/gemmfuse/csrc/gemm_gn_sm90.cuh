@@ -401,8 +401,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
-              staging[r * kEpiStride + c] = epilogue_input<Epi>(
-                  acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, gcol, args);
+              const float z = gemm_value(acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, args);
+              save_gemm_value(z, tile_m + r, n0 + c, args);
+              staging[r * kEpiStride + c] = Epi::pre(z, gcol, args.params);
             }
           }
         }

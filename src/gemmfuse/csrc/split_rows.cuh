@@ -14,6 +14,20 @@ namespace gemmfuse {
 
 constexpr int kSplitThreads = 256;
 
+// NaN-propagating max, so a NaN row or column stays NaN.
+__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+
+// The power of two 2^e that brings a largest magnitude m into [2^14, 2^15). Zero, inf or NaN
+// rows are left unscaled (e = 0): zeros stay exact, inf/NaN propagate as in fp32.
+__device__ __forceinline__ int split_exponent(float m) {
+  int e = 0;
+  if (m > 0.f && m <= 3.402823466e38f) {
+    frexpf(m, &e);  // m = f * 2^e, f in [0.5, 1)
+    e = 15 - e;
+  }
+  return e;
+}
+
 __global__ void __launch_bounds__(kSplitThreads) split_rows_kernel(
     const float* __restrict__ x, int64_t row_stride, int rows, int k, int k_padded,
     __half* __restrict__ hi, __half* __restrict__ lo, float* __restrict__ inv_scale) {
@@ -23,27 +37,16 @@ __global__ void __launch_bounds__(kSplitThreads) split_rows_kernel(
 
   // Pass 1: the row's largest magnitude (NaN-propagating so a NaN row stays NaN).
   float amax = 0.f;
-  for (int i = threadIdx.x; i < k; i += kSplitThreads) {
-    const float a = fabsf(__ldg(xr + i));
-    amax = (a > amax || a != a) ? a : amax;
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    const float o = __shfl_xor_sync(0xffffffffu, amax, off);
-    amax = (o > amax || o != o) ? o : amax;
-  }
+  for (int i = threadIdx.x; i < k; i += kSplitThreads) amax = nan_max(amax, fabsf(__ldg(xr + i)));
+  for (int off = 16; off > 0; off >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   __shared__ float warp_max[kSplitThreads / 32];
   __shared__ int row_exp;
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
   __syncthreads();
   if (threadIdx.x == 0) {
     float m = 0.f;
-    for (int w = 0; w < kSplitThreads / 32; ++w) m = (warp_max[w] > m || warp_max[w] != warp_max[w]) ? warp_max[w] : m;
-    int e = 0;
-    // Zero, inf or NaN rows are left unscaled: zeros stay exact, inf/NaN propagate as in fp32.
-    if (m > 0.f && m <= 3.402823466e38f) {
-      frexpf(m, &e);  // m = f * 2^e, f in [0.5, 1)
-      e = 15 - e;     // m * 2^e in [2^14, 2^15)
-    }
+    for (int w = 0; w < kSplitThreads / 32; ++w) m = nan_max(m, warp_max[w]);
+    const int e = split_exponent(m);
     row_exp = e;
     inv_scale[row] = ldexpf(1.f, -e);
   }
@@ -71,6 +74,95 @@ inline cudaError_t launch_split_rows(const float* x, int64_t row_stride, int row
   if (rows == 0) return cudaSuccess;
   split_rows_kernel<<<rows, kSplitThreads, 0, stream>>>(x, row_stride, rows, k, k_padded, hi, lo,
                                                         inv_scale);
+  return cudaGetLastError();
+}
+
+// The transposed split, for the backward's products (whose operands are x, W and the output
+// gradient read down their columns): x [rows, cols] -> hi, lo [cols, rows_padded] and
+// inv_scale [cols], column c of x split as split_rows splits a row, rows..rows_padded-1 zero.
+// Pass 1 (col_max_kernel): each column's largest magnitude over chunks of kColChunkRows rows,
+// a warp's lanes on 32 adjacent columns (128-byte loads). Pass 2 (split_cols_kernel): 64-row x
+// 32-column tiles through shared memory, each thread writing 8 consecutive hi and lo values of
+// one output row (16-byte stores).
+constexpr int kColChunkRows = 512;
+constexpr int kColTile = 32, kRowTile = 64;
+
+inline int col_max_chunks(int rows) { return (rows + kColChunkRows - 1) / kColChunkRows; }
+
+__global__ void __launch_bounds__(kSplitThreads) col_max_kernel(
+    const float* __restrict__ x, int64_t row_stride, int rows, int cols, float* __restrict__ col_max) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int c = blockIdx.y * kColTile + lane;
+  const int r_end = min(rows, (blockIdx.x + 1) * kColChunkRows);
+  float amax = 0.f;
+  if (c < cols) {
+#pragma unroll 8
+    for (int r = blockIdx.x * kColChunkRows + warp; r < r_end; r += kSplitThreads / 32)
+      amax = nan_max(amax, fabsf(__ldg(x + r * row_stride + c)));
+  }
+  __shared__ float part[kSplitThreads / 32][kColTile];
+  part[warp][lane] = amax;
+  __syncthreads();
+  if (warp == 0 && c < cols) {
+    for (int w = 1; w < kSplitThreads / 32; ++w) amax = nan_max(amax, part[w][lane]);
+    col_max[static_cast<int64_t>(blockIdx.x) * cols + c] = amax;
+  }
+}
+
+__global__ void __launch_bounds__(kSplitThreads) split_cols_kernel(
+    const float* __restrict__ x, int64_t row_stride, int rows, int cols, int rows_padded,
+    int chunks, const float* __restrict__ col_max, __half* __restrict__ hi,
+    __half* __restrict__ lo, float* __restrict__ inv_scale) {
+  __shared__ float tile[kRowTile][kColTile + 1];
+  __shared__ int col_exp[kColTile];
+  const int r0 = blockIdx.x * kRowTile, c0 = blockIdx.y * kColTile;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (warp == 0) {
+    int e = 0;
+    if (c0 + lane < cols) {
+      float m = 0.f;
+      for (int k = 0; k < chunks; ++k) m = nan_max(m, col_max[static_cast<int64_t>(k) * cols + c0 + lane]);
+      e = split_exponent(m);
+      if (blockIdx.x == 0) inv_scale[c0 + lane] = ldexpf(1.f, -e);
+    }
+    col_exp[lane] = e;
+  }
+#pragma unroll
+  for (int i = 0; i < kRowTile / 8; ++i) {
+    const int r = r0 + warp + 8 * i, c = c0 + lane;
+    tile[warp + 8 * i][lane] = (r < rows && c < cols) ? __ldg(x + r * row_stride + c) : 0.f;
+  }
+  __syncthreads();
+  const int oc = threadIdx.x / 8, seg = (threadIdx.x % 8) * 8;  // output row c0 + oc, 8 values
+  if (c0 + oc >= cols) return;
+  const int e = col_exp[oc];
+  __align__(16) __half2 h[4], l[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float v0 = ldexpf(tile[seg + 2 * j][oc], e), v1 = ldexpf(tile[seg + 2 * j + 1][oc], e);
+    h[j] = __floats2half2_rn(v0, v1);
+    const float2 hf = __half22float2(h[j]);
+    l[j] = __floats2half2_rn(v0 - hf.x, v1 - hf.y);  // v - h is exact in fp32
+  }
+  const int64_t o = static_cast<int64_t>(c0 + oc) * rows_padded + r0 + seg;
+  *reinterpret_cast<uint4*>(hi + o) = *reinterpret_cast<const uint4*>(h);
+  *reinterpret_cast<uint4*>(lo + o) = *reinterpret_cast<const uint4*>(l);
+}
+
+inline cudaError_t launch_split_cols(const float* x, int64_t row_stride, int rows, int cols,
+                                     int rows_padded, __half* hi, __half* lo, float* inv_scale,
+                                     float* col_max, cudaStream_t stream) {
+  if (rows_padded % kRowTile != 0 || rows_padded < rows) return cudaErrorInvalidValue;
+  if (cols == 0 || rows_padded == 0) return cudaSuccess;
+  const int chunks = col_max_chunks(rows), col_tiles = (cols + kColTile - 1) / kColTile;
+  if (col_tiles > 65535) return cudaErrorInvalidConfiguration;
+  if (chunks > 0) {
+    col_max_kernel<<<dim3(chunks, col_tiles), kSplitThreads, 0, stream>>>(x, row_stride, rows, cols, col_max);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  split_cols_kernel<<<dim3(rows_padded / kRowTile, col_tiles), kSplitThreads, 0, stream>>>(
+      x, row_stride, rows, cols, rows_padded, chunks, col_max, hi, lo, inv_scale);
   return cudaGetLastError();
 }
 

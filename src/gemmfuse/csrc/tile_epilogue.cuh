@@ -33,13 +33,28 @@ __device__ __forceinline__ ColumnTerms column_terms(int gcol, const FusedArgs& a
           args.bias != nullptr ? __ldg(args.bias + gcol) : 0.f};
 }
 
-template <class Epi>
-__device__ __forceinline__ float epilogue_input(float acc, float a_inv, ColumnTerms col, int gcol,
-                                                const FusedArgs& args) {
+// The GEMM result z = x @ W^T + b itself: unscaled, biased, rounded as the model rounds.
+__device__ __forceinline__ float gemm_value(float acc, float a_inv, ColumnTerms col,
+                                            const FusedArgs& args) {
   float v = acc * a_inv;
   if (args.b_inv_scale != nullptr) v *= col.inv_scale;
   if (args.bias != nullptr) v += col.bias;
-  return Epi::pre(round_like_model(v, args.params), gcol, args.params);
+  return round_like_model(v, args.params);
+}
+
+// Stores z at (row, col) for the backward where the caller asked for it (args.z_out*); rows and
+// columns past the output are the tile's padding and are dropped.
+__device__ __forceinline__ void save_gemm_value(float z, int row, int col, const FusedArgs& args) {
+  if (row >= args.M || col >= args.N) return;
+  const int64_t i = static_cast<int64_t>(row) * args.N + col;
+  if (args.z_out != nullptr) args.z_out[i] = z;
+  if (args.z_out_bf16 != nullptr) args.z_out_bf16[i] = __float2bfloat16_rn(z);
+}
+
+template <class Epi>
+__device__ __forceinline__ float epilogue_input(float acc, float a_inv, ColumnTerms col, int gcol,
+                                                const FusedArgs& args) {
+  return Epi::pre(gemm_value(acc, a_inv, col, args), gcol, args.params);
 }
 
 template <class Epi>
