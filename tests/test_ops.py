@@ -103,7 +103,7 @@ def test_float32_copies_track_changes():
     assert dense.is_contiguous() and torch.equal(dense, strided)
     other = torch.randn(16).bfloat16()  # a new tensor in a slot replaces the slot's copy
     cache.float32(other, "bias")
-    assert len(cache._float32) == 2
+    assert len(cache._entries) == 2
     f = torch.randn(16)
     assert cache.float32(f, "bias") is f and cache.float32(None, "bias") is None
 

@@ -22,10 +22,9 @@ This module imports only torch and the standard library: ``gemmfuse export`` inl
 standalone files.
 """
 
-from __future__ import annotations
-
 import functools
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -238,7 +237,7 @@ class Epilogue:
         return tuple(i for op in self.tail for i in op.params)
 
     @functools.cached_property
-    def structure(self) -> Epilogue:
+    def structure(self) -> "Epilogue":
         """This chain with every run-time value zeroed: what a compiled kernel depends on.
 
         Tail ops run in PyTorch and the kernel reads tensor arguments in order whatever their
@@ -256,6 +255,41 @@ class Epilogue:
         norm = None if self.norm is None else GroupNormSpec(1, 0.0, self.norm.affine)
         reduce = None if self.reduce is None else Reduction(self.reduce.op)
         return Epilogue(strip(self.pre), norm, strip(self.post), reduce)
+
+
+def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
+    """Why ``Epilogue`` built from these parts would raise ValueError ("" when it would not),
+    checked without raising: ``pre``/``post``/``tail`` hold ``(name, args)`` of each
+    :class:`Pointwise`, ``norm`` is None or ``(num_groups, eps, affine)`` of a
+    :class:`GroupNormSpec`, ``reduce`` None or a :class:`Reduction`. The same rules as the
+    classes' own checks."""
+    for name, args in (*pre, *post, *tail):
+        d = POINTWISE.get(name) if isinstance(name, str) else None
+        if d is None:
+            return f"unknown pointwise op {name!r}"
+        if not isinstance(args, tuple) or len(args) != d.n_args:
+            return f"pointwise op {name!r} takes {d.n_args} argument(s), got {args!r}"
+        for a in args:
+            if isinstance(a, Param) and not d.tensor_arg:
+                return f"pointwise op {name!r} takes float arguments only"
+            if not isinstance(a, (int, float, Param)) or isinstance(a, bool):
+                return f"pointwise op {name!r}: arguments must be floats or Param, got {a!r}"
+    if norm is not None:
+        groups, eps = norm[0], norm[1]
+        if not isinstance(groups, int) or groups < 1:
+            return f"num_groups must be a positive int, got {groups!r}"
+        if not isinstance(eps, numbers.Real) or not eps >= 0:
+            return f"eps must be >= 0, got {eps!r}"
+    if norm is None and post:
+        return "post ops need a GroupNorm"
+    if reduce is None and tail:
+        return "tail ops need a reduction"
+    args = [a for _, op_args in (*pre, *post) for a in op_args]
+    if sum(not isinstance(a, Param) for a in args) > MAX_SCALARS:
+        return f"an epilogue takes at most {MAX_SCALARS} float arguments before its reduction"
+    if sum(isinstance(a, Param) for a in args) > MAX_TENSORS:
+        return f"an epilogue takes at most {MAX_TENSORS} tensor arguments before its reduction"
+    return ""
 
 
 def _cuda_ops(ops: tuple[Pointwise, ...], scalar: int, vec: int) -> tuple[list[str], int, int]:

@@ -3,16 +3,16 @@
 Paths, in the order they are tried:
 
 ``fused``
-    One CUDA kernel (plus the activation's split pre-pass): split-fp16 tensor-core GEMM with the
+    One CUDA kernel (plus the activation's split pre-sweep): split-fp16 tensor-core GEMM with the
     chain up to its reduction in its epilogue. GroupNorm groups that fit a 128-channel output
     tile are normalised in the tile; wider groups (or groups that straddle tiles) get their
     statistics from each tile, merged by a light second kernel that normalises the output in
-    place (one extra read and write of it). Needs a CUDA float32 2-D input on an sm_80+ GPU, no
-    autograd, and tensor arguments of ``pre``/``post`` ops that are per channel and of x's dtype.
+    place (one extra read and write of it). Needs a CUDA float32 2-D input on an sm_80+ GPU and
+    tensor arguments of ``pre``/``post`` ops that are per channel and of x's dtype.
     The kernel is the Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async)
-    elsewhere. bfloat16 models are fused on sm_90 too (one pass on their bf16 operands, fp32
-    epilogue); ``kernel="portable"`` / ``"hopper"`` forces one. ``tail`` ops (after a
-    reduction) run in PyTorch on the reduced (M,) values.
+    elsewhere. bfloat16 models are fused on sm_90 too (one tensor-core product on their bf16
+    operands, fp32 epilogue); ``kernel="portable"`` / ``"hopper"`` forces one. ``tail`` ops
+    (after a reduction) run in PyTorch on the reduced (M,) values.
 ``epilogue``
     PyTorch's own fp32 GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
     that applies the whole chain tile by tile (csrc/norm_finalize.cuh): two launches where eager
@@ -26,16 +26,17 @@ Paths, in the order they are tried:
     ``kernel="epilogue"`` forces it.
 ``torch``
     The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or with a
-    reduction, or below the fused kernel's size thresholds), GPUs older than sm_80, autograd, tensor
+    reduction, or below the fused kernel's size thresholds), GPUs older than sm_80, tensor
     arguments that are not per channel.
 
-A CUDA call that runs the ``torch`` path emits a :class:`FallbackWarning` saying why.
+A CUDA call that runs the ``torch`` path emits a :class:`FallbackWarning` saying why. With
+autograd recording, the ``fused`` and ``epilogue`` paths run through
+:class:`gemmfuse.autograd.FusedLinearFunction`: the same kernels, plus a saved GEMM result and a
+backward (autograd.py).
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.
 """
-
-from __future__ import annotations
 
 import functools
 import warnings
@@ -44,6 +45,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from gemmfuse.autograd import FusedCall, FusedLinearFunction
 from gemmfuse.epilogue import Epilogue, per_channel
 from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.sources import extension_for
@@ -55,7 +57,7 @@ TILE = 128  # kTile in csrc/tile_epilogue.cuh: groups that divide it are normali
 FUSED_KERNELS = {"auto": 0, "portable": 1, "hopper": 2}
 KERNELS = (*FUSED_KERNELS, "epilogue")
 # "fp32": hi*hi + hi*lo + lo*hi, as accurate as PyTorch fp32. "tf32": hi*hi alone, operands with
-# 11 significant bits like TF32's, one third of the tensor-core work.
+# 11 significant bits like TF32's, one third of the tensor-core work (the backward's products too).
 PRECISIONS = {"fp32": True, "tf32": False}
 # kernel="auto" takes the fused kernel from these sizes up, and below them the epilogue path
 # (float32) or the PyTorch path (bfloat16). Below MIN_FUSED_WORK = M*N*K the fused kernel's
@@ -88,7 +90,8 @@ class SplitWeightCache:
     (optimizer steps, ``load_state_dict``), which bumps its version counter. The cache holds the
     storage it was built from, so that address cannot be reused by a new weight unnoticed.
     Writes through ``param.data`` bypass the version counter: call :meth:`clear` after them.
-    Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel.
+    Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel; as
+    much again once a backward has run (the transposed split its input gradient reads).
 
     It also keeps, by the same rules, dense float32 copies of the per-channel vectors the
     kernels read (:meth:`float32`) where they are not already (a bfloat16 model's bias and
@@ -99,40 +102,42 @@ class SplitWeightCache:
         self.clear()
 
     def clear(self) -> None:
-        self._storage = None
-        self._key = None
-        self._split = None
-        self._float32 = {}
+        self._entries = {}
+
+    def _lookup(self, t: torch.Tensor, slot, make):
+        """``make()``, made once per version of ``t`` for this slot."""
+        storage = t.untyped_storage()
+        key = (t._version, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        hit = self._entries.get(slot)
+        if hit is None or hit[0] is not storage or hit[1] != key:
+            hit = (storage, key, make())
+            self._entries[slot] = hit
+        return hit[2]
 
     def float32(self, t: torch.Tensor | None, slot: str) -> torch.Tensor | None:
         """``t`` as a contiguous float32 tensor, converted once per version of ``t``; ``slot``
         names its role ("bias", ...), so a new tensor in a slot replaces the old copy."""
         if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
             return t
-        storage = t.untyped_storage()
-        key = (t._version, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
-        hit = self._float32.get(slot)
-        if hit is None or hit[0] is not storage or hit[1] != key:
-            hit = (storage, key, t.detach().to(torch.float32).contiguous())
-            self._float32[slot] = hit
-        return hit[2]
+        return self._lookup(t, slot, lambda: t.detach().to(torch.float32).contiguous())
 
     def get(self, ext, weight: torch.Tensor, k_padded: int):
-        storage = weight.untyped_storage()
-        key = (
-            weight._version,
-            weight.storage_offset(),
-            tuple(weight.shape),
-            weight.stride(),
-            weight.dtype,
-            weight.device,
-            k_padded,
+        """The weight's rows split: (hi, lo) [N, k_padded] and scales [N] (the forward's B)."""
+        w = weight.detach()
+        return self._lookup(
+            weight,
+            ("rows", k_padded),
+            lambda: ext.split_rows(w if w.stride(1) == 1 else w.contiguous(), k_padded),
         )
-        if self._storage is not storage or self._key != key:
-            w = weight.detach()
-            self._split = ext.split_rows(w if w.stride(1) == 1 else w.contiguous(), k_padded)
-            self._storage, self._key = storage, key
-        return self._split
+
+    def transposed(self, ext, weight: torch.Tensor, n_padded: int):
+        """The weight's columns split: (hi, lo) [K, n_padded] and scales [K] (dx's B)."""
+        w = weight.detach()
+        return self._lookup(
+            weight,
+            ("cols", n_padded),
+            lambda: ext.split_cols(w if w.stride(1) == 1 else w.contiguous(), n_padded),
+        )
 
 
 def _check_vector(t: torch.Tensor | None, name: str, n: int, like: torch.Tensor) -> None:
@@ -223,9 +228,7 @@ def fused_pays(m: int, n: int, k: int) -> bool:
     return m * n * k >= MIN_FUSED_WORK and m >= MIN_FUSED_ROWS and k >= MIN_FUSED_K
 
 
-def select_path(
-    x, weight, epilogue: Epilogue, tensors=(), kernel="auto", params=()
-) -> tuple[str, str]:
+def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tuple[str, str]:
     """(path, reason) for this call; reason says why a faster path was not taken."""
     if x.device.type != "cuda":
         return "torch", f"{x.device.type} tensors run the PyTorch reference path"
@@ -242,10 +245,6 @@ def select_path(
             return "torch", "bfloat16 chains with a reduction run the PyTorch path"
     elif x.dtype != torch.float32:
         return "torch", f"{x.dtype} inputs run the PyTorch path (fused: float32, bfloat16)"
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, *tensors, *params)
-    ):
-        return "torch", "autograd is recording and the fused kernels have no backward"
     (m, k), n = x.shape, weight.shape[0]
     if 0 in (m, n, k):
         return "torch", "empty tensors run the PyTorch path"
@@ -263,7 +262,7 @@ def select_path(
             return "epilogue", ""
         return "torch", (
             f"M={m}, N={n}, K={k} is below the fused kernel's thresholds (ops.MIN_FUSED_*), "
-            'where eager bfloat16 is as fast; pass kernel="hopper" to force it'
+            'where eager bfloat16 is as fast; kernel="hopper" forces it'
         )
     return "fused", ""
 
@@ -282,14 +281,17 @@ def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):
-    # Runs once per forward: keep it lean (no autograd here, so no detach() either).
+def _launch(path, epilogue, cache, kernel, precision, x, weight, bias, gn_weight, gn_bias, params,
+            save_z):  # fmt: skip
+    """(the chain's output up to its tail ops, z) for a ``fused`` or ``epilogue`` path call; z, the
+    GEMM result x @ W.T + b that the backward starts from, only when ``save_z`` (else None)."""
+    # Runs once per forward: keep it lean.
     ext = extension_for(epilogue)
     norm = epilogue.norm
-    n = weight.shape[0]
+    (m, _), n = x.shape, weight.shape[0]
     group_size = n // norm.num_groups if norm else 1
     eps = norm.eps if norm else 0.0
-    # Groups that straddle 128-channel tiles get cross-tile statistics and a second pass.
+    # Groups that straddle 128-channel tiles get cross-tile statistics and a second sweep.
     norm_wide = norm is not None and TILE % group_size != 0
     # The kernels read the channel vectors as dense float32 arrays.
     bias, gn_weight, gn_bias = (
@@ -300,33 +302,53 @@ def _launch(path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, 
         params[i].reshape(-1).expand(n).to(torch.float32).contiguous()
         for i in epilogue.channel_params
     ]
-    if path == "epilogue" and _gemv_fits(x, weight):
-        out = ext.gemv_forward(
-            x, weight, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps,
-            norm_wide,
-        )  # fmt: skip
-    elif path == "epilogue":
+    chain = (vectors, epilogue.scalars, group_size, eps, norm_wide)
+    fused_z = save_z and path == "fused"  # the epilogue path's z is a copy of F.linear's
+    z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
+    if path == "epilogue" and not save_z and _gemv_fits(x, weight):
+        out = ext.gemv_forward(x, weight, bias, gn_weight, gn_bias, *chain)
+    elif path == "epilogue":  # the chain kernel works in place: z keeps its own copy
         y = F.linear(x, weight, bias)
-        out = ext.epilogue_forward(
-            y, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide
-        )
-    elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core pass
+        z = y.clone() if save_z else None
+        out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain)
+    elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core product
         w = weight if weight.is_contiguous() else weight.contiguous()
-        out = ext.fused_forward_bf16(
-            x, w, bias, gn_weight, gn_bias, vectors, epilogue.scalars, group_size, eps, norm_wide
-        )
+        out = ext.fused_forward_bf16(x, w, bias, gn_weight, gn_bias, *chain, z)
     else:
         k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
         w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
         out = ext.fused_forward(
             x, w_hi, w_lo, w_inv, bias, gn_weight, gn_bias, vectors, epilogue.scalars,
-            group_size, eps, FUSED_KERNELS[kernel], PRECISIONS[precision], norm_wide,
+            group_size, eps, FUSED_KERNELS[kernel], PRECISIONS[precision], norm_wide, z,
         )  # fmt: skip
-    if epilogue.reduce is not None:
-        if epilogue.reduce.keepdim:
-            out = out.view(x.shape[0], 1)
-        out = apply_pointwise(out, epilogue.tail, params)
-    return out
+    if epilogue.reduce is not None and epilogue.reduce.keepdim:
+        out = out.view(m, 1)
+    return out, z
+
+
+def _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue: Epilogue) -> bool:
+    """Whether autograd records this call through the chain up to its tail ops."""
+    if not torch.is_grad_enabled():
+        return False
+    chain_params = [params[i] for i in set(epilogue.channel_params)]
+    tensors = (x, weight, bias, gn_weight, gn_bias, *chain_params)
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _backward_call(path, x, weight, epilogue, launch, cache, kernel, precision) -> FusedCall:
+    """The autograd plan: each backward product runs on the split kernel where the forward's
+    rules would send a problem of its shape to the fused kernel (float32 models), else as
+    PyTorch multiplies (eager's own result, and a bf16 model's single product)."""
+    (m, k), n = x.shape, weight.shape[0]
+    split_ok = path == "fused" and x.dtype == torch.float32
+
+    def pays(rows, cols, depth):
+        return split_ok and (kernel != "auto" or fused_pays(rows, cols, depth))
+
+    return FusedCall(
+        epilogue, launch, cache, split_dx=pays(m, k, n), split_dw=pays(n, k, m),
+        kernel=FUSED_KERNELS[kernel], split=PRECISIONS[precision],
+    )  # fmt: skip
 
 
 def fused_linear(
@@ -355,11 +377,14 @@ def fused_linear(
         kernel: "auto" (by problem size and GPU), "portable" (sm_80+ mma.sync), "hopper"
             (sm_90 wgmma) or "epilogue" (PyTorch's GEMM, then the chain in one kernel).
         precision: "fp32" (default; PyTorch fp32's accuracy) or "tf32" (opt-in: one tensor-core
-            pass on 11-bit operands, about TF32's error, for speed). Applies to float32
-            inputs; a bfloat16 model (sm_90) always runs one pass on its own bf16 operands.
+            product on 11-bit operands, about TF32's error, for speed; the backward's products
+            too). Applies to float32 inputs; a bfloat16 model (sm_90) always runs one product
+            on its own bf16 operands.
 
     Returns what the chain returns in PyTorch: (M, N), or the reduction's (M,) / (M, 1) after
-    any tail ops (broadcast as PyTorch broadcasts).
+    any tail ops (broadcast as PyTorch broadcasts). With autograd recording, the result has a
+    backward: gradients for x, weight, bias, the GroupNorm's affine vectors and ``params``
+    (gemmfuse/autograd.py).
     """
     return fused_linear_with_path(
         x, weight, bias, epilogue, gn_weight, gn_bias,
@@ -377,7 +402,7 @@ def fused_linear_with_path(
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    path, reason = select_path(x, weight, epilogue, (bias, gn_weight, gn_bias), kernel, params)
+    path, reason = select_path(x, weight, epilogue, kernel, params)
     if path == "fused" and kernel == "hopper" and _capability(x.device.index) != (9, 0):
         raise ValueError('kernel="hopper" needs an sm_90 GPU (H100/H200)')
     if path == "torch":
@@ -385,7 +410,10 @@ def fused_linear_with_path(
             warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias, params), path
     cache = weight_cache if weight_cache is not None else SplitWeightCache()
-    out = _launch(
-        path, x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision
-    )
-    return out, path
+    launch = functools.partial(_launch, path, epilogue, cache, kernel, precision)
+    if _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue):
+        call = _backward_call(path, x, weight, epilogue, launch, cache, kernel, precision)
+        out = FusedLinearFunction.apply(call, x, weight, bias, gn_weight, gn_bias, *params)
+    else:
+        out = launch(x, weight, bias, gn_weight, gn_bias, params, False)[0]
+    return apply_pointwise(out, epilogue.tail, params), path

@@ -4,8 +4,6 @@ This module imports only torch and the standard library: ``gemmfuse export`` inl
 standalone files.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch

@@ -10,8 +10,6 @@ This module imports only torch and the standard library (plus the package's own 
 modules): ``gemmfuse export`` inlines it into standalone files.
 """
 
-from __future__ import annotations
-
 import re
 from collections.abc import Mapping
 from functools import cache
@@ -60,4 +58,5 @@ def extension_sources(structure: Epilogue) -> tuple[str, str]:
 
 def extension_for(epilogue: Epilogue) -> ModuleType:
     """The compiled extension for this chain's structure (built once, then cached)."""
-    return load_extension("gemmfuse_fused", *extension_sources(epilogue.structure))
+    structure = epilogue.structure
+    return load_extension("gemmfuse_fused", *extension_sources(structure), label=structure)

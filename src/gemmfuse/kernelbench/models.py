@@ -5,13 +5,11 @@ the same order, with the same initialisers and names, so seeded construction giv
 weights and state_dicts load either way. Forward runs ``fused_linear``: one fused kernel on a
 CUDA float32 input, the PyTorch reference elsewhere. ``last_path`` records the path taken;
 setting ``kernel`` to "portable" or "hopper" forces that fused kernel, and ``precision`` to
-"tf32" opts into the one-pass speed mode (see ``fused_linear``).
+"tf32" opts into the speed mode, the hi*hi product alone (see ``fused_linear``).
 
 ``gemmfuse export`` copies these classes (renamed ``ModelNew``) into standalone files, so they
 use only torch and names from the standalone-safe modules.
 """
-
-from __future__ import annotations
 
 import functools
 

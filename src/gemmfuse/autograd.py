@@ -1,0 +1,197 @@
+"""Gradients through the fused paths: ``FusedLinearFunction``.
+
+The forward runs the fused kernel as without autograd and also stores the GEMM result
+``z = x @ W.T + b`` (one extra write of (M, N) from the kernel's epilogue), which is all the
+backward needs besides the inputs:
+
+1. The chain's backward, ``dz``: the chain from ``z`` up to its tail ops is evaluated again in
+   PyTorch (``gemmfuse.reference``) and differentiated by autograd, so every op, the GroupNorm
+   and the reduction get PyTorch's gradient formulas (min/max as ``torch.amin`` / ``amax``
+   route them; a float32 GroupNorm's formula is written out, for speed), with the GroupNorm's
+   affine vectors and the chain's tensor arguments.
+2. The products ``dx = dz @ W`` and ``dW = dz.T @ x`` on the tensor cores with the forward's
+   split-fp16 scheme (``gemm_split`` of the plain GEMM's extension, on operands split by rows or,
+   for operands read down their columns, by ``split_cols``), where the forward's thresholds say
+   the fused kernel pays; else PyTorch's own products (eager's result). ``W``'s transposed split
+   is cached beside its forward split. bfloat16 models take PyTorch's bf16 products (one
+   product each, rounded as eager bf16 rounds).
+3. ``db = dz.sum(0)``.
+
+Tail ops (after a reduction) run in PyTorch outside this function, with autograd's own backward.
+
+This module imports only torch and the standard library (plus the package's own standalone-safe
+modules): ``gemmfuse export`` inlines it into standalone files.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gemmfuse.epilogue import Epilogue
+from gemmfuse.reference import apply_epilogue, apply_pointwise
+from gemmfuse.sources import extension_for
+
+SPLIT_ALIGN = 64  # the split operands' K padding (the Hopper kernel's k-tile)
+SPLIT_COLS_MAX = 65535 * 32  # split_cols' grid bound on the columns it transposes
+
+
+@dataclass(frozen=True)
+class FusedCall:
+    """A fused call apart from its tensors: what the forward launches and how the backward
+    multiplies.
+
+    ``launch(x, weight, bias, gn_weight, gn_bias, params, save_z)`` returns ``(out, z)``: the
+    chain up to its tail ops, and the GEMM result when ``save_z``. ``split_dx`` / ``split_dw``
+    say whether each backward product runs on the split tensor-core kernel (``kernel`` its
+    launch code, ``split`` three products or one) rather than PyTorch's; ``weight_cache`` keeps
+    the weight's transposed split between calls.
+    """
+
+    epilogue: Epilogue
+    launch: Callable
+    weight_cache: object
+    split_dx: bool = False
+    split_dw: bool = False
+    kernel: int = 0
+    split: bool = True
+
+    @property
+    def chain(self) -> Epilogue:
+        """The epilogue without its tail ops: what the function's output holds."""
+        return dataclasses.replace(self.epilogue, tail=())
+
+
+class FusedLinearFunction(torch.autograd.Function):
+    """``chain(x @ weight.T + bias)`` (tail ops excluded) with a recorded backward."""
+
+    @staticmethod
+    def forward(ctx, call: FusedCall, x, weight, bias, gn_weight, gn_bias, *params):
+        out, z = call.launch(x, weight, bias, gn_weight, gn_bias, params, True)
+        ctx.call = call
+        ctx.save_for_backward(x, weight, z, gn_weight, gn_bias, *params)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, z, gn_weight, gn_bias, *params = ctx.saved_tensors
+        call = ctx.call
+        needs_x, needs_w, needs_b, *needs_chain = ctx.needs_input_grad[1:]
+        dz, chain_grads = chain_backward(
+            call.chain, z, grad, (gn_weight, gn_bias, *params), needs_chain
+        )
+        dx = grad_input(dz, weight, call) if needs_x else None
+        dw = grad_weight(dz, x, call) if needs_w else None
+        db = dz.sum(0) if needs_b else None
+        return (None, dx, dw, db, *chain_grads)
+
+
+def chain_backward(chain: Epilogue, z, grad, tensors, needs) -> tuple[torch.Tensor, list]:
+    """(dz, the gradients of ``tensors``: gn_weight, gn_bias, *params; None where not needed).
+
+    The chain is evaluated again from ``z`` under autograd and differentiated: PyTorch's own
+    backward formulas for every op of the grammar. A float32 (or float64) chain's GroupNorm is
+    the exception: its backward is written out (``_group_norm_backward``), because PyTorch's
+    GroupNorm kernels take 0.32 ms each way on #62's 1024 x 8192 with groups of 16 (measured,
+    H100), a quarter of the whole training step, where a grouped ``var_mean`` and a few
+    elementwise ops take a fraction of that.
+    """
+    leaves = [
+        None if t is None else t.detach().requires_grad_(bool(need))
+        for t, need in zip(tensors, needs, strict=True)
+    ]
+    gn_weight, gn_bias, *params = leaves
+    z = z.detach().requires_grad_()
+    with torch.enable_grad():
+        if chain.norm is None or z.dtype not in (torch.float32, torch.float64):
+            out = apply_epilogue(z, chain, gn_weight, gn_bias, params)
+            wanted = [z] + [t for t in leaves if t is not None and t.requires_grad]
+            grads = list(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+            dz = grads.pop(0)
+            rest = iter(grads)
+            return dz, [next(rest) if t is not None and t.requires_grad else None for t in leaves]
+        return _chain_backward_group_norm(chain, z, grad, gn_weight, gn_bias, params)
+
+
+def _chain_backward_group_norm(chain, z, grad, gn_weight, gn_bias, params):
+    """chain_backward of a chain with a GroupNorm: autograd through the ops before and after
+    it, the GroupNorm's own backward by its formula (bfloat16 models keep PyTorch's kernels,
+    which compute in float32 and round as eager bf16 does)."""
+    wanted = [t for t in params if t.requires_grad]
+    u = apply_pointwise(z, chain.pre, params)
+    norm = chain.norm
+    m, n = u.shape
+    grouped = u.detach().view(m, norm.num_groups, n // norm.num_groups)
+    var, mean = torch.var_mean(grouped, dim=2, unbiased=False, keepdim=True)
+    rstd = torch.rsqrt(var + norm.eps)
+    x_hat = ((grouped - mean) * rstd).view(m, n)
+    y = x_hat if gn_weight is None else torch.addcmul(gn_bias.detach(), x_hat, gn_weight.detach())
+    y = y.requires_grad_()
+    out = apply_pointwise(y, chain.post, params)
+    if chain.reduce is not None:
+        out = apply_epilogue(out, Epilogue(reduce=chain.reduce))
+    dy, *post_grads = torch.autograd.grad(out, [y, *wanted], grad, allow_unused=True)
+    du, d_weight, d_bias = _group_norm_backward(dy, x_hat, rstd, gn_weight, norm.num_groups)
+    dz, *pre_grads = torch.autograd.grad(u, [z, *wanted], du, allow_unused=True)
+    if dz is None:  # no pre ops: u is z
+        dz = du
+    summed = iter([_add(a, b) for a, b in zip(post_grads, pre_grads, strict=True)])
+    param_grads = [next(summed) if t.requires_grad else None for t in params]
+    need_affine = gn_weight is not None and gn_weight.requires_grad
+    return dz, [
+        d_weight if need_affine else None,
+        d_bias if gn_bias is not None and gn_bias.requires_grad else None,
+        *param_grads,
+    ]
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _group_norm_backward(dy, x_hat, rstd, weight, groups):
+    """(d input, d weight, d bias) of ``y = x_hat * weight + bias`` with ``x_hat`` the input
+    normalised over ``groups`` groups of each row: PyTorch's GroupNorm gradient, written out.
+    d input = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), g = dy * weight, means per group.
+    """
+    m, n = dy.shape
+    g = dy if weight is None else dy * weight.detach()
+    g3, x3 = g.view(m, groups, n // groups), x_hat.view(m, groups, n // groups)
+    c1 = g3.mean(dim=2, keepdim=True)
+    c2 = (g3 * x3).mean(dim=2, keepdim=True)
+    du = ((g3 - c1 - x3 * c2) * rstd).view(m, n)
+    if weight is None:
+        return du, None, None
+    return du, (dy * x_hat).sum(0), dy.sum(0)
+
+
+def _padded(n: int) -> int:
+    return -(-n // SPLIT_ALIGN) * SPLIT_ALIGN
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def grad_input(dz: torch.Tensor, weight: torch.Tensor, call: FusedCall) -> torch.Tensor:
+    """dx = dz @ weight: contraction over the N output channels."""
+    if not (call.split_dx and weight.shape[1] <= SPLIT_COLS_MAX):
+        return dz.mm(weight)
+    ext = extension_for(Epilogue())
+    n_padded = _padded(dz.shape[1])
+    a = ext.split_rows(_unit_stride(dz), n_padded)
+    b = call.weight_cache.transposed(ext, weight, n_padded)
+    return ext.gemm_split(*a, *b, call.kernel, call.split)
+
+
+def grad_weight(dz: torch.Tensor, x: torch.Tensor, call: FusedCall) -> torch.Tensor:
+    """dW = dz.T @ x: contraction over the M rows, both operands read down their columns."""
+    if not (call.split_dw and max(dz.shape[1], x.shape[1]) <= SPLIT_COLS_MAX):
+        return dz.t().mm(x)
+    ext = extension_for(Epilogue())
+    m_padded = _padded(dz.shape[0])
+    a = ext.split_cols(_unit_stride(dz), m_padded)
+    b = ext.split_cols(_unit_stride(x), m_padded)
+    return ext.gemm_split(*a, *b, call.kernel, call.split)
