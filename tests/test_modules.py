@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -150,3 +152,30 @@ def test_constructor_arguments_are_checked():
         gemmfuse.modules.ChainOp("middle", "relu")
     with pytest.raises(TypeError, match="module must be one of"):
         gemmfuse.modules.ChainOp("pre", module=nn.Softmax(1))
+
+
+def test_an_operand_that_no_longer_broadcasts_runs_the_original_chain():
+    model, new, inputs = optimized("scalar_tensor_attributes")
+    model.temperature = torch.rand(3, 64) + 1  # does not broadcast against (32, 64)
+    with pytest.raises(RuntimeError) as expected:
+        model(*inputs)
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value))):
+        new(*inputs)  # the fallback's own error, as the model's
+    assert new.fc.last_path == "fallback"
+
+
+@pytest.mark.parametrize(
+    "shape, fits",
+    [((), True), ((64,), True), ((1, 64), True), ((32, 1), True), ((32, 64), True),
+     ((3, 64), False), ((2, 1, 64), False), ((65,), False)],
+)  # fmt: skip
+def test_broadcast_check_keeps_the_shape(shape, fits):
+    assert gemmfuse.modules._broadcasts_to(shape, (32, 64)) is fits
+
+
+@pytest.mark.parametrize("setting, value", [("eps", -1.0), ("eps", "small"), ("num_groups", 2.5)])
+def test_group_norm_settings_outside_the_grammar_give_no_epilogue(setting, value):
+    _, new, _ = optimized("groupnorm_affine_post")
+    norm = new.fc._norm.module
+    setattr(norm, setting, value)
+    assert new.fc.epilogue is None

@@ -24,8 +24,6 @@ This module imports only torch and the standard library (plus the package's own 
 modules): ``gemmfuse export`` inlines it into standalone files.
 """
 
-from __future__ import annotations
-
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from gemmfuse.epilogue import Epilogue, GroupNormSpec, Pointwise, Reduction
+from gemmfuse.epilogue import Epilogue, GroupNormSpec, Pointwise, Reduction, epilogue_problem
 from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear_with_path
 from gemmfuse.reference import linear_epilogue
 
@@ -104,6 +102,13 @@ class ChainNorm:
             return m.num_groups, m.eps, m.weight, m.bias
         pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
         return (self.num_groups, self.eps, *pick)
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts against ``target`` leaving it ``target``."""
+    return len(shape) <= len(target) and all(
+        a in (1, b) for a, b in zip(reversed(shape), reversed(target), strict=False)
+    )
 
 
 class FusedLinear(nn.Module):
@@ -197,18 +202,18 @@ class FusedLinear(nn.Module):
     def _build_epilogue(self, ops, norm) -> Epilogue | None:
         """The Epilogue of these settings; None when they are outside the grammar."""
         stages = {stage: [] for stage in _STAGES}
-        try:
-            for op, (name, args) in zip(self._ops, ops, strict=True):
-                stages[op.stage].append(Pointwise(name, tuple(args)))
-            return Epilogue(
-                pre=tuple(stages["pre"]),
-                norm=None if norm is None else GroupNormSpec(*norm),
-                post=tuple(stages["post"]),
-                reduce=self._reduce,
-                tail=tuple(stages["tail"]),
-            )
-        except (TypeError, ValueError):  # e.g. a GELU set to approximate="sigmoid" after tracing
+        for op, (name, args) in zip(self._ops, ops, strict=True):
+            stages[op.stage].append((name, tuple(args)))
+        # e.g. a GELU set to approximate="sigmoid" after tracing: outside the grammar
+        if epilogue_problem(stages["pre"], norm, stages["post"], self._reduce, stages["tail"]):
             return None
+        return Epilogue(
+            pre=tuple(Pointwise(*op) for op in stages["pre"]),
+            norm=None if norm is None else GroupNormSpec(*norm),
+            post=tuple(Pointwise(*op) for op in stages["post"]),
+            reduce=self._reduce,
+            tail=tuple(Pointwise(*op) for op in stages["tail"]),
+        )
 
     def _fused_problem(self, x, weight, bias, operands, norm, epilogue) -> str:
         """Why the fused call cannot stand in for the chain now ("" when it can)."""
@@ -240,17 +245,14 @@ class FusedLinear(nn.Module):
             if not isinstance(t, torch.Tensor) or t.dtype != x.dtype:
                 return f"operand {self._operands[i][1]!r} is no longer a tensor of x's dtype"
         for i in epilogue.channel_params:  # the IR's rule: pre/post operands keep (M, N)
-            if torch.broadcast_shapes(operands[i].shape, (m, n)) != (m, n):
+            if not _broadcasts_to(tuple(operands[i].shape), (m, n)):
                 return f"operand {self._operands[i][1]!r} no longer broadcasts to ({m}, {n})"
         return ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._linear()
         operands, norm, epilogue = self._state()
-        try:
-            problem = self._fused_problem(x, weight, bias, operands, norm, epilogue)
-        except RuntimeError as exc:  # torch.broadcast_shapes: the shapes no longer broadcast
-            problem = str(exc)
+        problem = self._fused_problem(x, weight, bias, operands, norm, epilogue)
         if problem:
             if isinstance(x, torch.Tensor) and x.is_cuda:
                 warnings.warn(

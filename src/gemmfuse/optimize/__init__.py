@@ -1,0 +1,40 @@
+"""``gemmfuse.optimize``: every Linear chain of a model as one fused call.
+
+``optimize(model, example_inputs)`` traces the model's forward with ``torch.fx`` (what the
+tracer raises, e.g. ``torch.fx.proxy.TraceError`` for control flow on tensor values, reaches the
+caller), runs the trace once on the example inputs (under no_grad, on a fork of the random
+state; recording each value's shape and dtype; every buffer the run reads is a copy made for the
+run, so a forward that writes them is not stepped twice, and what the forward raises on the
+inputs reaches the caller), and, for every ``nn.Linear`` (or ``F.linear`` on the model's own
+tensors) applied to a 2-D input, extends the chain after it as far as the epilogue grammar
+goes::
+
+    Linear -> pointwise ops -> GroupNorm -> pointwise ops -> reduction over dim 1 -> tail ops
+
+A chain stops at the first node that is not in the grammar, whose result has several users
+(``x + x`` excepted, and ``x * sigmoid(x)``: x used by a sigmoid that only the multiplication
+uses, the op ``swish``), that changes the (M, N) shape before the reduction or the dtype anywhere,
+that would take the kernel past ``MAX_SCALARS``/``MAX_TENSORS`` arguments, or whose operands the
+forward modifies in place. Each candidate is then checked on the example inputs: its
+``FusedLinear.reference`` (``gemmfuse.reference``) must reproduce the model's own value at the
+chain's end (same shape, dtype and device, and close within ``torch.testing.assert_close``'s
+default tolerances, NaN equal to NaN), else the Linear stays PyTorch. Meta tensors carry no
+values: their chains are not checked, and the report says so.
+
+The result is an ``fx.GraphModule`` with a ``FusedLinear`` at each swapped Linear's path (for
+an ``F.linear`` call, a new stateless submodule of the root, ``<call>_fused``). Its
+module tree mirrors the model's: every submodule not on the way to a swapped Linear is the
+model's own object, the rest are shallow copies that share their parameter and buffer dicts, so
+every parameter and buffer keeps its state_dict key and is the model's own object (optimizer
+steps and ``.to()`` reach both models).
+
+The package's modules, each after those it imports from: ``grammar`` (the ops table and graph
+patterns), ``tracing`` (fx tracing and the example run), ``analysis`` (finding chains),
+``rewrite`` (checking, swapping, reporting). They import only torch and the standard library
+(plus the package's own standalone-safe modules): ``gemmfuse export`` inlines them into
+standalone files, in one namespace.
+"""
+
+from gemmfuse.optimize.rewrite import LinearReport, OptimizeReport, optimize
+
+__all__ = ["LinearReport", "OptimizeReport", "optimize"]

@@ -1,0 +1,418 @@
+"""Finding chains: which Linear calls can be swapped, and how far the chain after each goes.
+
+Each recognising step returns its result or a :class:`_Refusal` saying why the node cannot join
+the chain; the chain stops at the first refusal and records it.
+"""
+
+import builtins
+import operator
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS, Param, Reduction, per_channel
+from gemmfuse.modules import MODULE_OPS, ChainNorm, ChainOp
+from gemmfuse.optimize.grammar import (
+    _ACTS,
+    _BINARY,
+    _FRESH_MODULES,
+    _REDUCTIONS,
+    _SWAPPED,
+    _SYMBOL,
+    _first_refusal,
+    _has_hooks,
+    _input,
+    _is_inplace,
+    _linear_args,
+    _number,
+    _op_label,
+    _Refusal,
+    _Step,
+    _swish,
+    _target_name,
+)
+from gemmfuse.optimize.tracing import _Meta
+
+
+@dataclass
+class _Chain:
+    linear: fx.Node
+    path: str
+    input: fx.Node  # the Linear's input as traced (an earlier rewrite may replace it)
+    nodes: list[fx.Node] = field(default_factory=list)  # after the Linear, in order
+    ops: list[ChainOp] = field(default_factory=list)
+    norm: ChainNorm | None = None
+    reduce: Reduction | None = None
+    operands: list[str] = field(default_factory=list)  # get_attr targets; Param index order
+    labels: list[str] = field(default_factory=list)
+    stopped: str = ""
+
+    @property
+    def end(self) -> fx.Node:
+        return self.nodes[-1] if self.nodes else self.linear
+
+    def operand(self, target: str) -> Param:
+        if target not in self.operands:
+            self.operands.append(target)
+        return Param(self.operands.index(target))
+
+
+class _Analysis:
+    def __init__(self, gm: fx.GraphModule, meta: dict[fx.Node, _Meta]):
+        self.gm = gm
+        self.meta = meta
+        self.mutated = self._mutated_attributes()
+
+    def _fresh(self, node: fx.Node) -> bool:
+        """Whether node's result is a new tensor (an out-of-place op of the grammar)."""
+        if _is_inplace(node, self.gm):
+            return False
+        if node.op == "call_module":
+            return type(self.gm.get_submodule(node.target)) in _FRESH_MODULES
+        return node.op in ("call_function", "call_method") and (
+            node.target in _ACTS
+            or node.target in _BINARY
+            or node.target in _REDUCTIONS
+            or node.target in (F.linear, F.group_norm)
+        )
+
+    def _mutated_attributes(self) -> set[str]:
+        """get_attr targets that some in-place op may write: through any node that can alias
+        its input, back to the attribute (chains never take those as operands)."""
+        mutated = set()
+        for node in self.gm.graph.nodes:
+            if not _is_inplace(node, self.gm) or not node.args:
+                continue
+            stack, seen = [node.args[0]], set()
+            while stack:
+                a = stack.pop()
+                if not isinstance(a, fx.Node) or a in seen:
+                    continue
+                seen.add(a)
+                if a.op == "get_attr":
+                    mutated.add(a.target)
+                elif _is_inplace(a, self.gm) and a.args:
+                    stack.append(a.args[0])  # its result is its first argument
+                elif a.op != "placeholder" and not self._fresh(a):
+                    stack.extend(a.all_input_nodes)  # may alias any input
+        return mutated
+
+    # -- recognising one node
+
+    def _bind(self, node: fx.Node, params: tuple[str, ...], defaults: tuple, v, tensors=()):
+        """node's arguments after the input by name (a dict, or a :class:`_Refusal`); only
+        ``tensors`` may be graph values."""
+        if _input(node) is not v:
+            return _Refusal("the chain's value is not its input")
+        bound = dict(zip(params, defaults, strict=True))
+        rest = node.args[1:]
+        if len(rest) > len(params):
+            return _Refusal("more arguments than the grammar's form of this op")
+        bound.update(zip(params, rest, strict=False))
+        for key, value in node.kwargs.items():
+            if key not in bound and key != "input":
+                return _Refusal(f"argument {key}= is not in the grammar's form of this op")
+            bound[key] = value
+        bound.pop("input", None)
+        for key, value in bound.items():
+            if isinstance(value, fx.Node) and key not in tensors:
+                return _Refusal(f"argument {key} is computed in the forward")
+        return bound
+
+    def _operand(self, o):
+        """A binary op's other operand: a float, or the get_attr node of a tensor (or why
+        neither: a :class:`_Refusal`)."""
+        if isinstance(o, fx.Node):
+            if o.op != "get_attr" or o not in self.meta:
+                return _Refusal(
+                    f"operand {o.name} is computed in the forward (fused operands are "
+                    "numbers, parameters, buffers and tensor attributes)"
+                )
+            if o.target in self.mutated:
+                return _Refusal(f"operand {o.target} is modified in place in the forward")
+            return o
+        return _number(o, "the operand")
+
+    def _binary(self, node: fx.Node, v) -> "_Step | _Refusal":
+        op, extra = _BINARY[node.target]
+        names = ("input", "other", *extra)
+        if len(node.args) > len(names):
+            return _Refusal("more arguments than the grammar's form of this op")
+        bound = dict(zip(names, node.args, strict=False))
+        for key, value in node.kwargs.items():
+            if key not in names or key in bound:
+                return _Refusal(f"argument {key}= is not in the grammar's form of this op")
+            bound[key] = value
+        if "input" not in bound or "other" not in bound:
+            return _Refusal("not a binary op of two operands")
+        if bound.get("alpha", 1) != 1 or bound.get("rounding_mode") is not None:
+            return _Refusal("alpha= or rounding_mode= is not in the grammar")
+        args = bound["input"], bound["other"]
+        inplace = _is_inplace(node, self.gm)
+        a, b = args
+        if a is v and b is v:
+            if op != "add":
+                return _Refusal(f"x {_SYMBOL.get(op, op)} x is not in the grammar (x + x is)")
+            return _Step("op", "x + x", name="add_self", inplace=inplace)
+        if a is v:
+            name, other = op, b
+        elif b is v:
+            if inplace:
+                return _Refusal("it writes its result into its other operand")
+            name, other = _SWAPPED[op], a
+        else:
+            return _Refusal("the chain's value is not one of its operands")
+        operand = self._operand(other)
+        if isinstance(operand, _Refusal):
+            return operand
+        return _Step("op", _op_label(name, (operand,)), name=name, args=(operand,),
+                     inplace=inplace)  # fmt: skip
+
+    def _reduction(self, node: fx.Node, v) -> "_Step | _Refusal":
+        op, returns_tuple = _REDUCTIONS[node.target]
+        names = ("dim", "keepdim") + (("dtype",) if op in ("sum", "mean") else ())
+        if returns_tuple and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
+            return _Refusal(f"{op} with a tensor operand is elementwise, not in the grammar")
+        bound = self._bind(node, names, (None, False, None)[: len(names)], v)
+        if isinstance(bound, _Refusal):
+            return bound
+        dim, keepdim = bound["dim"], bound["keepdim"]
+        if bound.get("dtype") is not None:
+            return _Refusal("a reduction with dtype= is not in the grammar")
+        if isinstance(dim, (tuple, list)) and len(dim) == 1:
+            dim = dim[0]
+        if dim is None or isinstance(dim, (tuple, list)):
+            return _Refusal("it reduces over more than the channel dimension (dim=1)")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim not in (1, -1):
+            return _Refusal(f"it reduces over dim={dim!r}, not the channels (dim=1)")
+        if not isinstance(keepdim, bool):
+            return _Refusal(f"keepdim={keepdim!r} is not a bool")
+        reduction = Reduction(op, keepdim)
+        label = f"{op}(dim=1{', keepdim=True' if keepdim else ''})"
+        return _Step("reduce", label, reduction=reduction, selects=returns_tuple)
+
+    def _group_norm(self, node: fx.Node, v) -> "_Step | _Refusal":
+        names = ("num_groups", "weight", "bias", "eps")
+        bound = self._bind(node, names, (None, None, None, 1e-5), v, tensors=("weight", "bias"))
+        if isinstance(bound, _Refusal):
+            return bound
+        groups, eps = bound["num_groups"], _number(bound["eps"], "eps")
+        if isinstance(eps, _Refusal):
+            return eps
+        if isinstance(groups, bool) or not isinstance(groups, int):
+            return _Refusal(f"num_groups={groups!r} is not an int")
+        affine = [bound["weight"], bound["bias"]]
+        if (affine[0] is None) != (affine[1] is None):
+            return _Refusal("group_norm with a weight but no bias (or a bias but no weight)")
+        affine = [None if a is None else self._operand(a) for a in affine]
+        refusal = _first_refusal(affine)
+        if refusal is not None:
+            return refusal
+        return _Step("norm", f"group_norm({groups}, eps={eps!r})", args=(groups, eps, *affine))
+
+    def _match(self, node: fx.Node, v: fx.Node) -> "_Step | _Refusal":
+        if node.op == "call_module":
+            module = self.gm.get_submodule(node.target)
+            if _has_hooks(module):
+                return _Refusal("the module has forward hooks")
+            if node.args != (v,) or node.kwargs:
+                return _Refusal("the module takes more than the chain's value")
+            if type(module) is nn.GroupNorm:
+                if (module.weight is None) != (module.bias is None):
+                    return _Refusal("the GroupNorm has a weight but no bias (or the reverse)")
+                for p in ("weight", "bias"):
+                    if f"{node.target}.{p}" in self.mutated:
+                        return _Refusal(f"its {p} is modified in place in the forward")
+                return _Step("norm", node.target, module=module)
+            if type(module) not in MODULE_OPS:
+                return _Refusal("not in the epilogue grammar")
+            name, args = MODULE_OPS[type(module)](module)
+            if name is None:
+                return _Refusal("these module settings are not in the grammar")
+            return _Step("op", _op_label(name, args), name=name, args=args, module=module,
+                         inplace=_is_inplace(node, self.gm))  # fmt: skip
+        if node.op not in ("call_function", "call_method"):
+            return _Refusal("not in the epilogue grammar")
+        target = node.target
+        if target in _BINARY:
+            return self._binary(node, v)
+        if target in _REDUCTIONS:
+            return self._reduction(node, v)
+        if target is F.group_norm:
+            return self._group_norm(node, v)
+        if target in _ACTS:
+            act = _ACTS[target]
+            bound = self._bind(node, act.params, act.defaults, v)
+            made = bound if isinstance(bound, _Refusal) else act.make(bound)
+            if isinstance(made, _Refusal):
+                return made
+            name, args = made
+            return _Step("op", _op_label(name, args), name=name, args=args,
+                         inplace=_is_inplace(node, self.gm))  # fmt: skip
+        return _Refusal("not in the epilogue grammar")
+
+    def _select(self, node: fx.Node) -> "fx.Node | _Refusal":
+        """The ``[0]`` / ``.values`` node that takes torch.min/max's values."""
+        users = list(node.users)
+        if len(users) != 1:
+            return _Refusal(f"its (values, indices) result is used {len(users)} times")
+        u = users[0]
+        if u.op == "call_function" and (
+            (u.target is operator.getitem and u.args[1:] == (0,))
+            or (u.target is builtins.getattr and u.args[1:] == ("values",))
+        ):
+            return u
+        return _Refusal("its indices are used (the grammar takes the values only)")
+
+    # -- extending one Linear's chain
+
+    def _accept(self, chain: _Chain, step: _Step, end: fx.Node, stage: str) -> "str | _Refusal":
+        """Adds step to chain; returns the stage after it (or, leaving the chain as it was, a
+        :class:`_Refusal`)."""
+        linear = self.meta[chain.linear]
+        if end not in self.meta or self.meta[end].dtype != linear.dtype:
+            return _Refusal(f"its result is not a {linear.dtype} tensor")
+        if step.kind == "norm":
+            if stage != "pre":
+                return _Refusal("a second GroupNorm" if chain.norm else "GroupNorm after the "
+                               "reduction")  # fmt: skip
+            if step.module is not None:
+                chain.norm = ChainNorm(module=step.module)
+            else:
+                groups, eps, weight, bias = step.args
+                for a in (weight, bias):
+                    if a is not None and self.meta[a].dtype != linear.dtype:
+                        return _Refusal(f"{a.target} is {self.meta[a].dtype}, not {linear.dtype}")
+                index = [None if a is None else chain.operand(a.target).index
+                         for a in (weight, bias)]  # fmt: skip
+                chain.norm = ChainNorm(None, groups, eps, *index)
+            return "post"
+        if step.kind == "reduce":
+            if stage == "tail":
+                return _Refusal("a second reduction")
+            chain.reduce = step.reduction
+            return "tail"
+        if stage != "tail":
+            if self.meta[end].shape != linear.shape:
+                return _Refusal(
+                    f"it changes the shape {linear.shape} to {self.meta[end].shape} "
+                    "before the reduction"
+                )
+            scalars = sum(len(op.current()[1]) - self._tensors(op) for op in chain.ops)
+            tensors = sum(self._tensors(op) for op in chain.ops)
+            new_tensors = sum(isinstance(a, fx.Node) for a in step.args)
+            if scalars + len(step.args) - new_tensors > MAX_SCALARS:
+                return _Refusal(f"the kernel takes at most {MAX_SCALARS} float arguments")
+            if tensors + new_tensors > MAX_TENSORS:
+                return _Refusal(f"the kernel takes at most {MAX_TENSORS} tensor arguments")
+            n = linear.shape[-1]
+            for a in step.args:
+                shape = tuple(self.meta[a].shape) if isinstance(a, fx.Node) else ()
+                if not per_channel(shape, n):
+                    # ops.py would route such a chain to PyTorch on every call
+                    return _Refusal(
+                        f"operand {a.target} of shape {shape} is not per channel (the kernel "
+                        f"reads (), (1,), ({n},) or (1, {n}) before the reduction)"
+                    )
+        for a in step.args:
+            if isinstance(a, fx.Node) and self.meta[a].dtype != linear.dtype:
+                return _Refusal(f"operand {a.target} is {self.meta[a].dtype}, not {linear.dtype}")
+            if isinstance(a, fx.Node) and stage == "tail" and step.inplace:
+                return _Refusal("an in-place op with a tensor operand after the reduction")
+        if step.module is not None:
+            chain.ops.append(ChainOp(stage, module=step.module))
+        else:
+            args = tuple(chain.operand(a.target) if isinstance(a, fx.Node) else a
+                         for a in step.args)  # fmt: skip
+            chain.ops.append(ChainOp(stage, step.name, args))
+        return stage
+
+    @staticmethod
+    def _tensors(op: ChainOp) -> int:
+        return sum(isinstance(a, Param) for a in op.current()[1])
+
+    def chain(self, linear: fx.Node, path: str, label: str) -> _Chain:
+        chain = _Chain(linear, path, _input(linear), labels=[label])
+        stage, v = "pre", linear
+        while True:
+            users = list(v.users)
+            if len(users) == 2:
+                pair = _swish(self.gm, v)
+                if isinstance(pair, _Refusal):
+                    chain.stopped = f"stopped after {v.name}: its result is used 2 times "
+                    chain.stopped += f"({pair})"
+                    break
+                if pair is not None:
+                    s, m = pair
+                    stage = self._accept(chain, _Step("op", "x * sigmoid(x)", "swish"), m, stage)
+                    if isinstance(stage, _Refusal):
+                        chain.stopped = f"stopped at {m.name} (x * sigmoid(x)): {stage}"
+                        break
+                    chain.nodes += [s, m]
+                    chain.labels.append("x * sigmoid(x)")
+                    v = m
+                    continue
+            if len(users) != 1:
+                chain.stopped = f"stopped after {v.name}: its result is used {len(users)} times"
+                break
+            u = users[0]
+            if u.op == "output":
+                chain.stopped = "ends at the model's output"
+                break
+            step = self._match(u, v)
+            end = u if isinstance(step, _Refusal) or not step.selects else self._select(u)
+            refusal = _first_refusal((step, end))
+            if refusal is None:
+                stage = self._accept(chain, step, end, stage)
+                refusal = _first_refusal((stage,))
+            if refusal is not None:
+                where = u.target if u.op == "call_module" else u.name  # a path, or fx's name
+                chain.stopped = f"stopped at {where} ({self._describe(u)}): {refusal}"
+                break
+            chain.nodes += [u] if end is u else [u, end]
+            chain.labels.append(step.label)
+            v = end
+        return chain
+
+    def _describe(self, node: fx.Node) -> str:
+        if node.op == "call_module":
+            module = self.gm.get_submodule(node.target)
+            prefix = "nn." if type(module).__module__.startswith("torch.nn") else ""
+            return prefix + type(module).__name__
+        if node.op in ("call_function", "call_method"):
+            return _target_name(node.target)
+        return node.op
+
+    def linear_problem(self, node: fx.Node, calls: int) -> str:
+        """Why this Linear call (a module's, or F.linear's) cannot be swapped ("" if it can)."""
+        x = _input(node)
+        if node.op == "call_function":  # F.linear: on the model's own tensors only
+            args = _linear_args(node)
+            for key in ("weight", "bias"):
+                t = args[key]
+                if t is not None and not (isinstance(t, fx.Node) and t.op == "get_attr"):
+                    return (
+                        f"its {key} is computed in the forward (F.linear is fused on "
+                        "parameters, buffers and tensor attributes)"
+                    )
+        else:
+            module = self.gm.get_submodule(node.target)
+            if type(module).forward is not nn.Linear.forward:
+                return f"{type(module).__name__} overrides nn.Linear.forward"
+            if _has_hooks(module):
+                return "the module has forward hooks"
+            if calls > 1:
+                return f"the module is called {calls} times in forward (each call needs its chain)"
+            if node.kwargs.keys() - {"input"} or len(node.args) > 1:
+                return "its input is not a tensor of the forward"
+        if x not in self.meta:
+            return "its input is not a tensor of the forward"
+        shape = self.meta[x].shape
+        if len(shape) != 2:
+            return (
+                f"its input is {len(shape)}-D {shape}; the fused kernel takes (batch, "
+                "features) inputs"
+            )
+        return ""

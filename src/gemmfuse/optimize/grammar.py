@@ -1,0 +1,293 @@
+"""The epilogue grammar as torch.fx records it: call_function targets and call_method names,
+and the graph patterns (in-place ops, ``x * sigmoid(x)``) a chain follows.
+
+A node the chain cannot take is answered with a :class:`_Refusal` value (returned where the
+result would be), whose text says why; nothing here raises for it.
+"""
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gemmfuse.epilogue import Reduction
+from gemmfuse.modules import MODULE_OPS
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """A node the chain cannot take; ``why`` says why."""
+
+    why: str
+
+    def __str__(self) -> str:
+        return self.why
+
+
+def _first_refusal(values) -> "_Refusal | None":
+    return next((v for v in values if isinstance(v, _Refusal)), None)
+
+
+def _number(value, what: str) -> "float | _Refusal":
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _Refusal(f"{what} is {value!r}, not a number")
+    if isinstance(value, int) and abs(value) > 2**53:  # float(value) would round it
+        return _Refusal(f"{what} {value} has no exact float value")
+    return float(value)
+
+
+def _op(name: str, *args) -> "tuple[str, tuple[float, ...]] | _Refusal":
+    """The IR op (name, args), or the first refusal among args."""
+    return _first_refusal(args) or (name, args)
+
+
+def _clamp_bound(value, what: str, default: float) -> "float | _Refusal":
+    return default if value is None else _number(value, what)
+
+
+def _clamp(a):
+    if a.get("min") is None and a.get("max") is None:
+        return _Refusal("clamp without bounds")
+    return _op(
+        "clamp",
+        _clamp_bound(a.get("min"), "min", float("-inf")),
+        _clamp_bound(a.get("max"), "max", float("inf")),
+    )
+
+
+def _gelu(a):
+    name = {"none": "gelu", "tanh": "gelu_tanh"}.get(a["approximate"])
+    if name is None:
+        return _Refusal(f"gelu(approximate={a['approximate']!r}) is not in the grammar")
+    return name, ()
+
+
+@dataclass(frozen=True)
+class _Act:
+    """A unary op: its parameters after the input, their defaults, and its IR form."""
+
+    params: tuple[str, ...]
+    defaults: tuple
+    make: Callable[[dict], "tuple[str, tuple[float, ...]] | _Refusal"]  # bound arguments -> op
+
+
+def _fixed(name):
+    return lambda a: (name, ())
+
+
+_ACT_GROUPS = [
+    ((torch.relu, F.relu, torch.relu_, F.relu_, "relu", "relu_"), ("inplace",), (False,),
+     _fixed("relu")),
+    ((F.leaky_relu, F.leaky_relu_), ("negative_slope", "inplace"), (0.01, False),
+     lambda a: _op("leaky_relu", _number(a["negative_slope"], "negative_slope"))),
+    ((F.gelu,), ("approximate",), ("none",), _gelu),
+    ((F.silu,), ("inplace",), (False,), _fixed("silu")),
+    ((F.mish,), ("inplace",), (False,), _fixed("mish")),
+    ((torch.tanh, F.tanh, torch.tanh_, "tanh", "tanh_"), (), (), _fixed("tanh")),
+    ((torch.sigmoid, F.sigmoid, torch.sigmoid_, "sigmoid", "sigmoid_"), (), (),
+     _fixed("sigmoid")),
+    ((F.hardtanh, F.hardtanh_), ("min_val", "max_val", "inplace"), (-1.0, 1.0, False),
+     lambda a: _op("hardtanh", _number(a["min_val"], "min_val"),
+                   _number(a["max_val"], "max_val"))),
+    ((F.relu6,), ("inplace",), (False,), lambda a: ("hardtanh", (0.0, 6.0))),
+    ((F.hardswish,), ("inplace",), (False,), _fixed("hardswish")),
+    ((F.hardsigmoid,), ("inplace",), (False,), _fixed("hardsigmoid")),
+    ((F.softplus,), ("beta", "threshold"), (1.0, 20.0),
+     lambda a: _op("softplus", _number(a["beta"], "beta"),
+                   _number(a["threshold"], "threshold"))),
+    ((F.elu, F.elu_), ("alpha", "inplace"), (1.0, False),
+     lambda a: _op("elu", _number(a["alpha"], "alpha"))),
+    ((torch.exp, torch.exp_, "exp", "exp_"), (), (), _fixed("exp")),
+    ((torch.log, torch.log_, "log", "log_"), (), (), _fixed("log")),
+    ((torch.clamp, torch.clip, torch.clamp_, torch.clip_, "clamp", "clamp_", "clip", "clip_"),
+     ("min", "max"), (None, None), _clamp),
+    ((torch.clamp_min, torch.clamp_min_, "clamp_min", "clamp_min_"), ("min",), (None,), _clamp),
+    ((torch.clamp_max, torch.clamp_max_, "clamp_max", "clamp_max_"), ("max",), (None,), _clamp),
+]  # fmt: skip
+_ACTS = {t: _Act(p, d, m) for targets, p, d, m in _ACT_GROUPS for t in targets}
+
+# Binary arithmetic: target -> (op, its parameters after the input and the other operand).
+_BINARY = {
+    **dict.fromkeys((operator.add, torch.add, "add", "add_"), ("add", ("alpha",))),
+    **dict.fromkeys(
+        (operator.sub, torch.sub, torch.subtract, "sub", "sub_", "subtract", "subtract_"),
+        ("sub", ("alpha",)),
+    ),
+    torch.rsub: ("rsub", ("alpha",)),
+    **dict.fromkeys(
+        (operator.mul, torch.mul, torch.multiply, "mul", "mul_", "multiply", "multiply_"),
+        ("mul", ()),
+    ),
+    **dict.fromkeys(
+        (
+            operator.truediv,
+            torch.div,
+            torch.divide,
+            torch.true_divide,
+            "div",
+            "div_",
+            "divide",
+            "divide_",
+            "true_divide",
+            "true_divide_",
+        ),
+        ("div", ("rounding_mode",)),
+    ),  # fmt: skip
+}
+# The op when the chain's value is the second operand: o + v = v + o, o - v = rsub...
+_SWAPPED = {"add": "add", "mul": "mul", "sub": "rsub", "div": "rdiv", "rsub": "sub"}
+_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+
+# Reductions: target -> (IR op, whether it returns (values, indices) when given a dim).
+_REDUCTIONS = {
+    **dict.fromkeys((torch.min, "min"), ("min", True)),
+    **dict.fromkeys((torch.max, "max"), ("max", True)),
+    **dict.fromkeys((torch.amin, "amin"), ("min", False)),
+    **dict.fromkeys((torch.amax, "amax"), ("max", False)),
+    **dict.fromkeys((torch.sum, "sum"), ("sum", False)),
+    **dict.fromkeys((torch.mean, "mean"), ("mean", False)),
+    **dict.fromkeys((torch.logsumexp, "logsumexp"), ("logsumexp", False)),
+}
+_SIGMOIDS = (torch.sigmoid, F.sigmoid, "sigmoid")  # out-of-place forms (swish's sigmoid)
+_MULS = (operator.mul, torch.mul, torch.multiply, "mul", "multiply", operator.imul, "mul_",
+         "multiply_")  # fmt: skip
+_FRESH_MODULES = {nn.Linear, nn.GroupNorm, *MODULE_OPS}
+_INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.setitem)  # fmt: skip
+
+
+def _target_name(target) -> str:
+    """How the model's source spells a function: torch.softmax, F.gelu, operator.add..."""
+    if isinstance(target, str):
+        return f"Tensor.{target}"
+    name = getattr(target, "__name__", repr(target))
+    for prefix, namespace in (("torch", torch), ("F", F), ("operator", operator)):
+        if getattr(namespace, name, None) is target:
+            return f"{prefix}.{name}"
+    return f"{getattr(target, '__module__', '?')}.{name}"
+
+
+def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return (
+            node.target in _INPLACE_OPERATORS
+            or (name.endswith("_") and not name.startswith("__"))
+            or node.kwargs.get("inplace") is True
+        )
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(node.target), "inplace", False) is True
+    return False
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _is_sigmoid_of(node: fx.Node, v: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether node is sigmoid(v), out of place, in any recognised form."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return type(module) is nn.Sigmoid and node.args == (v,) and not node.kwargs
+    if node.op not in ("call_function", "call_method") or node.target not in _SIGMOIDS:
+        return False
+    return (node.args == (v,) and not node.kwargs) or (
+        not node.args and node.kwargs == {"input": v}
+    )
+
+
+def _swish(gm: fx.GraphModule, v: fx.Node) -> "tuple[fx.Node, fx.Node] | _Refusal | None":
+    """(s, m) when v's two users are ``s = sigmoid(v)`` and ``m = v * s`` (or ``s * v``), s used
+    by m alone: the op ``swish``. None when v's users are not a sigmoid of v and a
+    multiplication reading it; a :class:`_Refusal` when they are but the rest does not hold."""
+    users = list(v.users)
+    if len(users) != 2:
+        return None
+    pairs = [
+        (s, m)
+        for s, m in (users, users[::-1])
+        if _is_sigmoid_of(s, v, gm)
+        and m.op in ("call_function", "call_method")
+        and m.target in _MULS
+        and s in m.all_input_nodes
+    ]
+    if not pairs:
+        return None
+    s, m = pairs[0]
+    if s.op == "call_module" and _has_hooks(gm.get_submodule(s.target)):
+        return _Refusal("x * sigmoid(x): the Sigmoid module has forward hooks")
+    if len(s.users) != 1:
+        return _Refusal(f"x * sigmoid(x): the sigmoid's result is used {len(s.users)} times")
+    if m.kwargs or len(m.args) != 2 or set(m.args) != {v, s}:
+        return _Refusal(f"x * sigmoid(x): {m.name} does not multiply x by its sigmoid alone")
+    if m.args[0] is v and _is_inplace(m, gm):
+        return _Refusal(
+            f"x * sigmoid(x): {m.name} multiplies in place into x (swish is out of place)"
+        )
+    return s, m
+
+
+def _next_in_chain(gm: fx.GraphModule, v: fx.Node) -> "fx.Node | None":
+    """The node a chain at v may extend to, by the graph's shape alone (v's only user, or the
+    multiplication of a swish); None where a chain must stop."""
+    users = list(v.users)
+    if len(users) == 1:
+        return None if users[0].op == "output" else users[0]
+    pair = _swish(gm, v)
+    return pair[1] if isinstance(pair, tuple) else None
+
+
+def _input(node: fx.Node):
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
+def _linear_args(node: fx.Node) -> dict:
+    """An F.linear call's arguments by name (input, weight, bias)."""
+    bound = dict(zip(("input", "weight", "bias"), node.args, strict=False))
+    return {"bias": None, **bound, **node.kwargs}
+
+
+def _thread_inplace(gm: fx.GraphModule) -> None:
+    """Makes the uses of a tensor that follow an in-place op on it use the op's result (the same
+    tensor), so ``x.mul_(2); x.add_(b); return x`` reads as the chain it is."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        if not _is_inplace(node, gm) or node.target is operator.setitem or not node.args:
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or src in node.all_input_nodes[1:]:
+            continue
+        for user in list(src.users):
+            if order[user] > order[node]:
+                user.replace_input_with(src, node)
+
+
+@dataclass
+class _Step:
+    """One recognised node: a pointwise op, a GroupNorm or a reduction."""
+
+    kind: str  # "op", "norm" or "reduce"
+    label: str
+    name: str = ""  # op: IR name
+    args: tuple = ()  # op: floats and get_attr nodes; norm (functional): G, eps, weight, bias
+    module: nn.Module | None = None
+    inplace: bool = False
+    reduction: Reduction | None = None
+    selects: bool = False  # torch.min/max(dim): the values come from [0] or .values
+
+
+def _op_label(name: str, args: tuple) -> str:
+    shown = [a.target if isinstance(a, fx.Node) else repr(a) for a in args]
+    if name == "add_self":
+        return "x + x"
+    if name in _SYMBOL:
+        return f"x {_SYMBOL[name]} {shown[0]}"
+    if name in ("rsub", "rdiv"):
+        return f"{shown[0]} {_SYMBOL[name[1:]]} x"
+    return f"{name}({', '.join(shown)})" if shown else name

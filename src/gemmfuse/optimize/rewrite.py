@@ -1,0 +1,299 @@
+"""The rewrite: each accepted chain checked on the example inputs and swapped for a
+:class:`FusedLinear`, the module tree mirrored, and the report."""
+
+import copy
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gemmfuse.modules import FusedLinear
+from gemmfuse.ops import KERNELS, PRECISIONS
+from gemmfuse.optimize.analysis import _Analysis, _Chain
+from gemmfuse.optimize.grammar import _input, _linear_args, _next_in_chain, _thread_inplace
+from gemmfuse.optimize.tracing import _Recorder, _trace
+
+# torch.testing.assert_close's default (rtol, atol) per dtype; other dtypes compare exactly.
+_TOLERANCES = {
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+}
+
+
+@dataclass(frozen=True)
+class LinearReport:
+    """What ``optimize`` did with one Linear call."""
+
+    name: str  # the Linear's module path (or the F.linear call's node name)
+    fused: bool  # replaced by a FusedLinear
+    chain: tuple[str, ...]  # the ops the FusedLinear runs, in model terms, the Linear first
+    stopped: str  # where the chain stopped, and why
+    reason: str = ""  # why the Linear was not swapped ("" when it was)
+    verified: bool | None = None  # checked on example_inputs; None: not checked
+    module: str = ""  # the FusedLinear's path in the result ("" when not swapped)
+
+    def __str__(self) -> str:
+        if not self.fused:
+            return f"{self.name}: not swapped: {self.reason}"
+        check = " [not verified: meta tensors]" if self.verified is None else ""
+        return f"{self.name}: fused {' -> '.join(self.chain)}{check}; {self.stopped}"
+
+
+@dataclass(frozen=True)
+class OptimizeReport:
+    """One :class:`LinearReport` per Linear call of the traced forward, in graph order."""
+
+    model: str
+    linears: tuple[LinearReport, ...] = field(default_factory=tuple)
+
+    @property
+    def fused(self) -> tuple[LinearReport, ...]:
+        return tuple(r for r in self.linears if r.fused)
+
+    def __str__(self) -> str:
+        head = f"gemmfuse.optimize({self.model}): {len(self.fused)} of {len(self.linears)} "
+        head += "Linear call(s) fused"
+        return "\n".join([head, *(f"  {r}" for r in self.linears)])
+
+
+def _shared_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of module: its own children dict, the same parameter and buffer dicts."""
+    new = copy.copy(module)
+    new._modules = dict(module._modules)
+    return new
+
+
+def _mirror(src: nn.Module, dst: nn.Module, paths: set[str], prefix: str = "") -> None:
+    """Gives dst src's children: src's own objects, or shared copies where a path in
+    ``paths`` lies below."""
+    dst._modules = {}
+    for name, child in src._modules.items():
+        here = prefix + name
+        if child is not None and any(p.startswith(here + ".") for p in paths):
+            copied = _shared_copy(child)
+            _mirror(child, copied, paths, here + ".")
+            child = copied
+        dst._modules[name] = child
+
+
+def _fallback(gm: fx.GraphModule, chain: _Chain) -> fx.GraphModule:
+    """The chain's own nodes as ``fallback(x, weight, bias, *operands)``."""
+    graph = fx.Graph()
+    x, weight, bias = (graph.placeholder(n) for n in ("x", "weight", "bias"))
+    operands = {t: graph.placeholder(f"operand_{i}") for i, t in enumerate(chain.operands)}
+    env = {chain.linear: graph.call_function(F.linear, (x, weight, bias))}
+    for node in chain.nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a] if a in env else operands[a.target])
+    graph.output(env[chain.end])
+    modules = {n.target: gm.get_submodule(n.target) for n in chain.nodes if n.op == "call_module"}
+    return fx.GraphModule(modules, graph, class_name="FusedLinearFallback")
+
+
+def _owner(root: nn.Module, target: str) -> tuple[nn.Module, str]:
+    prefix, _, name = target.rpartition(".")
+    return (root.get_submodule(prefix) if prefix else root), name
+
+
+def _verify(fused: FusedLinear, x, expected: torch.Tensor) -> str:
+    """Why fused's reference does not reproduce the model's value ("" when it does): equal
+    shape, dtype and device, and close within ``torch.testing.assert_close``'s default
+    tolerances for the dtype (NaN equal to NaN). A chain that raises propagates."""
+    got = fused.reference(x)
+    if not isinstance(got, torch.Tensor):
+        return f"the chain returned {type(got).__name__}, not a tensor"
+    for what, a, b in (
+        ("shape", tuple(got.shape), tuple(expected.shape)),
+        ("dtype", got.dtype, expected.dtype),
+        ("device", got.device, expected.device),
+    ):
+        if a != b:
+            return f"its result's {what} is {a}, the model's is {b}"
+    rtol, atol = _TOLERANCES.get(got.dtype, (0.0, 0.0))
+    close = torch.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=True)
+    if bool(close.all()):
+        return ""
+    wrong = int((~close).sum())
+    worst = float((got.double() - expected.double()).abs().masked_fill(close, 0.0).max())
+    return (
+        f"{wrong} of {close.numel()} values differ beyond rtol={rtol}, atol={atol} "
+        f"(greatest absolute difference {worst})"
+    )
+
+
+def _cuda_devices(*groups) -> list[int]:
+    """The CUDA devices (indices) of the tensors in ``groups``."""
+    return sorted({t.device.index for g in groups for t in g
+                   if isinstance(t, torch.Tensor) and t.device.type == "cuda"})  # fmt: skip
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs: Sequence,
+    *,
+    kernel: str = "auto",
+    precision: str = "fp32",
+    forward: types.FunctionType | None = None,
+) -> tuple[nn.Module, OptimizeReport]:
+    """``model`` with each Linear chain replaced by a :class:`FusedLinear`, and a report.
+
+    Args:
+        model: the module to rewrite; it is left unchanged, and shares its parameters and
+            buffers with the result.
+        example_inputs: the forward's positional arguments (a tuple or list), used for shapes
+            and to check each chain; meta tensors give shapes only (chains go unchecked).
+        kernel, precision: the FusedLinears' settings (see ``fused_linear``).
+        forward: the function to trace instead of ``type(model).forward``, e.g. a parent
+            class's forward (a ModelNew that overrides forward to call optimize).
+
+    Returns:
+        (an ``fx.GraphModule`` computing what model computes, an :class:`OptimizeReport`).
+
+    Raises:
+        TypeError, ValueError: for the arguments above, and ValueError for a forward that
+            writes a plain tensor attribute in place. What ``torch.fx`` raises tracing the
+            forward (``torch.fx.proxy.TraceError``, a ValueError, for control flow on tensor
+            values) and what the forward raises on ``example_inputs`` reach the caller as they
+            are.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(
+            "example_inputs must be a tuple or list of the forward's positional arguments, "
+            f"got {type(example_inputs).__name__}"
+        )
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if forward is not None and not isinstance(forward, types.FunctionType):
+        raise TypeError(f"forward must be a Python function, got {type(forward).__name__}")
+
+    # Tracing, the example run and the checks draw on a fork of the random state: a model with
+    # random ops sees the same random numbers after optimize as without it.
+    devices = _cuda_devices(example_inputs, model.parameters(), model.buffers())
+    with torch.random.fork_rng(devices=devices):
+        gm = _trace(model, forward)
+    graph = gm.graph
+    _thread_inplace(gm)
+    linears = [
+        n for n in graph.nodes
+        if (n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear))
+        or (n.op == "call_function" and n.target is F.linear)
+    ]  # fmt: skip
+    keep = set()
+    for node in linears:  # the inputs, and every node a chain can end at
+        if isinstance(_input(node), fx.Node):
+            keep.add(_input(node))
+        v = node
+        while v is not None:
+            keep.add(v)
+            v = _next_in_chain(gm, v)
+    # The example run must leave the model as it was: a forward that writes its buffers
+    # (BatchNorm's running statistics in training mode, a counter) would otherwise take the
+    # step twice when the caller then runs the result, so it runs on copies of them (see
+    # _Recorder).
+    recorder = _Recorder(gm, keep, model.buffers())
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        recorder.run(*example_inputs)
+
+    analysis = _Analysis(gm, recorder.meta)
+    calls = {}
+    for node in linears:
+        calls[node.target] = calls.get(node.target, 0) + 1
+    decisions: dict[fx.Node, LinearReport | _Chain] = {}
+    for node in linears:
+        problem = analysis.linear_problem(node, calls[node.target])
+        if node.op == "call_module":
+            name, label = node.target, node.target
+        else:
+            name, label = node.name, f"F.linear({_linear_args(node)['weight'].target})"
+        if problem:
+            decisions[node] = LinearReport(name, False, (), "", problem)
+        else:
+            decisions[node] = analysis.chain(node, name, label)
+
+    # The result's module tree: the model's own, with shared copies above swapped Linears.
+    attributes = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
+    chains = [c for c in decisions.values() if isinstance(c, _Chain)]
+    _mirror(model, gm, {c.path for c in chains if c.linear.op == "call_module"})
+    gm._parameters, gm._buffers = model._parameters, model._buffers
+    gm._non_persistent_buffers_set = model._non_persistent_buffers_set
+    gm.training = model.training
+    for target, value in attributes.items():
+        # Unregistered tensors the graph reads (attributes, traced constants) stay plain
+        # attributes; fx made them buffers, which would add state_dict keys.
+        if isinstance(value, torch.Tensor) and "." not in target:
+            if target not in gm._parameters and target not in gm._buffers:
+                gm.__dict__[target] = value
+
+    verify = all(t.device.type != "meta" for t in recorder.values.values())
+    for node, chain in list(decisions.items()):
+        if not isinstance(chain, _Chain):
+            continue
+        if chain.linear.op == "call_module":
+            target = chain.path
+            parent, name = _owner(gm, target)
+            linear = {"linear": parent._modules[name]}
+        else:  # F.linear: a new submodule of the root, reading the tensors from their owners
+            args = _linear_args(chain.linear)
+            parent, target = gm, f"{chain.path}_fused"
+            while hasattr(gm, target):
+                target += "_"
+            name = target
+            linear = {
+                "linear": None,
+                "weight": _owner(gm, args["weight"].target),
+                "bias": None if args["bias"] is None else _owner(gm, args["bias"].target),
+            }
+        fused = FusedLinear(
+            **linear,
+            ops=chain.ops,
+            norm=chain.norm,
+            reduce=chain.reduce,
+            operands=[_owner(gm, t) for t in chain.operands],
+            fallback=_fallback(gm, chain),
+            labels=chain.labels,
+            kernel=kernel,
+            precision=precision,
+        )
+        mismatch = ""
+        if verify:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                mismatch = _verify(fused, recorder.values[chain.input], recorder.values[chain.end])
+        report = LinearReport(
+            chain.path,
+            not mismatch,
+            tuple(chain.labels),
+            chain.stopped,
+            f"the fused chain did not reproduce the model on example_inputs: {mismatch}"
+            if mismatch else "",
+            (True if verify else None) if not mismatch else False,
+            "" if mismatch else target,
+        )  # fmt: skip
+        decisions[node] = report
+        if mismatch:
+            continue
+        parent._modules[name] = fused
+        with graph.inserting_before(node):
+            call = graph.call_module(target, (_input(node),))
+        chain.end.replace_all_uses_with(call)
+        for n in reversed([node, *chain.nodes]):
+            graph.erase_node(n)
+    for n in list(graph.nodes):
+        if n.op == "get_attr" and not n.users:  # operands only the chains read
+            graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return gm, OptimizeReport(type(model).__name__, tuple(decisions.values()))
+
+
+def _fetch(root: nn.Module, target: str):
+    owner, name = _owner(root, target)
+    return getattr(owner, name)
