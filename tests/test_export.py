@@ -1,4 +1,6 @@
 import ast
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -9,12 +11,14 @@ import torch
 from model_files import FIT, UNFIT, load, path_of
 
 from gemmfuse.epilogue import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse.kernel_files import read_csrc
 from gemmfuse.kernelbench import export
 from gemmfuse.kernelbench.export import (
     ExportError,
     standalone_source,
     standalone_source_for_file,
 )
+from gemmfuse.kernelbench.harness import load_custom_model, static_check_errors
 from gemmfuse.kernelbench.registry import PROBLEMS, get_problem
 from gemmfuse.sources import extension_sources
 
@@ -79,10 +83,106 @@ def test_export_builds_the_sources_of_any_structure(number):
 
 
 def test_bundled_modules_define_each_top_level_name_once():
-    seen = {}
-    for module in export.BUNDLED_MODULES + export.OPTIMIZE_MODULES:
-        for name, binding in export._bindings(export._module_body(module)).items():
-            assert seen.setdefault(name, (module.__name__, binding))[1] == binding, name
+    export._check_names(export._bundle(export.BUNDLED_MODULES + export.OPTIMIZE_MODULES))
+
+
+def test_a_name_bound_twice_is_an_export_error():
+    pieces = [("a", "import os\nX = 1\n"), ("b", "import os\ndef X():\n    return 2\n")]
+    with pytest.raises(ExportError, match=r"'X' \(a and b\)"):
+        export._check_names(pieces)
+    export._check_names(pieces[:1] + [("b", "import os\n")])  # one import twice is one binding
+
+
+def test_package_imports_on_several_lines_are_dropped():
+    source = (
+        "import torch\nfrom gemmfuse.epilogue import (\n    Epilogue,\n    Param,\n)\n"
+        "import gemmfuse.sources as sources\n\nX = Epilogue\n"
+    )
+    code, names, modules = export._strip_package_imports(source, "m")
+    assert code == "import torch\n\nX = Epilogue\n"
+    assert names == ["Epilogue", "Param", "sources"]
+    assert modules == {"gemmfuse.epilogue", "gemmfuse.sources"}
+    with pytest.raises(ExportError, match="lines \\[2\\] to the top level"):
+        export._strip_package_imports("def f():\n    from gemmfuse import ops\n", "m")
+
+
+def test_embedded_csrc_is_the_package_csrc_line_for_line():
+    namespace: dict = {}
+    exec(export._embedded_csrc(), namespace)
+    assert namespace["read_csrc"]() == read_csrc()
+    for text in read_csrc().values():  # raw multi-line literals: each CUDA line its own line
+        assert all(line in export._embedded_csrc() for line in text.splitlines()[:50])
+
+
+SHIPPED_EXPORTS = {number: standalone_source(number) for number in sorted(PROBLEMS)}
+
+
+@pytest.mark.parametrize("number", sorted(PROBLEMS))
+def test_export_passes_kernelbench_static_checker(number):
+    assert static_check_errors(SHIPPED_EXPORTS[number]) == []
+
+
+def test_static_checker_replica_flags_what_kernelbench_flags():
+    assert static_check_errors("x = 1\n") == [
+        "Missing __global__ kernel definition",
+    ]
+    kernel = "s = '__global__ void k() {}'\nload_inline\n"
+    assert static_check_errors(kernel) == []
+    assert static_check_errors("s = '// __global__'\nload_inline\n") == [
+        "Missing __global__ kernel definition"
+    ]
+    flagged = {
+        "try:\n    x = 1\n": "try-except",
+        "y = 'the forward pass'\n": "'pass' statement",
+        "import threading\n": "threading",
+        "time.perf_counter = f\n": "timing function",
+        "class T(torch.Tensor):\n    x = 1\n": "tensor subclass",
+    }
+    for code, what in flagged.items():
+        errors = static_check_errors(kernel + code)
+        assert len(errors) == 1 and what.split()[0].lower() in errors[0].lower(), (code, errors)
+    assert static_check_errors(kernel + "x = 1  # try: pass\n") == []  # comments are cut
+
+
+def shipped_ref_and_input(number):
+    problem = get_problem(number)
+    torch.manual_seed(5)
+    ref = problem.load().Model(*problem.small_init)
+    return problem, ref, torch.rand(7, problem.small_init[0])
+
+
+@pytest.mark.parametrize("number", sorted(PROBLEMS))
+def test_export_loads_as_kernelbench_loads_it(number, tmp_path, monkeypatch):
+    """KernelBench's load_custom_model: the build-directory prefix, compile, then exec."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)  # restored after the test
+    problem, ref, x = shipped_ref_and_input(number)
+    model_new = load_custom_model(SHIPPED_EXPORTS[number], str(tmp_path / "build"))
+    torch.manual_seed(5)
+    new = model_new(*problem.small_init)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "build")
+    assert new.__module__ != "gemmfuse.kernelbench.models"
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("number", sorted(PROBLEMS))
+def test_export_loads_as_an_unregistered_module(number, tmp_path):
+    """KernelBench's other loader: a temp file run by importlib, not put in sys.modules; and
+    exec under any __name__ (dataclasses look annotations' modules up in sys.modules)."""
+    problem, ref, x = shipped_ref_and_input(number)
+    path = tmp_path / "solution.py"
+    path.write_text(SHIPPED_EXPORTS[number])
+    spec = importlib.util.spec_from_file_location("temp_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert "temp_module" not in sys.modules
+    namespace = {"__name__": "anything"}
+    exec(SHIPPED_EXPORTS[number], namespace)
+    for model_new in (module.ModelNew, namespace["ModelNew"]):
+        torch.manual_seed(5)
+        new = model_new(*problem.small_init)
+        with torch.no_grad():
+            torch.testing.assert_close(new(x), ref(x), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +195,8 @@ def exported():
 def test_problem_file_export_is_self_contained(name, exported):
     source, report = exported[name]
     check_self_contained(source)
-    assert path_of(name).read_text().strip() in source  # the problem verbatim
+    assert export._problem_code(path_of(name).read_text()).strip() in source
+    assert static_check_errors(source) == []
     assert report.fused and all(r.verified is None for r in report.fused)  # meta: unchecked
 
 
@@ -176,7 +277,7 @@ INPUTS = (
             PREAMBLE + "TILE = 3\n\n\nclass Model(nn.Module):\n    def __init__(self):\n"
             "        super().__init__()\n        self.fc = nn.Linear(8, 8)\n\n"
             "    def forward(self, x):\n        return self.fc(x)\n\n\n" + INPUTS,
-            "top-level names ['TILE'] clash with the bundled gemmfuse code",
+            "top-level names bound twice in the export's one namespace: 'TILE' (gemmfuse.ops and",
         ),
     ],
 )
@@ -185,12 +286,26 @@ def test_unusable_files_raise_export_errors(tmp_path, text, message):
         standalone_source_for_file(write(tmp_path, text))
 
 
-def test_problem_future_import_is_dropped(tmp_path):
+def test_problem_future_import_is_dropped(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)  # restored after the test
     text = (path_of("activations_no_norm")).read_text()
     source, _ = standalone_source_for_file(
         write(tmp_path, "from __future__ import annotations\n" + text)
     )
-    assert source.count("from __future__ import annotations") == 1
+    assert "from __future__" not in source
+    exec(source, {})
+    exec(f"import os\nos.environ['TORCH_EXTENSIONS_DIR'] = '{tmp_path}'\n{source}", {})
+
+
+def test_problem_docstrings_are_dropped_keeping_the_code(tmp_path):
+    text = (path_of("activations_no_norm")).read_text()
+    documented = text.replace(
+        "class Model(nn.Module):\n",
+        'class Model(nn.Module):\n    """A model whose forward pass: try: it."""\n',
+        1,
+    )
+    source, _ = standalone_source_for_file(write(tmp_path, documented))
+    assert "A model whose" not in source and "try: it" not in source
     exec(source, {})
 
 

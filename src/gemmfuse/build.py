@@ -1,23 +1,31 @@
 """Compiling CUDA sources into a Python extension: arch flags, on-disk cache, readable errors.
 
-``load_extension`` compiles through ``torch.utils.cpp_extension.load_inline`` for the current
-GPU's own architecture (sm_90a on an H100) into a cache directory (``$GEMMFUSE_CACHE_DIR``, else
-``~/.cache/gemmfuse``). The extension's name carries a hash of its sources, flags and the
-torch/CUDA versions, so a library found on disk under that name is always current and is
-imported directly: a second process is ready without running the compiler or ninja.
+``load_extension`` compiles with ``torch.utils.cpp_extension.load_inline`` for the current GPU's
+own architecture (sm_90a on an H100) into ``cache_dir()``. The extension's name carries a hash of
+its sources, flags and the torch/CUDA versions, so a library found on disk under that name is
+always current and is imported directly: a second process is ready without running the compiler
+or ninja.
+
+Builds are serialised by an exclusive ``fcntl.flock`` on ``<name>.lock`` next to the build
+directory, held while looking for the library and while building it: processes (DDP ranks,
+KernelBench eval workers) and threads build each kernel once, and none imports a library that
+another is still writing. ``load_inline`` runs in a child Python process, so a failed build is an
+exit status read here, and :class:`BuildError` carries the compiler's error lines.
 
 This module imports only torch and the standard library: ``gemmfuse export`` inlines it into
 standalone files.
 """
 
-from __future__ import annotations
-
+import fcntl
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import re
-import threading
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -25,13 +33,20 @@ import torch
 
 EXTENSION_FUNCTIONS = [
     "split_rows",
+    "split_cols",
+    "gemm_split",
     "fused_forward",
     "fused_forward_bf16",
     "epilogue_forward",
     "gemv_forward",
 ]
 _LOADED: dict[tuple, ModuleType] = {}
-_LOCK = threading.Lock()
+# The child process's program: load_inline's keyword arguments arrive as JSON on stdin.
+_BUILD_PROGRAM = (
+    "import json, sys\n"
+    "from torch.utils.cpp_extension import load_inline\n"
+    "load_inline(**json.load(sys.stdin))\n"
+)
 
 
 class BuildError(RuntimeError):
@@ -39,7 +54,12 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("GEMMFUSE_CACHE_DIR")
+    """Where compiled extensions are kept, one directory each.
+
+    ``$GEMMFUSE_CACHE_DIR`` if set; else ``$TORCH_EXTENSIONS_DIR`` if set (KernelBench's build
+    directory: its harness sets it before it runs a submission); else ``~/.cache/gemmfuse``.
+    """
+    root = os.environ.get("GEMMFUSE_CACHE_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR")
     return Path(root) if root else Path.home() / ".cache" / "gemmfuse"
 
 
@@ -62,58 +82,77 @@ def _compiler_errors(log: str, limit: int = 40) -> str:
 
 
 def load_extension(
-    prefix: str, cpp_source: str, cuda_source: str, device: torch.device | int | None = None
+    prefix: str,
+    cpp_source: str,
+    cuda_source: str,
+    device: torch.device | int | None = None,
+    label: object = None,
 ) -> ModuleType:
     """Builds (or finds in the cache) the extension for these sources and imports it.
 
     Called on every forward: a loaded extension is found by a dict lookup (the source strings
-    keep their hashes), so the sources are hashed with sha256 only once per process.
+    keep their hashes), so the sources are hashed with sha256 only once per process. ``label``
+    (the chain structure, say) names what is built in the build's progress lines.
     """
     cuda_flags = ("-O3", "-std=c++17", "-lineinfo", *arch_flags(device))
     key = (prefix, cpp_source, cuda_source, cuda_flags)
     module = _LOADED.get(key)
-    if module is not None:
-        return module
-    digest = hashlib.sha256(
-        "\0".join(
-            [cpp_source, cuda_source, *cuda_flags, torch.__version__, str(torch.version.cuda)]
-        ).encode()
-    ).hexdigest()[:16]
-    name = f"{prefix}_{digest}"
-    with _LOCK:
+    if module is None:
+        digest = hashlib.sha256(
+            "\0".join(
+                [cpp_source, cuda_source, *cuda_flags, torch.__version__, str(torch.version.cuda)]
+            ).encode()
+        ).hexdigest()[:16]
+        module = _find_or_build(key, f"{prefix}_{digest}", label)
+    return module
+
+
+def _find_or_build(key: tuple, name: str, label: object) -> ModuleType:
+    """Under the build lock: the module this process loaded meanwhile, else the cached library
+    (built first if absent) imported."""
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "a") as lock:  # closing the file releases the lock
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if key not in _LOADED:
-            build_dir = cache_dir() / name
-            library = build_dir / f"{name}.so"
-            if library.exists():
-                spec = importlib.util.spec_from_file_location(name, library)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-            else:
-                module = _compile(name, build_dir, cpp_source, cuda_source, list(cuda_flags))
+            library = root / name / f"{name}.so"
+            if not library.exists():
+                _, cpp_source, cuda_source, cuda_flags = key
+                _build(name, root / name, cpp_source, cuda_source, cuda_flags, label)
+            spec = importlib.util.spec_from_file_location(name, library)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
             _LOADED[key] = module
         return _LOADED[key]
 
 
-def _compile(name, build_dir, cpp_source, cuda_source, cuda_flags) -> ModuleType:
-    from torch.utils.cpp_extension import load_inline
-
+def _build(name, build_dir, cpp_source, cuda_source, cuda_flags, label) -> None:
+    """Runs load_inline in a child process; raises BuildError with the compiler's errors."""
+    what = name if label is None else f"{name} for {label}"
+    print(f"gemmfuse: building CUDA extension {what}: not in cache {build_dir}", file=sys.stderr)
+    start = time.perf_counter()
     build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return load_inline(
-            name=name,
-            cpp_sources=[cpp_source],
-            cuda_sources=[cuda_source],
-            functions=EXTENSION_FUNCTIONS,
-            extra_cflags=["-O3", "-std=c++17"],
-            extra_cuda_cflags=cuda_flags,
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    except Exception as exc:  # load_inline raises RuntimeError or CalledProcessError
-        log = str(exc)
-        if hasattr(exc, "output") and exc.output:
-            log += "\n" + exc.output.decode(errors="replace")
+    arguments = {
+        "name": name,
+        "cpp_sources": [cpp_source],
+        "cuda_sources": [cuda_source],
+        "functions": EXTENSION_FUNCTIONS,
+        "extra_cflags": ["-O3", "-std=c++17"],
+        "extra_cuda_cflags": list(cuda_flags),
+        "build_directory": str(build_dir),
+    }
+    child = subprocess.run(
+        [sys.executable, "-c", _BUILD_PROGRAM],
+        input=json.dumps(arguments),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        check=False,
+    )
+    if child.returncode != 0:
         raise BuildError(
-            f"gemmfuse: compiling CUDA extension {name} in {build_dir} failed:\n"
-            f"{_compiler_errors(log)}"
-        ) from exc
+            f"gemmfuse: compiling CUDA extension {what} in {build_dir} failed "
+            f"(exit status {child.returncode}):\n{_compiler_errors(child.stdout + child.stderr)}"
+        )
+    seconds = time.perf_counter() - start
+    print(f"gemmfuse: built {name} in {seconds:.1f} s, cached in {build_dir}", file=sys.stderr)
