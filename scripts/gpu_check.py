@@ -80,11 +80,12 @@ def every_structure() -> list[str]:
     sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
     from model_files import FIT, build
 
-    from gemmfuse import FusedLinear, optimize
+    from gemmfuse import Epilogue, FusedLinear, optimize
     from gemmfuse.chains import chain_pool
     from gemmfuse.kernelbench.registry import PROBLEMS
 
-    structures = [s.structure for p in PROBLEMS.values() for s in p.structures]
+    structures = [Epilogue()]  # the plain GEMM: the backward's products
+    structures += [s.structure for p in PROBLEMS.values() for s in p.structures]
     structures += [c.structure for c in chain_pool()]
     for name in FIT:
         _, model, inputs = build(name)

@@ -449,12 +449,18 @@ def format_chains(rows: list[dict]) -> str:
 
 def main(
     numbers: list[int], json_path: str | None, seeds: int, iters: int, compile_: bool,
-    modes: bool = True, sweep: bool = False, chains: bool = False,
+    modes: bool = True, sweep: bool = False, chains: bool = False, harness_trials: int = 100,
 ) -> int:  # fmt: skip
     if not torch.cuda.is_available():
         print("no CUDA GPU: checking the reference path on small shapes only; no timing")
         return 0 if check_reference_path(numbers) else 1
+    from gemmfuse import bench_harness
+
     results = [run_problem(n, seeds, iters, compile_) for n in numbers]
+    harness_rows = [
+        row for n in numbers if harness_trials for row in
+        bench_harness.run_problem(n, harness_trials, compile_)
+    ]  # fmt: skip
     mode_results = [m for n in numbers for m in run_speed_modes(n, iters)] if modes else []
     sweep_rows = run_sweep(iters) if sweep else []
     chain_rows = run_chains(iters) if chains else []
@@ -467,6 +473,9 @@ def main(
     }
     print(" | ".join(f"{k}: {v}" for k, v in meta.items()))
     print(format_table(results))
+    if harness_rows:
+        print(f"KernelBench's method: mean and median of {harness_trials} calls, L2 cleared")
+        print(bench_harness.format_rows(harness_rows))
     if mode_results:
         print(format_modes(mode_results))
     if sweep_rows:
@@ -478,6 +487,7 @@ def main(
             json.dump(
                 {**meta, "results": [asdict(r) for r in results],
                  "modes": [asdict(m) for m in mode_results], "sweep": sweep_rows,
+                 "harness": harness_rows, "harness_trials": harness_trials,
                  "chains": chain_rows},
                 f, indent=2,
             )  # fmt: skip

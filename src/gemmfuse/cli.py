@@ -36,6 +36,14 @@ def parser() -> argparse.ArgumentParser:
         "--no-modes", action="store_true", help='skip the precision="tf32" and bf16 rows'
     )
     bench.add_argument(
+        "--trials", type=int, default=100,
+        help="timed calls per row of the KernelBench-method table (default 100)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--no-harness", action="store_true",
+        help="skip the KernelBench-method (autograd on) and training-step table",
+    )  # fmt: skip
+    bench.add_argument(
         "--sweep", action="store_true", help="also time #62's chain over a grid of shapes"
     )
     bench.add_argument(
@@ -87,4 +95,5 @@ def main(argv: list[str] | None = None) -> int:
     return bench_main(
         args.problems, args.json, args.seeds, args.iters, not args.no_compile,
         modes=not args.no_modes, sweep=args.sweep, chains=args.chains,
+        harness_trials=0 if args.no_harness else args.trials,
     )  # fmt: skip

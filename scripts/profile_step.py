@@ -1,0 +1,52 @@
+"""Where a training step's time goes: torch.profiler's CUDA kernel table for one problem.
+
+Usage: python scripts/profile_step.py [62|75] [--bf16] [--forward]. Times 20 steps after 5
+warm-ups (L2 not flushed: this is for reading the breakdown, not for reporting speed) and
+prints the CUDA kernels by total time, per step.
+"""
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gemmfuse.bench import build_pair
+from gemmfuse.kernelbench.registry import get_problem
+
+
+def main() -> None:
+    number = int(next((a for a in sys.argv[1:] if a.isdigit()), 62))
+    dtype = torch.bfloat16 if "--bf16" in sys.argv else torch.float32
+    problem = get_problem(number)
+    module = problem.load()
+    _, new = build_pair(problem, module.get_init_inputs())
+    new = new.to("cuda", dtype)
+    torch.manual_seed(0)
+    x = module.get_inputs()[0].to("cuda", dtype).requires_grad_()
+    grad = torch.randn_like(new(x))
+
+    def step():
+        for p in new.parameters():
+            p.grad = None
+        x.grad = None
+        out = new(x)
+        if "--forward" not in sys.argv:
+            out.backward(grad)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    steps = 20
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    print(f"#{number} {dtype} path {new.last_path}: per step over {steps} steps")
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+    )
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The benchmark in KernelBench's method, and a training step.
+
+Per shipped problem, every time through ``kernelbench.harness.time_cuda_events`` (KernelBench's
+``time_execution_with_cuda_event``: 3 warm-ups, the L2 cleared before each call, CUDA events,
+the first trial discarded; mean and median of ``trials``):
+
+- forward: the models as constructed (parameters requiring grad, no ``no_grad``: autograd
+  records, as in KernelBench's timing loop) for eager fp32, torch.compile and gemmfuse, and
+  gemmfuse under ``no_grad`` (what recording the backward costs);
+- training step: zero the gradients, forward, ``backward`` of a fixed random output gradient
+  (gradients of every parameter and of x) for eager fp32, torch.compile and gemmfuse; gemmfuse
+  again with its weight splits dropped before each step (what an optimizer step that changes
+  the weights costs it); and eager bf16 against gemmfuse bf16.
+"""
+
+import torch
+
+from gemmfuse.bench import _markdown, build_pair, set_seed
+from gemmfuse.kernelbench.harness import time_cuda_events
+from gemmfuse.kernelbench.registry import get_problem
+
+
+def _training_step(model, x, grad):
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        model(x).backward(grad)
+
+    return step
+
+
+def _drop_weight_splits(model):
+    caches = [m.weight_split for m in model.modules() if hasattr(m, "weight_split")]
+
+    def drop():
+        for cache in caches:
+            cache.clear()
+
+    return drop
+
+
+def _no_grad(model):
+    def call(x):
+        with torch.no_grad():
+            return model(x)
+
+    return call
+
+
+def run_problem(number: int, trials: int, compile_: bool) -> list[dict]:
+    """One row per (what is timed, implementation): {"problem", "what", "impl", "mean",
+    "median", "path"}."""
+    problem = get_problem(number)
+    module = problem.load()
+    device = torch.device("cuda")
+    ref, new = build_pair(problem, module.get_init_inputs())
+    ref, new = ref.to(device), new.to(device)
+    set_seed(0)
+    x = module.get_inputs()[0].to(device)
+    compiled = torch.compile(ref) if compile_ else None
+    rows = []
+
+    def add(what, impl, fn, *args, path="-"):
+        stats = time_cuda_events(fn, args, trials=trials)
+        rows.append({"problem": number, "what": what, "impl": impl, "path": path, **stats})
+
+    add("forward", "eager", ref, x)
+    if compiled is not None:
+        add("forward", "torch.compile", compiled, x)
+    add("forward", "gemmfuse", new, x)
+    rows[-1]["path"] = new.last_path
+    add("forward", "gemmfuse, no_grad", _no_grad(new), x)
+
+    with torch.no_grad():
+        grad = torch.randn_like(ref(x))
+    xg = x.detach().requires_grad_()
+    add("training step", "eager", _training_step(ref, xg, grad))
+    if compiled is not None:
+        add("training step", "torch.compile", _training_step(compiled, xg, grad))
+    add("training step", "gemmfuse", _training_step(new, xg, grad))
+    rows[-1]["path"] = new.last_path
+    drop, step = _drop_weight_splits(new), _training_step(new, xg, grad)
+
+    def changed():
+        drop()
+        step()
+
+    add("training step", "gemmfuse, weights changed", changed)
+
+    ref16, new16 = ref.to(dtype=torch.bfloat16), new.to(dtype=torch.bfloat16)
+    x16 = x.to(torch.bfloat16).requires_grad_()
+    grad16 = grad.to(torch.bfloat16)
+    add("bf16 training step", "eager bf16", _training_step(ref16, x16, grad16))
+    add("bf16 training step", "gemmfuse bf16", _training_step(new16, x16, grad16))
+    rows[-1]["path"] = new16.last_path
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A markdown table; "vs eager" against the eager row of the same problem and kind."""
+    eager = {(r["problem"], r["what"]): r for r in rows if r["impl"].startswith("eager")}
+    body = []
+    for r in rows:
+        base = eager[(r["problem"], r["what"])]
+        body.append(
+            [
+                f"#{r['problem']}", r["what"], r["impl"], r["path"], f"{r['mean']:.3f}",
+                f"{r['median']:.3f}", f"{base['mean'] / r['mean']:.2f}x",
+                f"{base['median'] / r['median']:.2f}x",
+            ]
+        )  # fmt: skip
+    header = ["problem", "timed", "implementation", "path", "mean ms", "median ms",
+              "vs eager (mean)", "vs eager (median)"]  # fmt: skip
+    return _markdown(header, body)
