@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from gemmfuse.chains import chain_pool, linear_data
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.kernelbench.export import standalone_source
-from gemmfuse.kernelbench.harness import load_custom_model
+from gemmfuse.kernelbench.harness import load_custom_model, static_check_errors, time_cuda_events
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import fused_linear_with_path, fused_pays
@@ -309,13 +309,16 @@ def test_bf16_gradients_round_like_eager():
 
 @pytest.mark.parametrize("number", [62, 75])
 def test_kernelbench_loader_with_autograd_on_takes_the_fused_path(number, tmp_path, monkeypatch):
-    """The export, loaded as KernelBench's eval loads it (build-directory prefix, compile,
-    exec), correct under no_grad and on the fused path when called as its timing calls it:
-    as constructed, parameters requiring grad, autograd on."""
+    """scripts/run_and_check.py's flow on the export: the static check, the load as
+    KernelBench's eval loads it (build-directory prefix, compile, exec), correct under no_grad,
+    and on the fused path when called as its timing calls it: as constructed, parameters
+    requiring grad, autograd on."""
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)  # restored after the test
     problem = get_problem(number)
     module = problem.load()
-    model_new = load_custom_model(standalone_source(number), str(tmp_path / "build"))
+    source = standalone_source(number)
+    assert static_check_errors(source) == []  # run_and_check.py's first step
+    model_new = load_custom_model(source, str(tmp_path / "build"))
     init = module.get_init_inputs()
     torch.manual_seed(42)
     ref = module.Model(*init).to(CUDA)
@@ -330,3 +333,5 @@ def test_kernelbench_loader_with_autograd_on_takes_the_fused_path(number, tmp_pa
     out = new(x)
     assert new.last_path == "fused" and out.requires_grad
     torch.testing.assert_close(out.detach(), expect, atol=1e-4, rtol=1e-4)
+    timing = time_cuda_events(new, (x,), trials=10)  # its timing step, as KernelBench calls it
+    assert new.last_path == "fused" and 0 < timing["mean"] < float("inf")
