@@ -336,11 +336,17 @@ def _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue: Epilogu
 
 
 def _backward_call(path, x, weight, epilogue, launch, cache, kernel, precision) -> FusedCall:
-    """The autograd plan: each backward product runs on the split kernel where the forward's
-    rules would send a problem of its shape to the fused kernel (float32 models), else as
-    PyTorch multiplies (eager's own result, and a bf16 model's single product)."""
+    """The autograd plan: each backward product runs on the Hopper split kernel where the
+    forward's rules would send a problem of its shape to the fused kernel (float32 models),
+    else as PyTorch multiplies (eager's own result, and a bf16 model's single product)."""
     (m, k), n = x.shape, weight.shape[0]
-    split_ok = path == "fused" and x.dtype == torch.float32
+    # The portable kernel's products are not used: on one drawn chain (rdiv after a GroupNorm,
+    # M = K = 1024, N = 600) its dx came out at 4.1e-3 relative error where eager's was 4.6e-7
+    # (tests/gpu/test_autograd.py, commit 7eab5c0); not yet understood, so PyTorch multiplies.
+    split_ok = (
+        path == "fused" and x.dtype == torch.float32 and kernel != "portable"
+        and _capability(x.device.index) == (9, 0)
+    )  # fmt: skip
 
     def pays(rows, cols, depth):
         return split_ok and (kernel != "auto" or fused_pays(rows, cols, depth))
