@@ -141,12 +141,17 @@ def git_commit() -> str:
         return "unknown"
 
 
-def run_problem(number: int, seeds: int, iters: int, compile_: bool) -> Result:
+def cuda_pair(number: int):
+    """(problem, its module, eager Model, gemmfuse ModelNew): seeded alike, on the GPU."""
     problem = get_problem(number)
     module = problem.load()
-    device = torch.device("cuda")
     ref, new = build_pair(problem, module.get_init_inputs())
-    ref, new = ref.to(device), new.to(device)
+    return problem, module, ref.cuda(), new.cuda()
+
+
+def run_problem(number: int, seeds: int, iters: int, compile_: bool) -> Result:
+    problem, module, ref, new = cuda_pair(number)
+    device = torch.device("cuda")
     result = check(problem, ref, new, module.get_inputs, seeds, device)
     set_seed(0)
     x = [t.to(device) for t in module.get_inputs()]
@@ -215,11 +220,8 @@ def with_three_tf32(model: torch.nn.Module) -> torch.nn.Module:
 def run_speed_modes(number: int, iters: int) -> list[ModeResult]:
     """The opt-in modes, precision="tf32" and the model in bfloat16 (KernelBench's bf16 mode),
     and the unfused 3xTF32 peer (same fp32 data, eager's epilogue)."""
-    problem = get_problem(number)
-    module = problem.load()
+    problem, module, ref, new = cuda_pair(number)
     device = torch.device("cuda")
-    ref, new = build_pair(problem, module.get_init_inputs())
-    ref, new = ref.to(device), new.to(device)
     set_seed(7)
     x = [t.to(device) for t in module.get_inputs()]
     out = []

@@ -15,9 +15,8 @@ the first trial discarded; mean and median of ``trials``):
 
 import torch
 
-from gemmfuse.bench import _markdown, build_pair, set_seed
+from gemmfuse.bench import _markdown, cuda_pair, set_seed
 from gemmfuse.kernelbench.harness import time_cuda_events
-from gemmfuse.kernelbench.registry import get_problem
 
 
 def _training_step(model, x, grad):
@@ -51,11 +50,8 @@ def _no_grad(model):
 def run_problem(number: int, trials: int, compile_: bool) -> list[dict]:
     """One row per (what is timed, implementation): {"problem", "what", "impl", "mean",
     "median", "path"}."""
-    problem = get_problem(number)
-    module = problem.load()
+    _, module, ref, new = cuda_pair(number)
     device = torch.device("cuda")
-    ref, new = build_pair(problem, module.get_init_inputs())
-    ref, new = ref.to(device), new.to(device)
     set_seed(0)
     x = module.get_inputs()[0].to(device)
     compiled = torch.compile(ref) if compile_ else None

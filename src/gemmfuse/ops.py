@@ -123,20 +123,18 @@ class SplitWeightCache:
 
     def get(self, ext, weight: torch.Tensor, k_padded: int):
         """The weight's rows split: (hi, lo) [N, k_padded] and scales [N] (the forward's B)."""
-        w = weight.detach()
-        return self._lookup(
-            weight,
-            ("rows", k_padded),
-            lambda: ext.split_rows(w if w.stride(1) == 1 else w.contiguous(), k_padded),
-        )
+        return self._split(weight, ("rows", k_padded), ext.split_rows)
 
     def transposed(self, ext, weight: torch.Tensor, n_padded: int):
         """The weight's columns split: (hi, lo) [K, n_padded] and scales [K] (dx's B)."""
+        return self._split(weight, ("cols", n_padded), ext.split_cols)
+
+    def _split(self, weight: torch.Tensor, slot: tuple[str, int], split):
+        """``split(weight, padded)`` (an extension's split_rows or split_cols), on a unit-stride
+        copy where the rows are strided, made once per version of the weight."""
         w = weight.detach()
         return self._lookup(
-            weight,
-            ("cols", n_padded),
-            lambda: ext.split_cols(w if w.stride(1) == 1 else w.contiguous(), n_padded),
+            weight, slot, lambda: split(w if w.stride(1) == 1 else w.contiguous(), slot[1])
         )
 
 
@@ -352,9 +350,14 @@ def _backward_call(path, x, weight, epilogue, launch, cache, kernel, precision) 
         return split_ok and (kernel != "auto" or fused_pays(rows, cols, depth))
 
     return FusedCall(
-        epilogue, launch, cache, split_dx=pays(m, k, n), split_dw=pays(n, k, m),
-        kernel=FUSED_KERNELS[kernel], split=PRECISIONS[precision],
-    )  # fmt: skip
+        epilogue,
+        launch,
+        cache,
+        split_dx=pays(m, k, n),
+        split_dw=pays(n, k, m),
+        kernel=FUSED_KERNELS.get(kernel, 0),
+        split=PRECISIONS[precision],
+    )  # fmt: skip  (kernel="epilogue" splits nothing: its code is never read)
 
 
 def fused_linear(
