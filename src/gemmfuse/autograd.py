@@ -4,18 +4,21 @@ The forward runs the fused kernel as without autograd and also stores the GEMM r
 ``z = x @ W.T + b`` (one extra write of (M, N) from the kernel's epilogue), which is all the
 backward needs besides the inputs:
 
-1. The chain's backward, ``dz``: the chain from ``z`` up to its tail ops is evaluated again in
-   PyTorch (``gemmfuse.reference``) and differentiated by autograd, so every op, the GroupNorm
-   and the reduction get PyTorch's gradient formulas (min/max as ``torch.amin`` / ``amax``
-   route them; a float32 GroupNorm's formula is written out, for speed), with the GroupNorm's
-   affine vectors and the chain's tensor arguments.
+1. The chain's backward, ``dz``, with the gradients of the GroupNorm's affine vectors and the
+   chain's tensor arguments: on CUDA one kernel (``chain_backward`` of the chain's extension,
+   csrc/chain_backward.cuh) that recomputes the chain from ``z`` row by row and takes the
+   gradient back through it with PyTorch's formulas (epilogue.py's ``grad`` of each op; min/max
+   routed as ``torch.amin`` / ``amax`` route them), summing the per-channel gradients over the
+   rows as it goes. Elsewhere (CPU, float64, rows too wide for a block's shared memory) the chain
+   is evaluated again in PyTorch (``gemmfuse.reference``) and differentiated by autograd (a
+   float32 GroupNorm's formula written out, for speed).
 2. The products ``dx = dz @ W`` and ``dW = dz.T @ x`` on the tensor cores with the forward's
    split-fp16 scheme (``gemm_split`` of the plain GEMM's extension, on operands split by rows or,
    for operands read down their columns, by ``split_cols``), where the forward's thresholds say
    the fused kernel pays; else PyTorch's own products (eager's result). ``W``'s transposed split
    is cached beside its forward split. bfloat16 models take PyTorch's bf16 products (one
    product each, rounded as eager bf16 rounds).
-3. ``db = dz.sum(0)``.
+3. ``db = dz.sum(0)`` (the kernel's column sum).
 
 Tail ops (after a reduction) run in PyTorch outside this function, with autograd's own backward.
 
@@ -24,12 +27,14 @@ modules): ``gemmfuse export`` inlines it into standalone files.
 """
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from gemmfuse.epilogue import Epilogue
+from gemmfuse.epilogue import Epilogue, column_sum_slots
 from gemmfuse.reference import apply_epilogue, apply_pointwise
 from gemmfuse.sources import extension_for
 
@@ -79,17 +84,69 @@ class FusedLinearFunction(torch.autograd.Function):
         x, weight, z, gn_weight, gn_bias, *params = ctx.saved_tensors
         call = ctx.call
         needs_x, needs_w, needs_b, *needs_chain = ctx.needs_input_grad[1:]
-        dz, chain_grads = chain_backward(
-            call.chain, z, grad, (gn_weight, gn_bias, *params), needs_chain
-        )
+        tensors = (gn_weight, gn_bias, *params)
+        if _kernel_backward_fits(call.chain, z, grad):
+            dz, chain_grads, db = _kernel_chain_backward(call.chain, z, grad, tensors, needs_chain)
+        else:
+            dz, chain_grads = chain_backward(call.chain, z, grad, tensors, needs_chain)
+            db = dz.sum(0) if needs_b else None
         dx = grad_input(dz, weight, call) if needs_x else None
         dw = grad_weight(dz, x, call) if needs_w else None
-        db = dz.sum(0) if needs_b else None
-        return (None, dx, dw, db, *chain_grads)
+        return (None, dx, dw, db.to(z.dtype) if needs_b else None, *chain_grads)
+
+
+def _group_size(chain: Epilogue, n: int) -> int:
+    return n // chain.norm.num_groups if chain.norm is not None else 1
+
+
+def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether the chain backward kernel takes this call: CUDA float32 or bfloat16, a row's
+    working set within a block's shared memory."""
+    if not z.is_cuda or z.dtype not in (torch.float32, torch.bfloat16) or grad.dtype != z.dtype:
+        return False
+    return _kernel_fits(chain.structure, z.shape[1], _group_size(chain, z.shape[1]), z.device)
+
+
+@functools.cache
+def _kernel_fits(structure: Epilogue, n: int, group_size: int, device: torch.device) -> bool:
+    with torch.cuda.device(device):
+        return extension_for(structure).chain_backward_fits(n, group_size)
+
+
+def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to(torch.float32).contiguous()
+
+
+def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs):
+    """chain_backward on the GPU in one kernel: (dz, the gradients of ``tensors``, db)."""
+    gn_weight, gn_bias, *params = tensors
+    n = z.shape[1]
+    vectors = [_float32(params[i].reshape(-1).expand(n)) for i in chain.channel_params]
+    dz, sums = extension_for(chain).chain_backward(
+        z, grad, _float32(gn_weight), _float32(gn_bias), vectors, chain.scalars,
+        _group_size(chain, n), chain.norm.eps if chain.norm is not None else 0.0,
+    )  # fmt: skip
+    _, first = column_sum_slots(chain)
+    grads = [sums[1], sums[2]] if gn_weight is not None else [None, None]
+    grads += [None] * len(params)
+    for slot, i in enumerate(chain.channel_params, start=first):
+        shape = params[i].shape
+        g = sums[slot].sum() if math.prod(shape) == 1 else sums[slot]
+        grads[2 + i] = g.reshape(shape) if grads[2 + i] is None else grads[2 + i] + g.reshape(shape)
+    return (
+        dz,
+        [
+            None if g is None or not need else g.to(t.dtype)
+            for g, t, need in zip(grads, tensors, needs, strict=True)
+        ],
+        sums[0],
+    )
 
 
 def chain_backward(chain: Epilogue, z, grad, tensors, needs) -> tuple[torch.Tensor, list]:
-    """(dz, the gradients of ``tensors``: gn_weight, gn_bias, *params; None where not needed).
+    """(dz, the gradients of ``tensors``: gn_weight, gn_bias, *params; None where not needed),
+    in PyTorch: the path where the chain backward kernel cannot run, and the kernel's test
+    oracle.
 
     The chain is evaluated again from ``z`` under autograd and differentiated: PyTorch's own
     backward formulas for every op of the grammar. A float32 (or float64) chain's GroupNorm is

@@ -39,6 +39,8 @@ EXTENSION_FUNCTIONS = [
     "fused_forward_bf16",
     "epilogue_forward",
     "gemv_forward",
+    "chain_backward",
+    "chain_backward_fits",
 ]
 _LOADED: dict[tuple, ModuleType] = {}
 # The child process's program: load_inline's keyword arguments arrive as JSON on stdin.

@@ -22,6 +22,7 @@ This module imports only torch and the standard library: ``gemmfuse export`` inl
 standalone files.
 """
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -64,6 +65,13 @@ class PointwiseDef:
     when given, replaces ``cuda`` for a float argument where PyTorch computes differently
     (``x / s`` multiplies by the float reciprocal of ``s``). ``tensor_arg`` says whether the
     argument may be a :class:`Param` (the binary arithmetic ops).
+
+    ``grad`` is the CUDA expression of the gradient with respect to the input, PyTorch's formula
+    (``tools/autograd/derivatives.yaml`` and its CUDA backward kernels): ``{g}`` the incoming
+    gradient, ``{x}`` the op's input, ``{y}`` its output, ``{a0}``... its arguments;
+    ``grad_scalar`` replaces it for a float argument where PyTorch differentiates another
+    formula (``float / x`` is ``x.reciprocal() * float``). ``grad_arg`` is the gradient with
+    respect to a tensor argument, per element (csrc/chain_backward.cuh sums it over the rows).
     """
 
     n_args: int
@@ -71,60 +79,120 @@ class PointwiseDef:
     torch: Callable[..., torch.Tensor]
     tensor_arg: bool = False
     cuda_scalar: str | None = None
+    grad: str = ""
+    grad_arg: str = ""
+    grad_scalar: str | None = None
 
 
 POINTWISE: dict[str, PointwiseDef] = {
     # binary arithmetic with a float or a tensor operand
-    "add": PointwiseDef(1, "({v} + {a0})", lambda v, a: v + a, True),
-    "sub": PointwiseDef(1, "({v} - {a0})", lambda v, a: v - a, True),
-    "rsub": PointwiseDef(1, "({a0} - {v})", lambda v, a: a - v, True),
-    "mul": PointwiseDef(1, "({v} * {a0})", lambda v, a: v * a, True),
-    "div": PointwiseDef(
-        1, "({v} / {a0})", lambda v, a: v / a, True, cuda_scalar="({v} * (1.f / {a0}))"
+    "add": PointwiseDef(1, "({v} + {a0})", lambda v, a: v + a, True, grad="{g}", grad_arg="{g}"),
+    "sub": PointwiseDef(1, "({v} - {a0})", lambda v, a: v - a, True, grad="{g}", grad_arg="(-{g})"),
+    "rsub": PointwiseDef(
+        1, "({a0} - {v})", lambda v, a: a - v, True, grad="(-{g})", grad_arg="{g}"
     ),
+    "mul": PointwiseDef(
+        1, "({v} * {a0})", lambda v, a: v * a, True, grad="({g} * {a0})", grad_arg="({g} * {x})"
+    ),
+    "div": PointwiseDef(
+        1,
+        "({v} / {a0})",
+        lambda v, a: v / a,
+        True,
+        cuda_scalar="({v} * (1.f / {a0}))",
+        grad="({g} / {a0})",
+        grad_arg="(-{g} * {x} / ({a0} * {a0}))",
+    ),  # fmt: skip
     # PyTorch computes float / tensor as tensor.reciprocal() * float
     "rdiv": PointwiseDef(
-        1, "({a0} / {v})", lambda v, a: a / v, True, cuda_scalar="((1.f / {v}) * {a0})"
-    ),
-    "add_self": PointwiseDef(0, "({v} + {v})", lambda v: v + v),
+        1,
+        "({a0} / {v})",
+        lambda v, a: a / v,
+        True,
+        cuda_scalar="((1.f / {v}) * {a0})",
+        grad="(-{g} * {a0} / ({x} * {x}))",
+        grad_arg="({g} / {x})",
+        grad_scalar="(-({g} * {a0}) * ((1.f / {x}) * (1.f / {x})))",
+    ),  # fmt: skip
+    "add_self": PointwiseDef(0, "({v} + {v})", lambda v: v + v, grad="({g} + {g})"),
     # activations
-    "relu": PointwiseDef(0, "(({v} > 0.f || {v} != {v}) ? {v} : 0.f)", F.relu),
-    "leaky_relu": PointwiseDef(1, "({v} > 0.f ? {v} : {v} * {a0})", F.leaky_relu),
-    "gelu": PointwiseDef(
-        0, f"({{v}} * 0.5f * (1.f + erff({{v}} * {_INV_SQRT2})))", lambda v: F.gelu(v)
+    "relu": PointwiseDef(
+        0, "(({v} > 0.f || {v} != {v}) ? {v} : 0.f)", F.relu, grad="({y} <= 0.f ? 0.f : {g})"
     ),
+    "leaky_relu": PointwiseDef(
+        1, "({v} > 0.f ? {v} : {v} * {a0})", F.leaky_relu, grad="({x} > 0.f ? {g} : {g} * {a0})"
+    ),
+    "gelu": PointwiseDef(
+        0,
+        f"({{v}} * 0.5f * (1.f + erff({{v}} * {_INV_SQRT2})))",
+        lambda v: F.gelu(v),
+        grad="({g} * gemmfuse::gelu_grad({x}))",
+    ),  # fmt: skip
     "gelu_tanh": PointwiseDef(
         0,
         f"(0.5f * {{v}} * (1.f + tanhf({_SQRT_2_OVER_PI} * "
         "({v} + 0.044715f * ({v} * {v} * {v})))))",
         lambda v: F.gelu(v, approximate="tanh"),
+        grad="({g} * gemmfuse::gelu_tanh_grad({x}))",
     ),
-    "silu": PointwiseDef(0, "({v} / (1.f + expf(-{v})))", F.silu),
+    "silu": PointwiseDef(
+        0, "({v} / (1.f + expf(-{v})))", F.silu, grad="({g} * gemmfuse::silu_grad({x}))"
+    ),
     # x * sigmoid(x) as written in a model: two PyTorch ops, the sigmoid rounded in between
     "swish": PointwiseDef(
         0,
         "({v} * round_like_model(1.f / (1.f + expf(-{v})), p))",
         lambda v: v * torch.sigmoid(v),
+        grad="gemmfuse::swish_grad({x}, {g}, p)",
     ),
-    "mish": PointwiseDef(0, "({v} * tanhf(log1pf(expf({v}))))", F.mish),
-    "tanh": PointwiseDef(0, "tanhf({v})", torch.tanh),
-    "sigmoid": PointwiseDef(0, "(1.f / (1.f + expf(-{v})))", torch.sigmoid),
-    # hardtanh and clamp are one op in PyTorch (NaN passes through); +-inf marks an open bound
-    "hardtanh": PointwiseDef(2, "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))", F.hardtanh),
-    "clamp": PointwiseDef(2, "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))", torch.clamp),
+    "mish": PointwiseDef(
+        0, "({v} * tanhf(log1pf(expf({v}))))", F.mish, grad="({g} * gemmfuse::mish_grad({x}))"
+    ),
+    "tanh": PointwiseDef(0, "tanhf({v})", torch.tanh, grad="({g} * (1.f - {y} * {y}))"),
+    "sigmoid": PointwiseDef(
+        0, "(1.f / (1.f + expf(-{v})))", torch.sigmoid, grad="({g} * (1.f - {y}) * {y})"
+    ),
+    # hardtanh and clamp are one op in PyTorch (NaN passes through); +-inf marks an open bound.
+    # Their gradients differ at the bounds: hardtanh's is 0 there, clamp's passes.
+    "hardtanh": PointwiseDef(
+        2,
+        "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))",
+        F.hardtanh,
+        grad="(({x} <= {a0} || {x} >= {a1}) ? 0.f : {g})",
+    ),  # fmt: skip
+    "clamp": PointwiseDef(
+        2,
+        "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))",
+        torch.clamp,
+        grad="(({x} >= {a0} && {x} <= {a1}) ? {g} : 0.f)",
+    ),  # fmt: skip
     "hardswish": PointwiseDef(
-        0, "({v} * fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))", F.hardswish
-    ),
+        0,
+        "({v} * fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))",
+        F.hardswish,
+        grad="({x} < -3.f ? 0.f : {x} <= 3.f ? {g} * ({x} / 3.f + 0.5f) : {g})",
+    ),  # fmt: skip
     "hardsigmoid": PointwiseDef(
-        0, "(fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))", F.hardsigmoid
-    ),
+        0,
+        "(fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))",
+        F.hardsigmoid,
+        grad="(({x} > -3.f && {x} < 3.f) ? {g} * (1.f / 6.f) : 0.f)",
+    ),  # fmt: skip
     # softplus(beta, threshold): linear above threshold, as PyTorch
     "softplus": PointwiseDef(
-        2, "({v} * {a0} > {a1} ? {v} : log1pf(expf({v} * {a0})) / {a0})", F.softplus
-    ),
-    "elu": PointwiseDef(1, "({v} <= 0.f ? expm1f({v}) * {a0} : {v})", lambda v, a: F.elu(v, a)),
-    "exp": PointwiseDef(0, "expf({v})", torch.exp),
-    "log": PointwiseDef(0, "logf({v})", torch.log),
+        2,
+        "({v} * {a0} > {a1} ? {v} : log1pf(expf({v} * {a0})) / {a0})",
+        F.softplus,
+        grad="gemmfuse::softplus_grad({x}, {g}, {a0}, {a1})",
+    ),  # fmt: skip
+    "elu": PointwiseDef(
+        1,
+        "({v} <= 0.f ? expm1f({v}) * {a0} : {v})",
+        lambda v, a: F.elu(v, a),
+        grad="({x} <= 0.f ? {g} * {a0} * expf({x}) : {g})",
+    ),  # fmt: skip
+    "exp": PointwiseDef(0, "expf({v})", torch.exp, grad="({g} * {y})"),
+    "log": PointwiseDef(0, "logf({v})", torch.log, grad="({g} / {x})"),
 }
 
 # kReduce codes in csrc/tile_epilogue.cuh, and the PyTorch meaning of each (dim=1).
@@ -292,44 +360,93 @@ def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
     return ""
 
 
-def _cuda_ops(ops: tuple[Pointwise, ...], scalar: int, vec: int) -> tuple[list[str], int, int]:
-    lines = []
-    for op in ops:
-        d = POINTWISE[op.name]
-        names = {}
-        template = d.cuda
-        for i, a in enumerate(op.args):
-            if isinstance(a, Param):
-                names[f"a{i}"] = f"__ldg(p.vec[{vec}] + col)"
-                vec += 1
-            else:
-                names[f"a{i}"] = f"p.scalar[{scalar}]"
-                scalar += 1
-                template = d.cuda_scalar or template
-        lines.append(f"    v = round_like_model({template.format(v='v', **names)}, p);")
-    return lines, scalar, vec
+@dataclass
+class _CodeCursor:
+    """Where the next op's arguments are in ``EpilogueParams``: generated code reads floats
+    and tensors by position, pre ops first, then post ops."""
+
+    scalar: int = 0
+    vec: int = 0
+
+
+def _op_code(op: Pointwise, at: _CodeCursor) -> tuple[str, str, str, int | None]:
+    """(forward, gradient, argument-gradient templates, the tensor argument's vec index) of one
+    op, its arguments bound to where the kernel reads them; the cursor moves past them."""
+    d = POINTWISE[op.name]
+    names, fwd, grad, vec = {}, d.cuda, d.grad, None
+    for i, a in enumerate(op.args):
+        if isinstance(a, Param):
+            names[f"a{i}"] = f"__ldg(p.vec[{at.vec}] + col)"
+            vec = at.vec
+            at.vec += 1
+        else:
+            names[f"a{i}"] = f"p.scalar[{at.scalar}]"
+            at.scalar += 1
+            fwd, grad = d.cuda_scalar or fwd, d.grad_scalar or grad
+    bind = {"g": "d", "x": "x", "y": "y", **names}
+    return fwd.format(v="{v}", **names), grad.format(**bind), d.grad_arg.format(**bind), vec
+
+
+def _forward_body(ops: tuple[Pointwise, ...], at: _CodeCursor) -> list[str]:
+    return [f"    v = round_like_model({_op_code(op, at)[0].format(v='v')}, p);" for op in ops]
+
+
+def _backward_body(ops: tuple[Pointwise, ...], at: _CodeCursor, param_slot: int) -> list[str]:
+    """Recomputes each op's input v{i} from v, then takes d back through the ops, last first;
+    a tensor argument's gradient is added to its column sum, slot ``param_slot`` + its index."""
+    codes = [_op_code(op, at) for op in ops]
+    lines = ["    const float v0 = v;"] if codes else []
+    for i, (fwd, *_) in enumerate(codes):
+        lines.append(f"    const float v{i + 1} = round_like_model({fwd.format(v=f'v{i}')}, p);")
+    for i in reversed(range(len(codes))):
+        _, grad, grad_arg, vec = codes[i]
+        lines.append(f"    {{  // {ops[i].name}")
+        lines.append(f"      const float x = v{i}, y = v{i + 1};")
+        lines.append("      (void)x;")
+        lines.append("      (void)y;")
+        if vec is not None:
+            lines.append(f"      acc[{param_slot + vec} * n + col] += {grad_arg};")
+        if grad != "d":
+            lines.append(f"      d = {grad};")
+        lines.append("    }")
+    return lines
+
+
+def column_sum_slots(epilogue: Epilogue) -> tuple[int, int]:
+    """(how many column sums the chain's backward kernel accumulates, the first tensor
+    argument's slot). Slot 0 is the bias gradient (dz summed over rows), 1 and 2 the GroupNorm's
+    weight and bias (when affine), then one per tensor argument read in pre/post."""
+    first = 3 if epilogue.norm is not None and epilogue.norm.affine else 1
+    return first + len(epilogue.channel_params), first
+
+
+def _device_fn(name: str, args: str, body: list[str], result: str) -> str:
+    names = [a.split()[-1].lstrip("*&") for a in args.split(", ")]
+    return "\n".join(
+        [
+            f"  static __device__ __forceinline__ float {name}(",
+            f"      {args}) {{",
+            *(f"    (void){a};" for a in names[1:]),
+            *body,
+            f"    return {result};",
+            "  }",
+        ]
+    )
 
 
 def cuda_epilogue(epilogue: Epilogue) -> str:
-    """The ``GeneratedEpilogue`` struct the kernels in csrc/ are instantiated with."""
-    pre, s, t = _cuda_ops(epilogue.pre, 0, 0)
-    post, _, _ = _cuda_ops(epilogue.post, s, t)
+    """The ``GeneratedEpilogue`` struct the kernels in csrc/ are instantiated with: the ops
+    forward (``pre``, ``post``) and backward (``pre_backward``, ``post_backward``)."""
     reduce = 0 if epilogue.reduce is None else REDUCTIONS[epilogue.reduce.op]
     plain = epilogue.structure == Epilogue()
-
-    def fn(name, body):
-        return "\n".join(
-            [
-                f"  static __device__ __forceinline__ float {name}(",
-                "      float v, int col, const gemmfuse::EpilogueParams& p) {",
-                "    (void)col;",
-                "    (void)p;",
-                *body,
-                "    return v;",
-                "  }",
-            ]
-        )
-
+    sums, param_slot = column_sum_slots(epilogue)
+    pre_at = _CodeCursor()
+    pre = _forward_body(epilogue.pre, pre_at)
+    post = _forward_body(epilogue.post, dataclasses.replace(pre_at))
+    pre_bwd = _backward_body(epilogue.pre, _CodeCursor(), param_slot)
+    post_bwd = _backward_body(epilogue.post, dataclasses.replace(pre_at), param_slot)
+    fwd_args = "float v, int col, const gemmfuse::EpilogueParams& p"
+    bwd_args = f"{fwd_args}, float d, float* acc, int n"
     return "\n".join(
         [
             f"// Generated by gemmfuse.epilogue from: {epilogue.structure}",
@@ -339,8 +456,12 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
             f"  static constexpr int kReduce = {reduce};",
             # A plain GEMM (+ bias): the backward's matrix products run on this structure.
             f"  static constexpr bool kPlain = {'true' if plain else 'false'};",
-            fn("pre", pre),
-            fn("post", post),
+            # The backward's column sums (chain_backward.cuh): see column_sum_slots.
+            f"  static constexpr int kColumnSums = {sums};",
+            _device_fn("pre", fwd_args, pre, "v"),
+            _device_fn("post", fwd_args, post, "v"),
+            _device_fn("pre_backward", bwd_args, pre_bwd, "d"),
+            _device_fn("post_backward", bwd_args, post_bwd, "d"),
             "};",
             "",
         ]

@@ -22,9 +22,12 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   allclose count alone (the forward's rule, tests/gpu/test_chains.py);
 - gradients that are zero to float64's rounding (a scalar multiplier before the mean of a
   normalised group; a scalar subtracted before a GroupNorm) have only rounding noise to
-  compare: allclose(1e-4) to eager's gradient, as the forward's forced kernels are held.
-  Measured: a [1] gradient summing 26,000 cancelling terms (forced Hopper kernel, K = 300)
-  came out -1.0e-4 against eager's -5.5e-5 and float64's -4e-14;
+  compare: max abs error against float64 within 1e-4, or no more than eager's. Measured: a [1]
+  gradient summing 26,000 cancelling terms (forced Hopper kernel, K = 300) came out -1.0e-4
+  against eager's -5.5e-5 and float64's -4e-14. (The bar was allclose(1e-4) to eager's own
+  gradient until the chain backward kernel: eager's noise is not a target. At commit 2cca87b+1
+  a sub[t] before a GroupNorm gave 7.6e-6 where eager gave 1.26e-4, itself outside
+  allclose(1e-4) of float64's zero, and failed that bar for being closer to the truth.)
 - no more elements outside allclose(1e-4) of that float64 reference than eager has.
 - bfloat16 models: gradients no further from float64 (relative L2) than 1.5x eager bf16's.
 """
@@ -176,8 +179,10 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
         # Zero to float64's rounding (a scalar times a normalised group's mean, say): only
         # rounding noise to compare, which the allclose count below still bounds.
         zero = ref_ours[i].norm().item() <= 1e-12 * grad.norm().item()
-        if zero:  # noise against noise: within allclose(1e-4) of eager's, the forward's rule
-            torch.testing.assert_close(g, eager[i], atol=1e-4, rtol=1e-4, msg=line)
+        if zero:  # noise: within 1e-4 of float64's zero, or no further from it than eager is
+            assert max_abs_err(g, ref_ours[i]) <= max(max_abs_err(eager[i], ref_eager[i]), 1e-4), (
+                line
+            )
             continue
         if bar_on:
             assert err <= err_eager + floor, line

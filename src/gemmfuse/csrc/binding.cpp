@@ -373,3 +373,64 @@ torch::Tensor gemv_forward(torch::Tensor x, torch::Tensor w, c10::optional<torch
   check_cuda(gemmfuse::launch_gemv_epilogue(args, gemv, stream), "gemv epilogue launch");
   return outputs.front();
 }
+
+// The chain's backward (chain_backward.cuh): z [M, N] (the saved GEMM result, float32 or
+// bfloat16, contiguous) and the gradient of the chain's output (z's dtype: [M, N], or M values
+// when the chain reduces; any strides) -> {dz [M, N] of z's dtype, column sums float32
+// [chain_backward_sums(), N]}: slot 0 the sum of dz over rows, then the GroupNorm affine's and
+// each per-channel tensor argument's gradients per column (epilogue.column_sum_slots).
+std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
+                                          c10::optional<torch::Tensor> gn_weight,
+                                          c10::optional<torch::Tensor> gn_bias,
+                                          std::vector<torch::Tensor> vec_params,
+                                          std::vector<double> scalar_params, int64_t group_size,
+                                          double eps) {
+  TORCH_CHECK(z.is_cuda() && z.dim() == 2 && z.is_contiguous() &&
+                  (z.scalar_type() == torch::kFloat32 || z.scalar_type() == torch::kBFloat16),
+              "gemmfuse: z must be a contiguous 2-D float32 or bfloat16 CUDA tensor");
+  const int64_t M = z.size(0), N = z.size(1);
+  TORCH_CHECK(grad.device() == z.device() && grad.scalar_type() == z.scalar_type(),
+              "gemmfuse: grad must have z's dtype and device");
+  const bool reduces = gemmfuse::fused_reduce_kind() != 0;
+  if (reduces) {
+    TORCH_CHECK(grad.numel() == M && (grad.dim() == 1 || (grad.dim() == 2 && grad.size(1) == 1)),
+                "gemmfuse: the gradient of a reducing chain must have M elements");
+  } else {
+    TORCH_CHECK(grad.dim() == 2 && grad.size(0) == M && grad.size(1) == N,
+                "gemmfuse: grad must have z's shape");
+  }
+  gemmfuse::FusedArgs chain = chain_args(M, N, c10::nullopt, gn_weight, gn_bias, vec_params,
+                                         scalar_params, group_size, eps, false);
+  c10::cuda::CUDAGuard guard(z.device());
+  const int blocks = gemmfuse::chain_backward_grid(chain.M, chain.N, chain.group_size);
+  TORCH_CHECK(blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_fits)");
+  const int sums = gemmfuse::chain_backward_sums();
+  auto dz = torch::empty_like(z);
+  auto partial = torch::empty({blocks, sums, N}, z.options().dtype(torch::kFloat32));
+  gemmfuse::BackwardArgs args{};
+  args.z = z.data_ptr();
+  args.grad = grad.data_ptr();
+  args.grad_row_stride = grad.stride(0);
+  args.grad_col_stride = reduces ? 0 : grad.stride(1);
+  args.dz = dz.data_ptr();
+  args.column_partial = partial.data_ptr<float>();
+  args.gn_weight = chain.gn_weight;
+  args.gn_bias = chain.gn_bias;
+  args.M = chain.M;
+  args.N = chain.N;
+  args.group_size = chain.group_size;
+  args.eps = chain.eps;
+  args.bf16 = z.scalar_type() == torch::kBFloat16 ? 1 : 0;
+  args.params = chain.params;
+  args.params.round_bf16 = args.bf16;
+  check_cuda(gemmfuse::launch_chain_backward(args, blocks, at::cuda::getCurrentCUDAStream()),
+             "chain backward launch");
+  return {dz, partial.sum(0)};
+}
+
+// Whether chain_backward takes a chain of N channels in groups of group_size on this device.
+bool chain_backward_fits(int64_t N, int64_t group_size) {
+  TORCH_CHECK(N >= 1 && N < (int64_t{1} << 31) && group_size >= 1 && N % group_size == 0,
+              "gemmfuse: bad chain_backward_fits sizes");
+  return gemmfuse::chain_backward_grid(1, static_cast<int>(N), static_cast<int>(group_size)) > 0;
+}

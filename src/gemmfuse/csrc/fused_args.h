@@ -66,6 +66,22 @@ struct FusedArgs {
   EpilogueParams params;
 };
 
+// The chain's backward (chain_backward.cuh): from z and the output's gradient to dz and the
+// column sums of the other gradients.
+struct BackwardArgs {
+  const void* z;     // [M, N] contiguous, float32, or bfloat16 when bf16
+  const void* grad;  // z's dtype: [M, N], or [M] when the chain reduces; strides in elements
+  int64_t grad_row_stride, grad_col_stride;
+  void* dz;                // [M, N] contiguous, z's dtype
+  float* column_partial;   // [blocks, column_sums, N]: each block's column sums
+  const float* gn_weight;  // [N] or nullptr (no affine)
+  const float* gn_bias;
+  int M, N, group_size;
+  float eps;
+  int bf16;
+  EpilogueParams params;
+};
+
 // Defined in fused_linear.cu, one translation unit per epilogue.
 int fused_reduce_kind();
 bool fused_is_plain();  // the epilogue is the identity (a plain GEMM + bias)
@@ -100,6 +116,11 @@ cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream);
 // groups wider than a tile); args.bias is W's bias.
 cudaError_t launch_gemv_epilogue(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
 int gemv_max_rows();
+// The chain's backward: how many column sums it writes (epilogue.column_sum_slots), how many
+// blocks it runs for M rows (0: a row's working set exceeds a block's shared memory), its launch.
+int chain_backward_sums();
+int chain_backward_grid(int M, int N, int group_size);
+cudaError_t launch_chain_backward(const BackwardArgs& args, int blocks, cudaStream_t stream);
 int gemv_slice_for(int K, int N);  // K per block for this device
 
 }  // namespace gemmfuse

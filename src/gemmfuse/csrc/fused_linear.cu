@@ -2,7 +2,9 @@
 // that binding.cpp calls. build.py substitutes "epilogue_generated.cuh" with the code it
 // generates from the epilogue description.
 #include "fused_args.h"
+#include "pointwise_grad.cuh"
 #include "epilogue_generated.cuh"
+#include "chain_backward.cuh"
 #include "gemm_gn_sm80.cuh"
 #include "gemm_gn_sm90.cuh"
 #include "gemv_epilogue.cuh"
@@ -54,6 +56,16 @@ cudaError_t launch_gemv_epilogue(const FusedArgs& args, const GemvArgs& gemv, cu
 }
 
 int gemv_max_rows() { return kGemvMaxRows; }
+
+int chain_backward_sums() { return GeneratedEpilogue::kColumnSums; }
+
+int chain_backward_grid(int M, int N, int group_size) {
+  return chain_backward_blocks<GeneratedEpilogue>(M, N, group_size);
+}
+
+cudaError_t launch_chain_backward(const BackwardArgs& args, int blocks, cudaStream_t stream) {
+  return launch_chain_backward_kernel<GeneratedEpilogue>(args, blocks, stream);
+}
 
 int gemv_slice_for(int K, int N) {
   int device = 0, sms = 132;

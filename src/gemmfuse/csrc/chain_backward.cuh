@@ -1,0 +1,304 @@
+// The chain's backward in one kernel: from the saved GEMM result z = x @ W^T + b and the
+// gradient of the chain's output, dz (what the backward's two products read) and the column sums
+// the other gradients need (the bias's, the GroupNorm affine's, each per-channel tensor
+// argument's), with PyTorch's gradient formulas.
+//
+// A block takes one row at a time (rows blockIdx.x, + gridDim.x, ...), its threads striding over
+// the columns, the row of z held in shared memory:
+// 1. (GroupNorm) each group's mean and rstd of u = pre(z): a shifted sum, then a centred one
+//    that also refines the mean, over runs of `segment` columns, each group's runs in order;
+// 2. (min, max, logsumexp) the row's reduced value, recomputed (and for min/max how many
+//    columns hold it: PyTorch's amin/amax split the gradient evenly among ties);
+// 3. each column: the output's gradient routed through the reduction, then back through the
+//    post ops (generated `post_backward`) to the GroupNorm's output; the affine's column sums;
+// 4. (GroupNorm) per group the means of g = dy * weight and g * x_hat, then
+//    du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), back through the pre ops to dz.
+// Column sums accumulate in shared memory, one slot per gradient (epilogue.column_sum_slots),
+// each column owned by one thread in every row, so sums are in row order; each block writes its
+// partial sums, which the host adds in block order: results do not depend on timing.
+#pragma once
+#include <cstdint>
+
+#include "fused_args.h"
+#include "pointwise_grad.cuh"
+#include "row_reduce.cuh"
+
+namespace gemmfuse {
+
+constexpr int kBackwardThreads = 512;
+constexpr int kBackwardWarps = kBackwardThreads / 32;
+
+// Shared memory, in floats: the row of z; g (GroupNorm); the column sums; the group runs'
+// partial sums (two per run); mean, rstd and the two gradient means per group; block-reduction
+// scratch.
+struct BackwardSmem {
+  int z, g, sums, runs, stats, scratch, total;
+};
+
+__host__ __device__ inline int backward_segment(int group_size) {
+  if (group_size <= 32) return group_size;
+  int s = 1;
+  while (s * s < group_size) ++s;
+  return s;
+}
+
+__host__ __device__ inline BackwardSmem backward_smem(int n, int group_size, bool norm,
+                                                     int column_sums) {
+  const int groups = norm ? n / group_size : 0;
+  const int segment = backward_segment(group_size);
+  const int runs = groups * ((group_size + segment - 1) / segment);
+  BackwardSmem s{};
+  s.z = 0;
+  s.g = n;
+  s.sums = s.g + (norm ? n : 0);
+  s.runs = s.sums + column_sums * n;
+  s.stats = s.runs + 2 * runs;
+  s.scratch = s.stats + 4 * groups;
+  s.total = s.scratch + 2 * kBackwardWarps + 2;
+  return s;
+}
+
+__device__ __forceinline__ float load_float(const void* p, int64_t i, int bf16) {
+  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+              : static_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ void store_float(void* p, int64_t i, float v, int bf16) {
+  if (bf16)
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+// Per group of the row, the sums of f(c) = (a, b) over its columns: each thread sums runs of
+// `segment` columns, then each group adds its runs in order. Ends with the block synchronised.
+template <class F>
+__device__ __forceinline__ void group_sums(F f, int groups, int group_size, int segment,
+                                           float* runs, float* out_a, float* out_b) {
+  const int per_group = (group_size + segment - 1) / segment, n_runs = groups * per_group;
+  for (int i = threadIdx.x; i < n_runs; i += blockDim.x) {
+    const int g = i / per_group, c0 = g * group_size + (i - g * per_group) * segment;
+    const int c1 = min(c0 + segment, (g + 1) * group_size);
+    float sa = 0.f, sb = 0.f;
+    for (int c = c0; c < c1; ++c) {
+      const float2 v = f(c);
+      sa += v.x;
+      sb += v.y;
+    }
+    runs[i] = sa;
+    runs[n_runs + i] = sb;
+  }
+  __syncthreads();
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    float sa = 0.f, sb = 0.f;
+    for (int r = g * per_group; r < (g + 1) * per_group; ++r) {
+      sa += runs[r];
+      sb += runs[n_runs + r];
+    }
+    out_a[g] = sa;
+    out_b[g] = sb;
+  }
+  __syncthreads();
+}
+
+// The row's min or max (m) and how many columns hold it (s); NaN wins, as in torch.amin/amax.
+template <int kKind>
+__device__ __forceinline__ RowAcc extreme_merge(RowAcc a, RowAcc b) {
+  if (a.m != a.m) return a;
+  if (b.m != b.m) return b;
+  if (a.m == b.m) return {a.m, a.s + b.s};
+  return (kKind == 1 ? b.m < a.m : b.m > a.m) ? b : a;
+}
+
+template <int kKind>
+__device__ __forceinline__ RowAcc reduce_merge(RowAcc a, RowAcc b) {
+  if constexpr (kKind == 5) return row_acc_merge<5>(a, b);
+  return extreme_merge<kKind>(a, b);
+}
+
+// The block's merge of every thread's partial: lanes by xor tree, warps in index order.
+template <int kKind>
+__device__ __forceinline__ RowAcc block_reduce(RowAcc a, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const RowAcc o{__shfl_xor_sync(0xffffffffu, a.m, off), __shfl_xor_sync(0xffffffffu, a.s, off)};
+    a = reduce_merge<kKind>(a, o);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    scratch[2 * warp] = a.m;
+    scratch[2 * warp + 1] = a.s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    RowAcc r{scratch[0], scratch[1]};
+    for (int w = 1; w < kBackwardWarps; ++w) r = reduce_merge<kKind>(r, {scratch[2 * w], scratch[2 * w + 1]});
+    scratch[2 * kBackwardWarps] = r.m;
+    scratch[2 * kBackwardWarps + 1] = r.s;
+  }
+  __syncthreads();
+  const RowAcc r{scratch[2 * kBackwardWarps], scratch[2 * kBackwardWarps + 1]};
+  __syncthreads();  // the scratch is free again
+  return r;
+}
+
+// The gradient reaching one column's chain output v from the row's output gradient `grad`,
+// given the row's reduced value `out` and (min/max) how many columns hold it.
+template <int kKind>
+__device__ __forceinline__ float route(float grad, float v, float out, float ties, int n) {
+  if constexpr (kKind == 3) return grad;
+  if constexpr (kKind == 4) return grad / static_cast<float>(n);
+  if constexpr (kKind == 5) return grad * expf(v - out);
+  if (!(ties > 0.f)) return NAN;  // a NaN row: amin/amax's 0 / 0
+  return v == out ? grad / ties : 0.f;
+}
+
+template <class Epi>
+__global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const BackwardArgs a) {
+  extern __shared__ float smem[];
+  constexpr int kSums = Epi::kColumnSums, kKind = Epi::kReduce;
+  const int n = a.N, gs = a.group_size, groups = Epi::kNorm ? n / gs : 0;
+  const BackwardSmem at = backward_smem(n, gs, Epi::kNorm, kSums);
+  float* zrow = smem + at.z;
+  float* grow = smem + at.g;
+  float* sums = smem + at.sums;
+  float* mean = smem + at.stats;
+  float* rstd = mean + groups;
+  float* g_mean = rstd + groups;
+  float* gx_mean = g_mean + groups;
+  const EpilogueParams& p = a.params;
+  const bool affine = a.gn_weight != nullptr;
+  for (int i = threadIdx.x; i < kSums * n; i += blockDim.x) sums[i] = 0.f;
+
+  // x_hat of column c from u = pre(z), and the GroupNorm's output y (rounded as the model does)
+  auto x_hat = [&](int c, float u) {
+    const int g = c / gs;
+    return (u - mean[g]) * rstd[g];
+  };
+  auto norm_out = [&](int c, float xh) {
+    return round_like_model(affine ? xh * __ldg(a.gn_weight + c) + __ldg(a.gn_bias + c) : xh, p);
+  };
+  auto chain_out = [&](int c) {
+    const float u = Epi::pre(zrow[c], c, p);
+    if constexpr (Epi::kNorm) return Epi::post(norm_out(c, x_hat(c, u)), c, p);
+    return u;
+  };
+
+  for (int row = blockIdx.x; row < a.M; row += gridDim.x) {
+    const int64_t base = static_cast<int64_t>(row) * n;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) zrow[c] = load_float(a.z, base + c, a.bf16);
+    __syncthreads();
+    if constexpr (Epi::kNorm) {
+      const int segment = backward_segment(gs);
+      const float inv_n = 1.f / static_cast<float>(gs);
+      // shift by each group's first value, so a large common offset keeps its precision
+      group_sums([&](int c) {
+        return make_float2(Epi::pre(zrow[c], c, p) - Epi::pre(zrow[c / gs * gs], c / gs * gs, p), 0.f);
+      }, groups, gs, segment, smem + at.runs, mean, rstd);
+      for (int g = threadIdx.x; g < groups; g += blockDim.x)
+        mean[g] = Epi::pre(zrow[g * gs], g * gs, p) + mean[g] * inv_n;
+      __syncthreads();
+      group_sums([&](int c) {
+        const float d = Epi::pre(zrow[c], c, p) - mean[c / gs];
+        return make_float2(d, d * d);
+      }, groups, gs, segment, smem + at.runs, g_mean, gx_mean);
+      for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+        const double d = static_cast<double>(g_mean[g]) / gs;
+        const double var = fmax(static_cast<double>(gx_mean[g]) / gs - d * d, 0.0);
+        mean[g] += static_cast<float>(d);
+        rstd[g] = static_cast<float>(1.0 / sqrt(var + static_cast<double>(a.eps)));
+      }
+      __syncthreads();
+    }
+
+    float out = 0.f, ties = 0.f, row_grad = 0.f;
+    if constexpr (kKind != 0) row_grad = load_float(a.grad, row * a.grad_row_stride, a.bf16);
+    if constexpr (kKind == 1 || kKind == 2 || kKind == 5) {
+      RowAcc r = row_acc_empty<kKind>();
+      for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float v = chain_out(c);
+        if constexpr (kKind == 5)
+          row_acc_push<5>(r, v);
+        else
+          r = extreme_merge<kKind>(r, {v, 1.f});
+      }
+      r = block_reduce<kKind>(r, smem + at.scratch);
+      out = kKind == 5 ? row_acc_finish<5>(r, n) : r.m;
+      ties = r.s;
+    }
+
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      float dv;
+      if constexpr (kKind == 0)
+        dv = load_float(a.grad, row * a.grad_row_stride + c * a.grad_col_stride, a.bf16);
+      else
+        dv = route<kKind>(row_grad, kKind == 3 || kKind == 4 ? 0.f : chain_out(c), out, ties, n);
+      if constexpr (Epi::kNorm) {
+        const float xh = x_hat(c, Epi::pre(zrow[c], c, p));
+        const float dy = Epi::post_backward(norm_out(c, xh), c, p, dv, sums, n);
+        if (affine) {
+          sums[n + c] += dy * xh;
+          sums[2 * n + c] += dy;
+        }
+        grow[c] = affine ? dy * __ldg(a.gn_weight + c) : dy;
+      } else {
+        const float dz = Epi::pre_backward(zrow[c], c, p, dv, sums, n);
+        sums[c] += dz;
+        store_float(a.dz, base + c, dz, a.bf16);
+      }
+    }
+
+    if constexpr (Epi::kNorm) {
+      __syncthreads();
+      group_sums([&](int c) {
+        const float g = grow[c];
+        return make_float2(g, g * x_hat(c, Epi::pre(zrow[c], c, p)));
+      }, groups, gs, backward_segment(gs), smem + at.runs, g_mean, gx_mean);
+      const float inv_n = 1.f / static_cast<float>(gs);
+      for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const int g = c / gs;
+        const float xh = x_hat(c, Epi::pre(zrow[c], c, p));
+        const float du = rstd[g] * (grow[c] - g_mean[g] * inv_n - xh * (gx_mean[g] * inv_n));
+        const float dz = Epi::pre_backward(zrow[c], c, p, du, sums, n);
+        sums[c] += dz;
+        store_float(a.dz, base + c, dz, a.bf16);
+      }
+    }
+    __syncthreads();  // the row's buffers are free again
+  }
+  float* partial = a.column_partial + static_cast<int64_t>(blockIdx.x) * kSums * n;
+  for (int i = threadIdx.x; i < kSums * n; i += blockDim.x) partial[i] = sums[i];
+}
+
+// Blocks for a chain backward of M rows: as many as fit on the GPU at once (at most M); 0 when
+// one block's shared memory exceeds what the device gives a block.
+template <class Epi>
+int chain_backward_blocks(int m, int n, int group_size) {
+  const size_t bytes =
+      sizeof(float) * static_cast<size_t>(backward_smem(n, group_size, Epi::kNorm, Epi::kColumnSums).total);
+  int device = 0, optin = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  if (bytes > static_cast<size_t>(optin)) return 0;
+  if (cudaFuncSetAttribute(chain_backward_kernel<Epi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(bytes)) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_backward_kernel<Epi>,
+                                                    kBackwardThreads, bytes) != cudaSuccess)
+    return 0;
+  return per_sm < 1 ? 0 : min(m, per_sm * sms);
+}
+
+template <class Epi>
+cudaError_t launch_chain_backward_kernel(const BackwardArgs& a, int blocks, cudaStream_t stream) {
+  const size_t bytes =
+      sizeof(float) * static_cast<size_t>(backward_smem(a.N, a.group_size, Epi::kNorm, Epi::kColumnSums).total);
+  cudaError_t err = cudaFuncSetAttribute(chain_backward_kernel<Epi>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err != cudaSuccess) return err;
+  chain_backward_kernel<Epi><<<blocks, kBackwardThreads, bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace gemmfuse

@@ -1,0 +1,158 @@
+"""The chain backward kernel (csrc/chain_backward.cuh) against PyTorch's autograd, given z.
+
+Its inputs are the saved GEMM result z and the output's gradient; its outputs dz and the
+gradients of the GroupNorm affine and the chain's tensor arguments. The oracle is float64
+autograd through the reference chain (gemmfuse.reference) from the same z; the bar is PyTorch's
+own float32 backward of that chain (``autograd.chain_backward``, what ran before the kernel):
+each gradient's relative L2 error at most the float32 one's plus 4 fp32 ulps, and no more
+elements outside allclose(1e-4) of float64. bfloat16 models: at most 1.5x eager bf16's error.
+"""
+
+import pytest
+import torch
+
+from gemmfuse.autograd import _kernel_backward_fits, _kernel_chain_backward, chain_backward
+from gemmfuse.chains import chain_pool
+from gemmfuse.epilogue import Epilogue
+from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
+from gemmfuse.reference import apply_epilogue
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+POOL = chain_pool()
+EPS = torch.finfo(torch.float32).eps
+
+
+def rel_err(got, exact) -> float:
+    diff = (got.double() - exact).norm().item()
+    scale = exact.norm().item()
+    return diff / scale if scale else diff
+
+
+def off_allclose(got, exact) -> int:
+    return int(((got.double() - exact).abs() > 1e-4 * (1 + exact.abs())).sum())
+
+
+def exact_grads(chain, z, grad, tensors):
+    """float64 autograd from z: dz, then the gradient of each tensor (None where absent)."""
+    leaves = [None if t is None else t.double().requires_grad_() for t in tensors]
+    zz = z.double().requires_grad_()
+    gn_w, gn_b, *params = leaves
+    out = apply_epilogue(zz, chain, gn_w, gn_b, params)
+    wanted = [zz] + [t for t in leaves if t is not None]
+    got = iter(torch.autograd.grad(out, wanted, grad.double(), allow_unused=True))
+    dz = next(got)
+    return dz, [None if t is None else next(got) for t in leaves]
+
+
+def draw(spec, m, n, groups, seed):
+    """(chain without tail, z, grad, tensors) on the GPU, fresh random data."""
+    gen = torch.Generator().manual_seed(seed)
+    epilogue, params = spec.instantiate(gen, n, groups, 1e-5)
+    chain = Epilogue(epilogue.pre, epilogue.norm, epilogue.post, epilogue.reduce)
+    z = (torch.randn(m, n, generator=gen) * 0.5 + 0.1 * torch.randn(n, generator=gen)).to(CUDA)
+    affine = epilogue.norm is not None and epilogue.norm.affine
+    gn = [(1 + 0.1 * torch.randn(n, generator=gen)).to(CUDA) if affine else None,
+          (0.1 * torch.randn(n, generator=gen)).to(CUDA) if affine else None]  # fmt: skip
+    params = [p.to(CUDA) for p in params]
+    out_shape = (m, n) if chain.reduce is None else (m, 1) if chain.reduce.keepdim else (m,)
+    grad = torch.randn(out_shape, generator=gen).to(CUDA)
+    return chain, z, grad, [*gn, *params]
+
+
+def check(chain, z, grad, tensors, label):
+    needs = [t is not None for t in tensors]
+    assert _kernel_backward_fits(chain, z, grad), label
+    dz, grads, db = _kernel_chain_backward(chain, z, grad, tensors, needs)
+    dz32, grads32 = chain_backward(chain, z, grad, tensors, needs)
+    exact_dz, exact = exact_grads(chain, z, grad, tensors)
+    pairs = [("dz", dz, dz32, exact_dz), ("db", db, dz32.sum(0), exact_dz.sum(0))]
+    pairs += [(f"tensor {i}", g, g32, e) for i, (g, g32, e) in
+              enumerate(zip(grads, grads32, exact, strict=True)) if e is not None]  # fmt: skip
+    for name, got, ref32, e in pairs:
+        assert got.shape == e.shape and got.dtype == z.dtype, f"{label}: {name} {got.shape}"
+        err, err32 = rel_err(got, e), rel_err(ref32, e)
+        line = f"{label}: {name}: kernel {err:.3e}, PyTorch fp32 {err32:.3e}"
+        assert err <= err32 + 4 * EPS, line
+        assert off_allclose(got, e) <= off_allclose(ref32, e), line
+
+
+@pytest.mark.parametrize("index", range(len(POOL)))
+def test_every_pool_chain(index):
+    """Every pointwise op and every reduction of the grammar (the pool covers them; its
+    kernels are the ones the other GPU tests build)."""
+    spec = POOL[index]
+    for m, n, groups, seed in ((7, 48, 3, index), (130, 600, 6, 100 + index)):
+        groups = groups if spec.norm else 1
+        chain, z, grad, tensors = draw(spec, m, n, groups, seed)
+        check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n}")
+
+
+def chain_62(groups):
+    """#62's chain (GroupNorm, LeakyReLU, x + x) and its affine vectors for N channels."""
+    return epilogue_62(groups, 1e-5, True, 0.2)
+
+
+def affine(n, g):
+    return [(1 + 0.1 * torch.randn(n, generator=g)).to(CUDA),
+            (0.1 * torch.randn(n, generator=g)).to(CUDA)]  # fmt: skip
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 16, 100, 128, 1000, 4096])
+def test_group_sizes(group_size):
+    """Groups narrower and wider than a thread's run of columns (backward_segment)."""
+    n = group_size * (4 if group_size <= 1000 else 2)
+    g = torch.Generator().manual_seed(group_size)
+    z = (torch.randn(33, n, generator=g) * 3 + 5).to(CUDA)  # an offset against the spread
+    grad = torch.randn(33, n, generator=g).to(CUDA)
+    check(chain_62(n // group_size), z, grad, affine(n, g), f"group_size={group_size}")
+
+
+def test_ties_split_the_gradient_as_amin_does():
+    """Equal values at a row's min share its gradient evenly (torch.amin): #75's chain with ten
+    channels whose GroupNorm output is exactly their bias, the row's lowest value."""
+    full = epilogue_75(8, 1e-5, True)
+    chain = Epilogue(norm=full.norm, reduce=full.reduce)  # the tail runs outside the kernel
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(64, 256, generator=g).to(CUDA)
+    grad = torch.randn(64, 1, generator=g).to(CUDA)
+    gn_w, gn_b = affine(256, g)
+    gn_w[10:20], gn_b[10:20] = 0.0, -50.0
+    dz, grads, _ = _kernel_chain_backward(chain, z, grad, [gn_w, gn_b], [True, True])
+    exact_dz, exact = exact_grads(chain, z, grad, [gn_w, gn_b])
+    torch.testing.assert_close(dz.double(), exact_dz, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads[1].double(), exact[1], rtol=1e-6, atol=1e-7)
+    assert (grads[1][10:20] != 0).all()  # each of the ten got a share
+
+
+def test_strided_gradient():
+    """The gradient of out.sum() is an expanded tensor (strides 0): read through its strides."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(50, 64, generator=g).to(CUDA)
+    grad = torch.ones((), device=CUDA).expand(50, 64)
+    check(chain_62(4), z, grad, affine(64, g), "expanded grad")
+    wide = torch.randn(64, 50, generator=g).to(CUDA)
+    check(chain_62(4), z, wide.t(), affine(64, g), "transposed grad")
+
+
+def test_bf16_at_most_eager_bf16s_error():
+    """A bfloat16 model's chain: z, grad and dz in bf16, the arithmetic in fp32."""
+    chain = chain_62(16)
+    g = torch.Generator().manual_seed(7)
+    z16 = torch.randn(256, 512, generator=g).to(CUDA).bfloat16()
+    grad16 = torch.randn(256, 512, generator=g).to(CUDA).bfloat16()
+    t16 = [t.bfloat16() for t in affine(512, g)]
+    dz, grads, _ = _kernel_chain_backward(chain, z16, grad16, t16, [True, True])
+    eager_dz, eager = chain_backward(chain, z16, grad16, t16, [True, True])
+    exact_dz, exact = exact_grads(chain, z16.float(), grad16.float(), [t.float() for t in t16])
+    assert dz.dtype == torch.bfloat16
+    assert rel_err(dz, exact_dz) <= 1.5 * rel_err(eager_dz, exact_dz)
+    for got, ge, e in zip(grads, eager, exact, strict=True):
+        assert rel_err(got, e) <= 1.5 * rel_err(ge, e)
+
+
+def test_rows_too_wide_fall_back_to_pytorch():
+    """A row whose working set exceeds a block's shared memory is not sent to the kernel."""
+    z = torch.randn(2, 1 << 16, device=CUDA)
+    assert not _kernel_backward_fits(chain_62(8), z, z)
+    assert _kernel_backward_fits(chain_62(8), z[:, :8192].contiguous(), z[:, :8192])
