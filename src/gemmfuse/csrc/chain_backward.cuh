@@ -28,15 +28,17 @@ namespace gemmfuse {
 constexpr int kBackwardThreads = 512;
 constexpr int kBackwardWarps = kBackwardThreads / 32;
 
-// Shared memory, in floats: the row of z; g (GroupNorm); the column sums; the group runs'
+// Shared memory, in floats: the row of z; the row of the output's gradient, overwritten by g
+// (GroupNorm); the column sums; the group runs'
 // partial sums (two per run); mean, rstd and the two gradient means per group; block-reduction
 // scratch.
 struct BackwardSmem {
   int z, g, sums, runs, stats, scratch, total;
 };
 
+// About sqrt(group_size), so a run's serial sum and a group's sum of runs are alike short (and a
+// warp's runs, read from shared memory with a stride of `segment` floats, conflict little).
 __host__ __device__ inline int backward_segment(int group_size) {
-  if (group_size <= 32) return group_size;
   int s = 1;
   while (s * s < group_size) ++s;
   return s;
@@ -50,7 +52,7 @@ __host__ __device__ inline BackwardSmem backward_smem(int n, int group_size, boo
   BackwardSmem s{};
   s.z = 0;
   s.g = n;
-  s.sums = s.g + (norm ? n : 0);
+  s.sums = s.g + n;
   s.runs = s.sums + column_sums * n;
   s.stats = s.runs + 2 * runs;
   s.scratch = s.stats + 4 * groups;
@@ -68,6 +70,27 @@ __device__ __forceinline__ void store_float(void* p, int64_t i, float v, int bf1
     static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
   else
     static_cast<float*>(p)[i] = v;
+}
+
+// Copies row values src[base + c * stride], c < n, into dst[c] (float), eight loads in flight
+// per thread: a loop of single loads would wait for each in turn (the shared-memory stores
+// between them may alias the source, so the compiler cannot hoist the loads).
+__device__ __forceinline__ void load_row(float* dst, const void* src, int64_t base, int64_t stride,
+                                         int n, int bf16) {
+  constexpr int kBatch = 8;
+  for (int c0 = threadIdx.x; c0 < n; c0 += kBatch * blockDim.x) {
+    float v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int c = c0 + j * blockDim.x;
+      v[j] = c < n ? load_float(src, base + c * stride, bf16) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int c = c0 + j * blockDim.x;
+      if (c < n) dst[c] = v[j];
+    }
+  }
 }
 
 // Per group of the row, the sums of f(c) = (a, b) over its columns: each thread sums runs of
@@ -186,7 +209,9 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
 
   for (int row = blockIdx.x; row < a.M; row += gridDim.x) {
     const int64_t base = static_cast<int64_t>(row) * n;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) zrow[c] = load_float(a.z, base + c, a.bf16);
+    load_row(zrow, a.z, base, 1, n, a.bf16);
+    if constexpr (kKind == 0)
+      load_row(grow, a.grad, row * a.grad_row_stride, a.grad_col_stride, n, a.bf16);
     __syncthreads();
     if constexpr (Epi::kNorm) {
       const int segment = backward_segment(gs);
@@ -230,7 +255,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
       float dv;
       if constexpr (kKind == 0)
-        dv = load_float(a.grad, row * a.grad_row_stride + c * a.grad_col_stride, a.bf16);
+        dv = grow[c];  // this thread's own column: read before it writes g there
       else
         dv = route<kKind>(row_grad, kKind == 3 || kKind == 4 ? 0.f : chain_out(c), out, ties, n);
       if constexpr (Epi::kNorm) {
