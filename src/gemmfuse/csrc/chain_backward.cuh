@@ -5,8 +5,8 @@
 //
 // A block takes one row at a time (rows blockIdx.x, + gridDim.x, ...), its threads striding over
 // the columns, the row of z held in shared memory:
-// 1. (GroupNorm) each group's mean and rstd of u = pre(z): a shifted sum, then a centred one
-//    that also refines the mean, over runs of `segment` columns, each group's runs in order;
+// 1. (GroupNorm) each group's mean and rstd of u = pre(z): a sum, then a centred one that also
+//    refines the mean, over runs of `segment` columns, each group's runs in order;
 // 2. (min, max, logsumexp) the row's reduced value, recomputed (and for min/max how many
 //    columns hold it: PyTorch's amin/amax split the gradient evenly among ties);
 // 3. each column: the output's gradient routed through the reduction, then back through the
@@ -93,8 +93,10 @@ __device__ __forceinline__ void load_row(float* dst, const void* src, int64_t ba
   }
 }
 
-// Per group of the row, the sums of f(c) = (a, b) over its columns: each thread sums runs of
-// `segment` columns, then each group adds its runs in order. Ends with the block synchronised.
+// Per group of the row, the sums of f(c, g) = (a, b) over its columns c (g the group): each
+// thread sums runs of `segment` columns, then each group adds its runs in order; both levels
+// compensated (TwoSum), as a GroupNorm's gradient sums cancel to about 0.
+// Ends with the block synchronised.
 template <class F>
 __device__ __forceinline__ void group_sums(F f, int groups, int group_size, int segment,
                                            float* runs, float* out_a, float* out_b) {
@@ -102,24 +104,24 @@ __device__ __forceinline__ void group_sums(F f, int groups, int group_size, int 
   for (int i = threadIdx.x; i < n_runs; i += blockDim.x) {
     const int g = i / per_group, c0 = g * group_size + (i - g * per_group) * segment;
     const int c1 = min(c0 + segment, (g + 1) * group_size);
-    float sa = 0.f, sb = 0.f;
+    RowAcc sa{0.f, 0.f}, sb{0.f, 0.f};
     for (int c = c0; c < c1; ++c) {
-      const float2 v = f(c);
-      sa += v.x;
-      sb += v.y;
+      const float2 v = f(c, g);
+      row_acc_push<3>(sa, v.x);
+      row_acc_push<3>(sb, v.y);
     }
-    runs[i] = sa;
-    runs[n_runs + i] = sb;
+    runs[i] = sa.m + sa.s;
+    runs[n_runs + i] = sb.m + sb.s;
   }
   __syncthreads();
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-    float sa = 0.f, sb = 0.f;
+    RowAcc sa{0.f, 0.f}, sb{0.f, 0.f};
     for (int r = g * per_group; r < (g + 1) * per_group; ++r) {
-      sa += runs[r];
-      sb += runs[n_runs + r];
+      row_acc_push<3>(sa, runs[r]);
+      row_acc_push<3>(sb, runs[n_runs + r]);
     }
-    out_a[g] = sa;
-    out_b[g] = sb;
+    out_a[g] = sa.m + sa.s;
+    out_b[g] = sb.m + sb.s;
   }
   __syncthreads();
 }
@@ -193,9 +195,17 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
   const bool affine = a.gn_weight != nullptr;
   for (int i = threadIdx.x; i < kSums * n; i += blockDim.x) sums[i] = 0.f;
 
+  // The group of column c without an integer division where float is exact enough: (c + 0.5)
+  // / gs is at least 0.5 / gs from an integer, and the product's relative error (2^-23 or so)
+  // stays below that while c < 2^21.
+  const float inv_gs = 1.f / static_cast<float>(gs);
+  const bool float_groups = n <= (1 << 21);
+  auto group_of = [&](int c) {
+    return float_groups ? static_cast<int>((static_cast<float>(c) + 0.5f) * inv_gs) : c / gs;
+  };
   // x_hat of column c from u = pre(z), and the GroupNorm's output y (rounded as the model does)
   auto x_hat = [&](int c, float u) {
-    const int g = c / gs;
+    const int g = group_of(c);
     return (u - mean[g]) * rstd[g];
   };
   auto norm_out = [&](int c, float xh) {
@@ -214,17 +224,14 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
       load_row(grow, a.grad, row * a.grad_row_stride, a.grad_col_stride, n, a.bf16);
     __syncthreads();
     if constexpr (Epi::kNorm) {
+      // the mean, then the centred sums that refine it and give the variance
       const int segment = backward_segment(gs);
-      const float inv_n = 1.f / static_cast<float>(gs);
-      // shift by each group's first value, so a large common offset keeps its precision
-      group_sums([&](int c) {
-        return make_float2(Epi::pre(zrow[c], c, p) - Epi::pre(zrow[c / gs * gs], c / gs * gs, p), 0.f);
-      }, groups, gs, segment, smem + at.runs, mean, rstd);
-      for (int g = threadIdx.x; g < groups; g += blockDim.x)
-        mean[g] = Epi::pre(zrow[g * gs], g * gs, p) + mean[g] * inv_n;
+      group_sums([&](int c, int) { return make_float2(Epi::pre(zrow[c], c, p), 0.f); }, groups, gs,
+                 segment, smem + at.runs, mean, rstd);
+      for (int g = threadIdx.x; g < groups; g += blockDim.x) mean[g] *= inv_gs;
       __syncthreads();
-      group_sums([&](int c) {
-        const float d = Epi::pre(zrow[c], c, p) - mean[c / gs];
+      group_sums([&](int c, int g) {
+        const float d = Epi::pre(zrow[c], c, p) - mean[g];
         return make_float2(d, d * d);
       }, groups, gs, segment, smem + at.runs, g_mean, gx_mean);
       for (int g = threadIdx.x; g < groups; g += blockDim.x) {
@@ -275,15 +282,14 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
 
     if constexpr (Epi::kNorm) {
       __syncthreads();
-      group_sums([&](int c) {
-        const float g = grow[c];
-        return make_float2(g, g * x_hat(c, Epi::pre(zrow[c], c, p)));
+      group_sums([&](int c, int g) {
+        const float gc = grow[c];
+        return make_float2(gc, gc * ((Epi::pre(zrow[c], c, p) - mean[g]) * rstd[g]));
       }, groups, gs, backward_segment(gs), smem + at.runs, g_mean, gx_mean);
-      const float inv_n = 1.f / static_cast<float>(gs);
       for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        const int g = c / gs;
-        const float xh = x_hat(c, Epi::pre(zrow[c], c, p));
-        const float du = rstd[g] * (grow[c] - g_mean[g] * inv_n - xh * (gx_mean[g] * inv_n));
+        const int g = group_of(c);
+        const float xh = (Epi::pre(zrow[c], c, p) - mean[g]) * rstd[g];
+        const float du = rstd[g] * (grow[c] - g_mean[g] * inv_gs - xh * (gx_mean[g] * inv_gs));
         const float dz = Epi::pre_backward(zrow[c], c, p, du, sums, n);
         sums[c] += dz;
         store_float(a.dz, base + c, dz, a.bf16);
