@@ -7,8 +7,9 @@
 // the columns, the row of z held in shared memory:
 // 1. (GroupNorm) each group's mean and rstd of u = pre(z): a sum, then a centred one that also
 //    refines the mean, over runs of `segment` columns, each group's runs in order;
-// 2. (min, max, logsumexp) the row's reduced value, recomputed (and for min/max how many
-//    columns hold it: PyTorch's amin/amax split the gradient evenly among ties);
+// 2. (min, max, logsumexp) the row's reduced value, recomputed (for min/max with how many
+//    columns hold it: PyTorch's amin/amax split the gradient evenly among ties; logsumexp as
+//    PyTorch computes it, the max first, then a sum of exp(v - max));
 // 3. each column: the output's gradient routed through the reduction, then back through the
 //    post ops (generated `post_backward`) to the GroupNorm's output; the affine's column sums;
 // 4. (GroupNorm) per group the means of g = dy * weight and g * x_hat, then
@@ -137,7 +138,7 @@ __device__ __forceinline__ RowAcc extreme_merge(RowAcc a, RowAcc b) {
 
 template <int kKind>
 __device__ __forceinline__ RowAcc reduce_merge(RowAcc a, RowAcc b) {
-  if constexpr (kKind == 5) return row_acc_merge<5>(a, b);
+  if constexpr (kKind == 3) return row_acc_merge<3>(a, b);
   return extreme_merge<kKind>(a, b);
 }
 
@@ -245,18 +246,22 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
 
     float out = 0.f, ties = 0.f, row_grad = 0.f;
     if constexpr (kKind != 0) row_grad = load_float(a.grad, row * a.grad_row_stride, a.bf16);
-    if constexpr (kKind == 1 || kKind == 2 || kKind == 5) {
-      RowAcc r = row_acc_empty<kKind>();
-      for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        const float v = chain_out(c);
-        if constexpr (kKind == 5)
-          row_acc_push<5>(r, v);
-        else
-          r = extreme_merge<kKind>(r, {v, 1.f});
-      }
-      r = block_reduce<kKind>(r, smem + at.scratch);
-      out = kKind == 5 ? row_acc_finish<5>(r, n) : r.m;
+    if constexpr (kKind != 0 && kKind != 3 && kKind != 4) {
+      // min / max (and logsumexp's shift): the row's extreme and its ties
+      constexpr int kExtreme = kKind == 5 ? 2 : kKind;
+      RowAcc r = row_acc_empty<kExtreme>();
+      for (int c = threadIdx.x; c < n; c += blockDim.x) r = extreme_merge<kExtreme>(r, {chain_out(c), 1.f});
+      r = block_reduce<kExtreme>(r, smem + at.scratch);
+      out = r.m;
       ties = r.s;
+    }
+    if constexpr (kKind == 5) {
+      // logsumexp as PyTorch's: the max, then a (compensated) sum of exp(v - max), then log
+      const float shift = lse_shift(out);
+      RowAcc r{0.f, 0.f};
+      for (int c = threadIdx.x; c < n; c += blockDim.x) row_acc_push<3>(r, expf(chain_out(c) - shift));
+      r = block_reduce<3>(r, smem + at.scratch);
+      out = out != out ? out : logf(r.m + r.s) + shift;
     }
 
     for (int c = threadIdx.x; c < n; c += blockDim.x) {
