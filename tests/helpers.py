@@ -57,6 +57,18 @@ def ops_alone(ref, x):
 # few ulps, the split GEMM's round-toward-zero tensor-core accumulation can exceed it
 # (scripts/small_shape_accuracy.py: 1 case in 200 above it, by 1.37x, at commit 9f38944), all
 # within allclose 1e-4 (docs/DESIGN.md section 2); the small-shape tests assert allclose only.
+def rel_err(got, exact) -> float:
+    """Relative L2 error against the float64 value (the absolute error where that is zero)."""
+    diff = (got.double() - exact).norm().item()
+    scale = exact.norm().item()
+    return diff / scale if scale else diff
+
+
+def off_allclose(got, exact) -> int:
+    """How many elements are outside allclose(1e-4, 1e-4) of the float64 value."""
+    return int(((got.double() - exact).abs() > 1e-4 * (1 + exact.abs())).sum())
+
+
 def float64_bar(err_eager: float, op_floor: float, exact: torch.Tensor) -> float:
     """The largest max-abs error against float64 accepted at the benchmark's shapes."""
     finite = exact[exact.isfinite()].abs()

@@ -62,7 +62,7 @@ class FusedCall:
     kernel: int = 0
     split: bool = True
 
-    @property
+    @functools.cached_property
     def chain(self) -> Epilogue:
         """The epilogue without its tail ops: what the function's output holds."""
         return dataclasses.replace(self.epilogue, tail=())
@@ -117,13 +117,19 @@ def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().to(torch.float32).contiguous()
 
 
+def channel_vectors(epilogue: Epilogue, params, n: int) -> list[torch.Tensor]:
+    """The pre/post ops' tensor arguments as the kernels read them: dense float32 [n] vectors,
+    in generated-code order (``epilogue.channel_params``)."""
+    return [_float32(params[i].reshape(-1).expand(n)) for i in epilogue.channel_params]
+
+
 def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs):
     """chain_backward on the GPU in one kernel: (dz, the gradients of ``tensors``, db)."""
     gn_weight, gn_bias, *params = tensors
     n = z.shape[1]
-    vectors = [_float32(params[i].reshape(-1).expand(n)) for i in chain.channel_params]
     dz, sums = extension_for(chain).chain_backward(
-        z, grad, _float32(gn_weight), _float32(gn_bias), vectors, chain.scalars,
+        z, grad, _float32(gn_weight), _float32(gn_bias), channel_vectors(chain, params, n),
+        chain.scalars,
         _group_size(chain, n), chain.norm.eps if chain.norm is not None else 0.0,
     )  # fmt: skip
     _, first = column_sum_slots(chain)

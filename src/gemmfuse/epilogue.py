@@ -102,7 +102,7 @@ POINTWISE: dict[str, PointwiseDef] = {
         cuda_scalar="({v} * (1.f / {a0}))",
         grad="({g} / {a0})",
         grad_arg="(-{g} * {x} / ({a0} * {a0}))",
-    ),  # fmt: skip
+    ),
     # PyTorch computes float / tensor as tensor.reciprocal() * float
     "rdiv": PointwiseDef(
         1,
@@ -113,7 +113,7 @@ POINTWISE: dict[str, PointwiseDef] = {
         grad="(-{g} * {a0} / ({x} * {x}))",
         grad_arg="({g} / {x})",
         grad_scalar="(-({g} * {a0}) * ((1.f / {x}) * (1.f / {x})))",
-    ),  # fmt: skip
+    ),
     "add_self": PointwiseDef(0, "({v} + {v})", lambda v: v + v, grad="({g} + {g})"),
     # activations
     "relu": PointwiseDef(
@@ -127,7 +127,7 @@ POINTWISE: dict[str, PointwiseDef] = {
         f"({{v}} * 0.5f * (1.f + erff({{v}} * {_INV_SQRT2})))",
         lambda v: F.gelu(v),
         grad="({g} * gemmfuse::gelu_grad({x}))",
-    ),  # fmt: skip
+    ),
     "gelu_tanh": PointwiseDef(
         0,
         f"(0.5f * {{v}} * (1.f + tanhf({_SQRT_2_OVER_PI} * "
@@ -159,38 +159,38 @@ POINTWISE: dict[str, PointwiseDef] = {
         "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))",
         F.hardtanh,
         grad="(({x} <= {a0} || {x} >= {a1}) ? 0.f : {g})",
-    ),  # fmt: skip
+    ),
     "clamp": PointwiseDef(
         2,
         "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))",
         torch.clamp,
         grad="(({x} >= {a0} && {x} <= {a1}) ? {g} : 0.f)",
-    ),  # fmt: skip
+    ),
     "hardswish": PointwiseDef(
         0,
         "({v} * fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))",
         F.hardswish,
         grad="({x} < -3.f ? 0.f : {x} <= 3.f ? {g} * ({x} / 3.f + 0.5f) : {g})",
-    ),  # fmt: skip
+    ),
     "hardsigmoid": PointwiseDef(
         0,
         "(fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))",
         F.hardsigmoid,
         grad="(({x} > -3.f && {x} < 3.f) ? {g} * (1.f / 6.f) : 0.f)",
-    ),  # fmt: skip
+    ),
     # softplus(beta, threshold): linear above threshold, as PyTorch
     "softplus": PointwiseDef(
         2,
         "({v} * {a0} > {a1} ? {v} : log1pf(expf({v} * {a0})) / {a0})",
         F.softplus,
         grad="gemmfuse::softplus_grad({x}, {g}, {a0}, {a1})",
-    ),  # fmt: skip
+    ),
     "elu": PointwiseDef(
         1,
         "({v} <= 0.f ? expm1f({v}) * {a0} : {v})",
         lambda v, a: F.elu(v, a),
         grad="({x} <= 0.f ? {g} * {a0} * expf({x}) : {g})",
-    ),  # fmt: skip
+    ),
     "exp": PointwiseDef(0, "expf({v})", torch.exp, grad="({g} * {y})"),
     "log": PointwiseDef(0, "logf({v})", torch.log, grad="({g} / {x})"),
 }

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from gemmfuse.autograd import FusedCall, FusedLinearFunction
+from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
 from gemmfuse.epilogue import Epilogue, per_channel
 from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.sources import extension_for
@@ -296,10 +296,7 @@ def _launch(path, epilogue, cache, kernel, precision, x, weight, bias, gn_weight
         cache.float32(t, slot)
         for t, slot in ((bias, "bias"), (gn_weight, "gn_weight"), (gn_bias, "gn_bias"))
     )
-    vectors = [
-        params[i].reshape(-1).expand(n).to(torch.float32).contiguous()
-        for i in epilogue.channel_params
-    ]
+    vectors = channel_vectors(epilogue, params, n)
     chain = (vectors, epilogue.scalars, group_size, eps, norm_wide)
     fused_z = save_z and path == "fused"  # the epilogue path's z is a copy of F.linear's
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None

@@ -51,7 +51,7 @@ from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import fused_linear_with_path, fused_pays
 from gemmfuse.reference import apply_epilogue, apply_pointwise
 from gemmfuse.sources import extension_for
-from helpers import build_pair, max_abs_err
+from helpers import build_pair, max_abs_err, off_allclose, rel_err
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -65,18 +65,6 @@ def hopper() -> bool:
 
 def fused_kernels() -> list[str]:
     return ["hopper", "portable"] if hopper() else ["portable"]
-
-
-def rel_err(got, exact) -> float:
-    """Relative L2 error against the float64 value (the absolute error where that is zero)."""
-    diff = (got.double() - exact).norm().item()
-    scale = exact.norm().item()
-    return diff / scale if scale else diff
-
-
-def off_allclose(got, exact) -> int:
-    """How many elements are outside allclose(1e-4, 1e-4) of the float64 value."""
-    return int(((got.double() - exact).abs() > 1e-4 * (1 + exact.abs())).sum())
 
 
 class Chain:

@@ -21,21 +21,12 @@ from gemmfuse.chains import chain_pool
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
 from gemmfuse.reference import apply_epilogue
+from helpers import off_allclose, rel_err
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 POOL = chain_pool()
 EPS = torch.finfo(torch.float32).eps
-
-
-def rel_err(got, exact) -> float:
-    diff = (got.double() - exact).norm().item()
-    scale = exact.norm().item()
-    return diff / scale if scale else diff
-
-
-def off_allclose(got, exact) -> int:
-    return int(((got.double() - exact).abs() > 1e-4 * (1 + exact.abs())).sum())
 
 
 def exact_grads(chain, z, grad, tensors):
