@@ -2,10 +2,13 @@
 
 Usage: python scripts/profile_step.py [62|75] [--bf16] [--forward]. Times 20 steps after 5
 warm-ups (L2 not flushed: this is for reading the breakdown, not for reporting speed) and
-prints the CUDA kernels by total time, per step.
+prints the CUDA kernels by total time, per step; then the host's time per step (the Python and
+launch cost, measured with the GPU kept busy so that it never waits) against the step's wall
+time with the GPU free.
 """
 
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -46,6 +49,25 @@ def main() -> None:
         sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
     )
     print(table)
+    print(host_and_wall(step))
+
+
+def host_and_wall(step, steps: int = 20) -> str:
+    """Host time per step (the GPU queue held by a long sleep, so no launch waits on it) and
+    wall time per step (steps back to back, synchronised once)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU spin: the steps below only queue
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host = (time.perf_counter() - t0) / steps
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps
+    return f"host {host * 1e3:.3f} ms per step (GPU busy), wall {wall * 1e3:.3f} ms per step"
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ backward needs besides the inputs:
 
 1. The chain's backward, ``dz``, with the gradients of the GroupNorm's affine vectors and the
    chain's tensor arguments: on CUDA one kernel (``chain_backward`` of the chain's extension,
-   csrc/chain_backward.cuh) that recomputes the chain from ``z`` row by row and takes the
-   gradient back through it with PyTorch's formulas (epilogue.py's ``grad`` of each op; min/max
-   routed as ``torch.amin`` / ``amax`` route them), summing the per-channel gradients over the
-   rows as it goes. Elsewhere (CPU, float64, rows too wide for a block's shared memory) the chain
+   csrc/chain_backward.cuh; min/max over several column slabs first find each slab's extreme)
+   that recomputes the chain from ``z``, a group-aligned slab of a row at a time, and takes the
+   gradient back
+   through it with PyTorch's formulas (epilogue.py's ``grad`` of each op; min/max routed as
+   ``torch.amin`` / ``amax`` route them), summing the per-channel gradients over the rows as it
+   goes. Elsewhere (CPU, float64, slabs too wide for a block's shared memory) the chain
    is evaluated again in PyTorch (``gemmfuse.reference``) and differentiated by autograd (a
    float32 GroupNorm's formula written out, for speed).
 2. The products ``dx = dz @ W`` and ``dW = dz.T @ x`` on the tensor cores with the forward's
@@ -109,8 +111,14 @@ def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) 
 
 @functools.cache
 def _kernel_fits(structure: Epilogue, n: int, group_size: int, device: torch.device) -> bool:
+    return kernel_plan(structure, 1, n, group_size, device)[1] > 0
+
+
+def kernel_plan(structure: Epilogue, m: int, n: int, group_size: int, device) -> list[int]:
+    """[column slabs, row blocks] of the chain backward kernel for an (m, n) chain; 0 row blocks
+    where a slab's working set exceeds a block's shared memory."""
     with torch.cuda.device(device):
-        return extension_for(structure).chain_backward_fits(n, group_size)
+        return extension_for(structure).chain_backward_plan(m, n, group_size)
 
 
 def _float32(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -40,7 +40,7 @@ EXTENSION_FUNCTIONS = [
     "epilogue_forward",
     "gemv_forward",
     "chain_backward",
-    "chain_backward_fits",
+    "chain_backward_plan",
 ]
 _LOADED: dict[tuple, ModuleType] = {}
 # The child process's program: load_inline's keyword arguments arrive as JSON on stdin.

@@ -16,7 +16,12 @@ out at 1.02e-2 relative error against PyTorch's 7.8e-3; every other gradient was
 import pytest
 import torch
 
-from gemmfuse.autograd import _kernel_backward_fits, _kernel_chain_backward, chain_backward
+from gemmfuse.autograd import (
+    _kernel_backward_fits,
+    _kernel_chain_backward,
+    chain_backward,
+    kernel_plan,
+)
 from gemmfuse.chains import chain_pool
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
@@ -84,6 +89,18 @@ def test_every_pool_chain(index):
         check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n}")
 
 
+@pytest.mark.parametrize("index", range(len(POOL)))
+def test_every_pool_chain_in_column_slabs(index):
+    """Rows cut into group-aligned column slabs (4 of 1024 columns here; one for logsumexp,
+    whose sum is not split): min/max merge their slabs' extremes in a first pass."""
+    spec = POOL[index]
+    m, n, groups = 37, 4096, (64 if spec.norm else 1)
+    chain, z, grad, tensors = draw(spec, m, n, groups, 200 + index)
+    lse = chain.reduce is not None and chain.reduce.op == "logsumexp"
+    assert kernel_plan(chain.structure, m, n, n // groups, CUDA)[0] == (1 if lse else 4)
+    check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n}")
+
+
 def chain_62(groups):
     """#62's chain (GroupNorm, LeakyReLU, x + x) and its affine vectors for N channels."""
     return epilogue_62(groups, 1e-5, True, 0.2)
@@ -121,6 +138,25 @@ def test_ties_split_the_gradient_as_amin_does():
     assert (grads[1][10:20] != 0).all()  # each of the ten got a share
 
 
+def test_ties_across_slabs():
+    """Ties in different column slabs share the gradient: #75's chain on 4096 channels (four
+    slabs), the row's lowest value in channels 10..14 and 4000..4004."""
+    full = epilogue_75(64, 1e-5, True)
+    chain = Epilogue(norm=full.norm, reduce=full.reduce)
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(16, 4096, generator=g).to(CUDA)
+    grad = torch.randn(16, generator=g).to(CUDA)
+    gn_w, gn_b = affine(4096, g)
+    for lo in (10, 4000):
+        gn_w[lo : lo + 5], gn_b[lo : lo + 5] = 0.0, -50.0
+    assert kernel_plan(chain.structure, 16, 4096, 64, CUDA)[0] == 4
+    dz, grads, _ = _kernel_chain_backward(chain, z, grad, [gn_w, gn_b], [True, True])
+    exact_dz, exact = exact_grads(chain, z, grad, [gn_w, gn_b])
+    torch.testing.assert_close(dz.double(), exact_dz, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads[1].double(), exact[1], rtol=1e-6, atol=1e-7)
+    assert (grads[1][10:15] != 0).all() and (grads[1][4000:4005] != 0).all()
+
+
 def test_strided_gradient():
     """The gradient of out.sum() is an expanded tensor (strides 0): read through its strides."""
     g = torch.Generator().manual_seed(1)
@@ -147,8 +183,10 @@ def test_bf16_at_most_eager_bf16s_error():
         assert rel_err(got, e) <= 1.5 * rel_err(ge, e)
 
 
-def test_rows_too_wide_fall_back_to_pytorch():
-    """A row whose working set exceeds a block's shared memory is not sent to the kernel."""
+def test_slabs_too_wide_fall_back_to_pytorch():
+    """A slab (here one group of 65536 channels) whose working set exceeds a block's shared
+    memory is not sent to the kernel; eight groups of that row fit, in slabs of one group."""
     z = torch.randn(2, 1 << 16, device=CUDA)
-    assert not _kernel_backward_fits(chain_62(8), z, z)
-    assert _kernel_backward_fits(chain_62(8), z[:, :8192].contiguous(), z[:, :8192])
+    assert not _kernel_backward_fits(chain_62(1), z, z)
+    assert _kernel_backward_fits(chain_62(8), z, z)
+    assert kernel_plan(chain_62(8).structure, 2, 1 << 16, 1 << 13, CUDA)[0] == 8

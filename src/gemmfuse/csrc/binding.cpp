@@ -402,11 +402,14 @@ std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
   gemmfuse::FusedArgs chain = chain_args(M, N, c10::nullopt, gn_weight, gn_bias, vec_params,
                                          scalar_params, group_size, eps, false);
   c10::cuda::CUDAGuard guard(z.device());
-  const int blocks = gemmfuse::chain_backward_grid(chain.M, chain.N, chain.group_size);
-  TORCH_CHECK(blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_fits)");
+  const gemmfuse::BackwardPlan plan = gemmfuse::chain_backward_plan(chain.M, chain.N, chain.group_size);
+  TORCH_CHECK(plan.row_blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_plan)");
   const int sums = gemmfuse::chain_backward_sums();
   auto dz = torch::empty_like(z);
-  auto partial = torch::empty({blocks, sums, N}, z.options().dtype(torch::kFloat32));
+  auto partial = torch::empty({plan.row_blocks, sums, N}, z.options().dtype(torch::kFloat32));
+  const int kind = gemmfuse::fused_reduce_kind();
+  const bool slab_extremes = (kind == 1 || kind == 2) && plan.slabs > 1;
+  auto extremes = torch::empty({slab_extremes ? M : 0, plan.slabs, 2}, partial.options());
   gemmfuse::BackwardArgs args{};
   args.z = z.data_ptr();
   args.grad = grad.data_ptr();
@@ -414,6 +417,7 @@ std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
   args.grad_col_stride = reduces ? 0 : grad.stride(1);
   args.dz = dz.data_ptr();
   args.column_partial = partial.data_ptr<float>();
+  args.extremes = slab_extremes ? reinterpret_cast<float2*>(extremes.data_ptr<float>()) : nullptr;
   args.gn_weight = chain.gn_weight;
   args.gn_bias = chain.gn_bias;
   args.M = chain.M;
@@ -423,14 +427,18 @@ std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
   args.bf16 = z.scalar_type() == torch::kBFloat16 ? 1 : 0;
   args.params = chain.params;
   args.params.round_bf16 = args.bf16;
-  check_cuda(gemmfuse::launch_chain_backward(args, blocks, at::cuda::getCurrentCUDAStream()),
+  check_cuda(gemmfuse::launch_chain_backward(args, plan, at::cuda::getCurrentCUDAStream()),
              "chain backward launch");
   return {dz, partial.sum(0)};
 }
 
-// Whether chain_backward takes a chain of N channels in groups of group_size on this device.
-bool chain_backward_fits(int64_t N, int64_t group_size) {
-  TORCH_CHECK(N >= 1 && N < (int64_t{1} << 31) && group_size >= 1 && N % group_size == 0,
-              "gemmfuse: bad chain_backward_fits sizes");
-  return gemmfuse::chain_backward_grid(1, static_cast<int>(N), static_cast<int>(group_size)) > 0;
+// How chain_backward cuts an M x N chain in groups of group_size on this device: [slabs, row
+// blocks]; row blocks 0 where a slab does not fit a block (the backward then runs in PyTorch).
+std::vector<int64_t> chain_backward_plan(int64_t M, int64_t N, int64_t group_size) {
+  TORCH_CHECK(M >= 1 && M < (int64_t{1} << 31) && N >= 1 && N < (int64_t{1} << 31) &&
+                  group_size >= 1 && N % group_size == 0,
+              "gemmfuse: bad chain_backward_plan sizes");
+  const gemmfuse::BackwardPlan plan = gemmfuse::chain_backward_plan(
+      static_cast<int>(M), static_cast<int>(N), static_cast<int>(group_size));
+  return {plan.slabs, plan.row_blocks};
 }

@@ -3,22 +3,30 @@
 // the other gradients need (the bias's, the GroupNorm affine's, each per-channel tensor
 // argument's), with PyTorch's gradient formulas.
 //
-// A block takes one row at a time (rows blockIdx.x, + gridDim.x, ...), its threads striding over
-// the columns, the row of z held in shared memory:
+// The columns are cut into `slabs` of equal width on GroupNorm group boundaries (about 1024
+// columns each, so a block's shared memory is small and several blocks share an SM, one's loads
+// under another's arithmetic). Block (r, s) takes slab s of rows r, r + gridDim.x, ..., its
+// threads striding over the slab's columns, the slab of z held in shared memory:
 // 1. (GroupNorm) each group's mean and rstd of u = pre(z): a sum, then a centred one that also
 //    refines the mean, over runs of `segment` columns, each group's runs in order;
 // 2. (min, max, logsumexp) the row's reduced value, recomputed (for min/max with how many
 //    columns hold it: PyTorch's amin/amax split the gradient evenly among ties; logsumexp as
-//    PyTorch computes it, the max first, then a sum of exp(v - max));
+//    PyTorch computes it, the max first, then a sum of exp(v - max)). A row-wide value needs
+//    the whole row: logsumexp runs one slab per row; min/max over several slabs first run the
+//    kernel in its `extremes` phase, which writes each slab's extreme and ties, and the main
+//    phase merges a row's slabs in order (exact: extremes and counts do not round);
 // 3. each column: the output's gradient routed through the reduction, then back through the
 //    post ops (generated `post_backward`) to the GroupNorm's output; the affine's column sums;
 // 4. (GroupNorm) per group the means of g = dy * weight and g * x_hat, then
 //    du = rstd * (g - mean(g) - x_hat * mean(g * x_hat)), back through the pre ops to dz.
 // Column sums accumulate in shared memory, one slot per gradient (epilogue.column_sum_slots),
 // each column owned by one thread in every row, so sums are in row order; each block writes its
-// partial sums, which the host adds in block order: results do not depend on timing.
+// slab of partial sums, which the host adds in block order: results do not depend on timing.
 #pragma once
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "fused_args.h"
 #include "pointwise_grad.cuh"
@@ -26,13 +34,13 @@
 
 namespace gemmfuse {
 
-constexpr int kBackwardThreads = 512;
+constexpr int kBackwardThreads = 256;
+constexpr int kBackwardSlab = 1024;  // the slab width aimed at, in columns
 constexpr int kBackwardWarps = kBackwardThreads / 32;
 
-// Shared memory, in floats: the row of z; the row of the output's gradient, overwritten by g
-// (GroupNorm); the column sums; the group runs'
-// partial sums (two per run); mean, rstd and the two gradient means per group; block-reduction
-// scratch.
+// Shared memory, in floats, for a slab of w columns: the slab of z; of the output's gradient,
+// overwritten by g (GroupNorm); the column sums; the group runs' partial sums (two per run);
+// mean, rstd and the two gradient means per group; block-reduction scratch.
 struct BackwardSmem {
   int z, g, sums, runs, stats, scratch, total;
 };
@@ -45,16 +53,16 @@ __host__ __device__ inline int backward_segment(int group_size) {
   return s;
 }
 
-__host__ __device__ inline BackwardSmem backward_smem(int n, int group_size, bool norm,
+__host__ __device__ inline BackwardSmem backward_smem(int w, int group_size, bool norm,
                                                      int column_sums) {
-  const int groups = norm ? n / group_size : 0;
+  const int groups = norm ? w / group_size : 0;
   const int segment = backward_segment(group_size);
   const int runs = groups * ((group_size + segment - 1) / segment);
   BackwardSmem s{};
   s.z = 0;
-  s.g = n;
-  s.sums = s.g + n;
-  s.runs = s.sums + column_sums * n;
+  s.g = w;
+  s.sums = s.g + w;
+  s.runs = s.sums + column_sums * w;
   s.stats = s.runs + 2 * runs;
   s.scratch = s.stats + 4 * groups;
   s.total = s.scratch + 2 * kBackwardWarps + 2;
@@ -179,12 +187,26 @@ __device__ __forceinline__ float route(float grad, float v, float out, float tie
   return v == out ? grad / ties : 0.f;
 }
 
+// The row's min or max and ties from its slabs' (the `extremes` phase's), merged in slab order.
+template <int kKind>
+__device__ __forceinline__ RowAcc merge_slabs(const float2* extremes, int slabs) {
+  RowAcc r = row_acc_empty<kKind>();
+  for (int s = 0; s < slabs; ++s) {
+    const float2 e = extremes[s];
+    r = extreme_merge<kKind>(r, {e.x, e.y});
+  }
+  return r;
+}
+
 template <class Epi>
 __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const BackwardArgs a) {
   extern __shared__ float smem[];
   constexpr int kSums = Epi::kColumnSums, kKind = Epi::kReduce;
-  const int n = a.N, gs = a.group_size, groups = Epi::kNorm ? n / gs : 0;
-  const BackwardSmem at = backward_smem(n, gs, Epi::kNorm, kSums);
+  constexpr bool kExtremes = kKind == 1 || kKind == 2;
+  const int n = a.N, gs = a.group_size, w = a.slab, slabs = n / w, c0 = blockIdx.y * w;
+  const int groups = Epi::kNorm ? w / gs : 0;
+  const bool extremes_phase = kExtremes && a.phase == 1;
+  const BackwardSmem at = backward_smem(w, gs, Epi::kNorm, kSums);
   float* zrow = smem + at.z;
   float* grow = smem + at.g;
   float* sums = smem + at.sums;
@@ -194,45 +216,47 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
   float* gx_mean = g_mean + groups;
   const EpilogueParams& p = a.params;
   const bool affine = a.gn_weight != nullptr;
-  for (int i = threadIdx.x; i < kSums * n; i += blockDim.x) sums[i] = 0.f;
+  for (int i = threadIdx.x; i < kSums * w; i += blockDim.x) sums[i] = 0.f;
 
-  // The group of column c without an integer division where float is exact enough: (c + 0.5)
-  // / gs is at least 0.5 / gs from an integer, and the product's relative error (2^-23 or so)
-  // stays below that while c < 2^21.
+  // Columns: j in the slab, c = c0 + j in the row. The group of j without an integer division
+  // where float is exact enough: (j + 0.5) / gs is at least 0.5 / gs from an integer, and the
+  // product's relative error (2^-23 or so) stays below that while j < 2^21.
   const float inv_gs = 1.f / static_cast<float>(gs);
-  const bool float_groups = n <= (1 << 21);
-  auto group_of = [&](int c) {
-    return float_groups ? static_cast<int>((static_cast<float>(c) + 0.5f) * inv_gs) : c / gs;
+  const bool float_groups = w <= (1 << 21);
+  auto group_of = [&](int j) {
+    return float_groups ? static_cast<int>((static_cast<float>(j) + 0.5f) * inv_gs) : j / gs;
   };
-  // x_hat of column c from u = pre(z), and the GroupNorm's output y (rounded as the model does)
-  auto x_hat = [&](int c, float u) {
-    const int g = group_of(c);
+  // x_hat of column j from u = pre(z), and the GroupNorm's output y (rounded as the model does)
+  auto x_hat = [&](int j, float u) {
+    const int g = group_of(j);
     return (u - mean[g]) * rstd[g];
   };
   auto norm_out = [&](int c, float xh) {
     return round_like_model(affine ? xh * __ldg(a.gn_weight + c) + __ldg(a.gn_bias + c) : xh, p);
   };
-  auto chain_out = [&](int c) {
-    const float u = Epi::pre(zrow[c], c, p);
-    if constexpr (Epi::kNorm) return Epi::post(norm_out(c, x_hat(c, u)), c, p);
+  auto chain_out = [&](int j) {
+    const int c = c0 + j;
+    const float u = Epi::pre(zrow[j], c, p);
+    if constexpr (Epi::kNorm) return Epi::post(norm_out(c, x_hat(j, u)), c, p);
     return u;
   };
 
   for (int row = blockIdx.x; row < a.M; row += gridDim.x) {
-    const int64_t base = static_cast<int64_t>(row) * n;
-    load_row(zrow, a.z, base, 1, n, a.bf16);
+    const int64_t base = static_cast<int64_t>(row) * n + c0;
+    load_row(zrow, a.z, base, 1, w, a.bf16);
     if constexpr (kKind == 0)
-      load_row(grow, a.grad, row * a.grad_row_stride, a.grad_col_stride, n, a.bf16);
+      load_row(grow, a.grad, row * a.grad_row_stride + c0 * a.grad_col_stride, a.grad_col_stride,
+               w, a.bf16);
     __syncthreads();
     if constexpr (Epi::kNorm) {
       // the mean, then the centred sums that refine it and give the variance
       const int segment = backward_segment(gs);
-      group_sums([&](int c, int) { return make_float2(Epi::pre(zrow[c], c, p), 0.f); }, groups, gs,
-                 segment, smem + at.runs, mean, rstd);
+      group_sums([&](int j, int) { return make_float2(Epi::pre(zrow[j], c0 + j, p), 0.f); },
+                 groups, gs, segment, smem + at.runs, mean, rstd);
       for (int g = threadIdx.x; g < groups; g += blockDim.x) mean[g] *= inv_gs;
       __syncthreads();
-      group_sums([&](int c, int g) {
-        const float d = Epi::pre(zrow[c], c, p) - mean[g];
+      group_sums([&](int j, int g) {
+        const float d = Epi::pre(zrow[j], c0 + j, p) - mean[g];
         return make_float2(d, d * d);
       }, groups, gs, segment, smem + at.runs, g_mean, gx_mean);
       for (int g = threadIdx.x; g < groups; g += blockDim.x) {
@@ -246,94 +270,133 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
 
     float out = 0.f, ties = 0.f, row_grad = 0.f;
     if constexpr (kKind != 0) row_grad = load_float(a.grad, row * a.grad_row_stride, a.bf16);
-    if constexpr (kKind != 0 && kKind != 3 && kKind != 4) {
-      // min / max (and logsumexp's shift): the row's extreme and its ties
+    if constexpr (kExtremes || kKind == 5) {
+      // min / max (and logsumexp's shift): the extreme and its ties, of the slab, then the row
       constexpr int kExtreme = kKind == 5 ? 2 : kKind;
-      RowAcc r = row_acc_empty<kExtreme>();
-      for (int c = threadIdx.x; c < n; c += blockDim.x) r = extreme_merge<kExtreme>(r, {chain_out(c), 1.f});
-      r = block_reduce<kExtreme>(r, smem + at.scratch);
-      out = r.m;
-      ties = r.s;
+      if (!kExtremes || slabs == 1 || extremes_phase) {
+        RowAcc r = row_acc_empty<kExtreme>();
+        for (int j = threadIdx.x; j < w; j += blockDim.x) r = extreme_merge<kExtreme>(r, {chain_out(j), 1.f});
+        r = block_reduce<kExtreme>(r, smem + at.scratch);
+        if (extremes_phase) {
+          if (threadIdx.x == 0) a.extremes[static_cast<int64_t>(row) * slabs + blockIdx.y] = make_float2(r.m, r.s);
+          __syncthreads();  // the slab's buffers are free again
+          continue;
+        }
+        out = r.m;
+        ties = r.s;
+      } else {
+        const RowAcc r = merge_slabs<kExtreme>(a.extremes + static_cast<int64_t>(row) * slabs, slabs);
+        out = r.m;
+        ties = r.s;
+      }
     }
     if constexpr (kKind == 5) {
       // logsumexp as PyTorch's: the max, then a (compensated) sum of exp(v - max), then log
       const float shift = lse_shift(out);
       RowAcc r{0.f, 0.f};
-      for (int c = threadIdx.x; c < n; c += blockDim.x) row_acc_push<3>(r, expf(chain_out(c) - shift));
+      for (int j = threadIdx.x; j < w; j += blockDim.x) row_acc_push<3>(r, expf(chain_out(j) - shift));
       r = block_reduce<3>(r, smem + at.scratch);
       out = out != out ? out : logf(r.m + r.s) + shift;
     }
 
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+    for (int j = threadIdx.x; j < w; j += blockDim.x) {
+      const int c = c0 + j;
       float dv;
       if constexpr (kKind == 0)
-        dv = grow[c];  // this thread's own column: read before it writes g there
+        dv = grow[j];  // this thread's own column: read before it writes g there
       else
-        dv = route<kKind>(row_grad, kKind == 3 || kKind == 4 ? 0.f : chain_out(c), out, ties, n);
+        dv = route<kKind>(row_grad, kKind == 3 || kKind == 4 ? 0.f : chain_out(j), out, ties, n);
       if constexpr (Epi::kNorm) {
-        const float xh = x_hat(c, Epi::pre(zrow[c], c, p));
-        const float dy = Epi::post_backward(norm_out(c, xh), c, p, dv, sums, n);
+        const float xh = x_hat(j, Epi::pre(zrow[j], c, p));
+        const float dy = Epi::post_backward(norm_out(c, xh), c, p, dv, sums, j, w);
         if (affine) {
-          sums[n + c] += dy * xh;
-          sums[2 * n + c] += dy;
+          sums[w + j] += dy * xh;
+          sums[2 * w + j] += dy;
         }
-        grow[c] = affine ? dy * __ldg(a.gn_weight + c) : dy;
+        grow[j] = affine ? dy * __ldg(a.gn_weight + c) : dy;
       } else {
-        const float dz = Epi::pre_backward(zrow[c], c, p, dv, sums, n);
-        sums[c] += dz;
-        store_float(a.dz, base + c, dz, a.bf16);
+        const float dz = Epi::pre_backward(zrow[j], c, p, dv, sums, j, w);
+        sums[j] += dz;
+        store_float(a.dz, base + j, dz, a.bf16);
       }
     }
 
     if constexpr (Epi::kNorm) {
       __syncthreads();
-      group_sums([&](int c, int g) {
-        const float gc = grow[c];
-        return make_float2(gc, gc * ((Epi::pre(zrow[c], c, p) - mean[g]) * rstd[g]));
+      group_sums([&](int j, int g) {
+        const float gj = grow[j];
+        return make_float2(gj, gj * ((Epi::pre(zrow[j], c0 + j, p) - mean[g]) * rstd[g]));
       }, groups, gs, backward_segment(gs), smem + at.runs, g_mean, gx_mean);
-      for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        const int g = group_of(c);
-        const float xh = (Epi::pre(zrow[c], c, p) - mean[g]) * rstd[g];
-        const float du = rstd[g] * (grow[c] - g_mean[g] * inv_gs - xh * (gx_mean[g] * inv_gs));
-        const float dz = Epi::pre_backward(zrow[c], c, p, du, sums, n);
-        sums[c] += dz;
-        store_float(a.dz, base + c, dz, a.bf16);
+      for (int j = threadIdx.x; j < w; j += blockDim.x) {
+        const int c = c0 + j, g = group_of(j);
+        const float xh = (Epi::pre(zrow[j], c, p) - mean[g]) * rstd[g];
+        const float du = rstd[g] * (grow[j] - g_mean[g] * inv_gs - xh * (gx_mean[g] * inv_gs));
+        const float dz = Epi::pre_backward(zrow[j], c, p, du, sums, j, w);
+        sums[j] += dz;
+        store_float(a.dz, base + j, dz, a.bf16);
       }
     }
-    __syncthreads();  // the row's buffers are free again
+    __syncthreads();  // the slab's buffers are free again
   }
-  float* partial = a.column_partial + static_cast<int64_t>(blockIdx.x) * kSums * n;
-  for (int i = threadIdx.x; i < kSums * n; i += blockDim.x) partial[i] = sums[i];
+  if (extremes_phase) return;
+  float* partial = a.column_partial + static_cast<int64_t>(blockIdx.x) * kSums * n + c0;
+  for (int i = threadIdx.x; i < kSums * w; i += blockDim.x) {
+    const int slot = i / w;
+    partial[static_cast<int64_t>(slot) * n + (i - slot * w)] = sums[i];
+  }
 }
 
-// Blocks for a chain backward of M rows: as many as fit on the GPU at once (at most M); 0 when
-// one block's shared memory exceeds what the device gives a block.
+// How the backward of an M x N chain is cut: the widest number of slabs (at most N / 1024, each
+// a whole number of groups; one for logsumexp, whose row-wide sum is not split), and as many
+// row blocks as fill the GPU with them. row_blocks 0: a slab's working set exceeds what the
+// device gives a block, so the chain's backward runs in PyTorch. Queried once per device and
+// slab shape (the attribute calls cost microseconds each).
 template <class Epi>
-int chain_backward_blocks(int m, int n, int group_size) {
+BackwardPlan chain_backward_plan_for(int m, int n, int group_size) {
+  int slabs = Epi::kReduce == 5 ? 1 : max(1, min(256, n / kBackwardSlab));
+  while (slabs > 1 && (n % slabs != 0 || (n / slabs) % group_size != 0)) --slabs;
+  const int w = n / slabs;
   const size_t bytes =
-      sizeof(float) * static_cast<size_t>(backward_smem(n, group_size, Epi::kNorm, Epi::kColumnSums).total);
-  int device = 0, optin = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return 0;
-  if (bytes > static_cast<size_t>(optin)) return 0;
-  if (cudaFuncSetAttribute(chain_backward_kernel<Epi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(bytes)) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_backward_kernel<Epi>,
-                                                    kBackwardThreads, bytes) != cudaSuccess)
-    return 0;
-  return per_sm < 1 ? 0 : min(m, per_sm * sms);
+      sizeof(float) * static_cast<size_t>(backward_smem(w, group_size, Epi::kNorm, Epi::kColumnSums).total);
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return {};
+  static std::mutex lock;
+  static std::map<std::pair<int, size_t>, int> resident;  // (device, bytes) -> blocks on the GPU
+  std::lock_guard<std::mutex> guard(lock);
+  auto found = resident.find({device, bytes});
+  if (found == resident.end()) {
+    int optin = 0, sms = 0, per_sm = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+        bytes <= static_cast<size_t>(optin) &&
+        cudaFuncSetAttribute(chain_backward_kernel<Epi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(optin)) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_backward_kernel<Epi>,
+                                                      kBackwardThreads, bytes) == cudaSuccess;
+    if (!ok) cudaGetLastError();  // a refused size is an answer, not a sticky error
+    found = resident.emplace(std::make_pair(device, bytes), ok ? per_sm * sms : 0).first;
+  }
+  if (found->second < 1) return {slabs, 0, bytes};
+  return {slabs, max(1, min(m, found->second / slabs)), bytes};
 }
 
+// Launches a plan: the `extremes` phase first where min/max span several slabs. The kernel's
+// shared-memory limit was raised to the device's maximum when the plan was made.
 template <class Epi>
-cudaError_t launch_chain_backward_kernel(const BackwardArgs& a, int blocks, cudaStream_t stream) {
-  const size_t bytes =
-      sizeof(float) * static_cast<size_t>(backward_smem(a.N, a.group_size, Epi::kNorm, Epi::kColumnSums).total);
-  cudaError_t err = cudaFuncSetAttribute(chain_backward_kernel<Epi>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (err != cudaSuccess) return err;
-  chain_backward_kernel<Epi><<<blocks, kBackwardThreads, bytes, stream>>>(a);
+cudaError_t launch_chain_backward_kernel(BackwardArgs a, const BackwardPlan& plan, cudaStream_t stream) {
+  if (plan.row_blocks < 1 || plan.slabs < 1 || a.N % plan.slabs != 0) return cudaErrorInvalidValue;
+  a.slab = a.N / plan.slabs;
+  const dim3 grid(plan.row_blocks, plan.slabs);
+  if ((Epi::kReduce == 1 || Epi::kReduce == 2) && plan.slabs > 1) {
+    if (a.extremes == nullptr) return cudaErrorInvalidValue;
+    a.phase = 1;
+    chain_backward_kernel<Epi><<<grid, kBackwardThreads, plan.smem_bytes, stream>>>(a);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  a.phase = 0;
+  chain_backward_kernel<Epi><<<grid, kBackwardThreads, plan.smem_bytes, stream>>>(a);
   return cudaGetLastError();
 }
 

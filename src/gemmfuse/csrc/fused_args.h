@@ -73,13 +73,23 @@ struct BackwardArgs {
   const void* grad;  // z's dtype: [M, N], or [M] when the chain reduces; strides in elements
   int64_t grad_row_stride, grad_col_stride;
   void* dz;                // [M, N] contiguous, z's dtype
-  float* column_partial;   // [blocks, column_sums, N]: each block's column sums
+  float* column_partial;   // [row blocks, column_sums, N]: each row block's column sums
+  float2* extremes;        // [M, slabs] (min/max over several slabs): each slab's extreme, ties
   const float* gn_weight;  // [N] or nullptr (no affine)
   const float* gn_bias;
   int M, N, group_size;
+  int slab;   // columns per slab (set by the launch from the plan)
+  int phase;  // 1: only each slab's extreme and ties (min/max over several slabs), 0: the rest
   float eps;
   int bf16;
   EpilogueParams params;
+};
+
+// How a chain backward is cut (chain_backward.cuh): the columns into `slabs` (group-aligned),
+// the rows over `row_blocks` (0: it does fit a block's shared memory), smem_bytes per block.
+struct BackwardPlan {
+  int slabs = 0, row_blocks = 0;
+  size_t smem_bytes = 0;
 };
 
 // Defined in fused_linear.cu, one translation unit per epilogue.
@@ -116,11 +126,12 @@ cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream);
 // groups wider than a tile); args.bias is W's bias.
 cudaError_t launch_gemv_epilogue(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
 int gemv_max_rows();
-// The chain's backward: how many column sums it writes (epilogue.column_sum_slots), how many
-// blocks it runs for M rows (0: a row's working set exceeds a block's shared memory), its launch.
+// The chain's backward: how many column sums it writes (epilogue.column_sum_slots), how it is
+// cut for M x N (BackwardPlan), its launch.
 int chain_backward_sums();
-int chain_backward_grid(int M, int N, int group_size);
-cudaError_t launch_chain_backward(const BackwardArgs& args, int blocks, cudaStream_t stream);
+BackwardPlan chain_backward_plan(int M, int N, int group_size);
+cudaError_t launch_chain_backward(const BackwardArgs& args, const BackwardPlan& plan,
+                                  cudaStream_t stream);
 int gemv_slice_for(int K, int N);  // K per block for this device
 
 }  // namespace gemmfuse

@@ -59,12 +59,13 @@ int gemv_max_rows() { return kGemvMaxRows; }
 
 int chain_backward_sums() { return GeneratedEpilogue::kColumnSums; }
 
-int chain_backward_grid(int M, int N, int group_size) {
-  return chain_backward_blocks<GeneratedEpilogue>(M, N, group_size);
+BackwardPlan chain_backward_plan(int M, int N, int group_size) {
+  return chain_backward_plan_for<GeneratedEpilogue>(M, N, group_size);
 }
 
-cudaError_t launch_chain_backward(const BackwardArgs& args, int blocks, cudaStream_t stream) {
-  return launch_chain_backward_kernel<GeneratedEpilogue>(args, blocks, stream);
+cudaError_t launch_chain_backward(const BackwardArgs& args, const BackwardPlan& plan,
+                                  cudaStream_t stream) {
+  return launch_chain_backward_kernel<GeneratedEpilogue>(args, plan, stream);
 }
 
 int gemv_slice_for(int K, int N) {
