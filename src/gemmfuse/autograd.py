@@ -11,8 +11,8 @@ backward needs besides the inputs:
    gradient back through it with PyTorch's formulas (epilogue.py's ``grad`` of each op;
    min/max routed as ``torch.amin`` / ``amax`` route them), summing the per-channel gradients
    over the rows as it goes. Elsewhere (CPU, float64, slabs too wide for a block's shared
-   memory) the chain is evaluated again in PyTorch (``gemmfuse.reference``) and differentiated by autograd (a
-   float32 GroupNorm's formula written out, for speed).
+   memory) the chain is evaluated again in PyTorch (``gemmfuse.reference``) and differentiated
+   by autograd (a float32 GroupNorm's formula written out, for speed).
 2. The products ``dx = dz @ W`` and ``dW = dz.T @ x`` on the tensor cores with the forward's
    split-fp16 scheme (``gemm_split`` of the plain GEMM's extension, on operands split by rows or,
    for operands read down their columns, by ``split_cols``), where the forward's thresholds say
