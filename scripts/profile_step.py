@@ -1,12 +1,14 @@
 """Where a training step's time goes: torch.profiler's CUDA kernel table for one problem.
 
-Usage: python scripts/profile_step.py [62|75] [--bf16] [--forward]. Times 20 steps after 5
+Usage: python scripts/profile_step.py [62|75] [--bf16] [--forward] [--host]. Times 20 steps after 5
 warm-ups (L2 not flushed: this is for reading the breakdown, not for reporting speed) and
 prints the CUDA kernels by total time, per step; then the host's time per step (the Python and
 launch cost, measured with the GPU kept busy so that it never waits) against the step's wall
-time with the GPU free.
+time with the GPU free. --host: instead, the Python profile (cProfile) of 20 steps' host time.
 """
 
+import cProfile
+import pstats
 import sys
 import time
 
@@ -39,6 +41,9 @@ def main() -> None:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
+    if "--host" in sys.argv:
+        host_profile(step)
+        return
     steps = 20
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -50,6 +55,20 @@ def main() -> None:
     )
     print(table)
     print(host_and_wall(step))
+
+
+def host_profile(step, steps: int = 20) -> None:
+    """cProfile of the host's work for `steps` steps, the GPU kept busy (no launch waits)."""
+    torch.cuda._sleep(2_000_000_000)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    stats.print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
 
 
 def host_and_wall(step, steps: int = 20) -> str:

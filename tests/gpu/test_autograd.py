@@ -30,6 +30,15 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   gradient until the chain backward kernel: eager's noise is not a target. At commit 2cca87b+1
   a sub[t] before a GroupNorm gave 7.6e-6 where eager gave 1.26e-4, itself outside
   allclose(1e-4) of float64's zero, and failed that bar for being closer to the truth.)
+- a tensor argument's gradient whose terms cancel more than a thousandfold (its float64 value
+  against the sum of its terms' absolute values, each element of the argument expanded to its
+  own term): each element within 4 fp32 ulps of that sum of magnitudes. Each fp32 term carries
+  a few ulps of its own (the chain's roundings), so the sum's relative error is a draw scaled
+  by the cancellation, and eager's single draw is no bar. Measured (hypothesis, commit
+  c295f90): a scalar mul[t] before a one-group GroupNorm, 80 terms up to 3.3e-2 summing to
+  -5.7e-6: ours 1.9e-3 relative, eager 7.4e-5, PyTorch's fp32 ops on the CPU 1.5e-3 with
+  the same terms summed exactly (emulating the kernel's formula there: 1.7e-3). The bar was
+  the relative one below; it stays for every other gradient.
 - no more elements outside allclose(1e-4) of that float64 reference than eager has.
 - bfloat16 models: gradients no further from float64 (relative L2) than 1.5x eager bf16's.
 """
@@ -39,7 +48,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gemmfuse.chains import chain_pool, linear_data
@@ -123,6 +132,28 @@ class Chain:
         x, w = self.x.to(products), self.w.to(products)
         return (dz @ w, dz.t() @ x, dz.sum(0), *d_rest)
 
+    def term_magnitudes(self, z, grad) -> dict[int, torch.Tensor]:
+        """Per leaf index, for each tensor argument read only per channel (not by tail ops):
+        the sum of its gradient's terms' absolute values (float64 from z), the argument
+        expanded to every element so that each term is its own gradient element."""
+        m, n = z.shape
+        first = 3 + sum(t is not None for t in self.gn)
+        only_channel = set(self.epilogue.channel_params) - set(self.epilogue.tail_params)
+        params = [t.detach().double() for t in self.params]
+        for i in only_channel:
+            params[i] = params[i].expand(m, n).clone().requires_grad_()
+        gn = [None if t is None else t.detach().double() for t in self.gn]
+        if not only_channel:
+            return {}
+        out = self.run_from_z(z.detach().double(), gn, params)
+        terms = torch.autograd.grad(out, [params[i] for i in sorted(only_channel)], grad.double())
+        sums = {}
+        for i, t in zip(sorted(only_channel), terms, strict=True):
+            shape = self.params[i].shape
+            a = t.abs().sum() if self.params[i].numel() == 1 else t.abs().sum(0)
+            sums[first + i] = a.reshape(shape)
+        return sums
+
     def exact(self, grad):
         leaves = self.leaves(torch.float64)
         x, w, b, gn, params = self._split(leaves)
@@ -152,6 +183,7 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
     alone = chain.given_z(z_rounded, grad, torch.float32)
     ref_rounded = chain.given_z(z_rounded, grad)
     exact = chain.exact(grad)
+    magnitudes = chain.term_magnitudes(z_ours, grad)
     lines = []
     for i, name in enumerate(names):
         g = ours[i]
@@ -172,6 +204,12 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
         if zero:  # noise: within 1e-4 of float64's zero, or within twice eager's noise
             noise = max_abs_err(eager[i], ref_eager[i])
             assert max_abs_err(g, ref_ours[i]) <= max(2 * noise, 1e-4), line
+            continue
+        if i in magnitudes and ref_ours[i].norm() <= 1e-3 * magnitudes[i].norm():
+            # Terms cancelling a thousandfold: held to a few ulps of the terms themselves
+            bound = 4 * EPS * magnitudes[i]
+            assert ((g.double() - ref_ours[i]).abs() <= bound).all(), line
+            assert off_allclose(g, ref_ours[i]) <= off_allclose(eager[i], ref_eager[i]), line
             continue
         if bar_on:
             assert err <= err_eager + floor, line
@@ -232,6 +270,8 @@ def test_full_size_gradients(number):
     seed=st.integers(0, 2**31 - 1),
     kernel=st.sampled_from([*fused_kernels(), "auto", "epilogue"]),
 )
+# A scalar argument's gradient cancelling 6000-fold (see the module docstring)
+@example(index=5, m=5, k=2048, group_size=16, groups=1, seed=91832361, kernel="auto")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]
     gen = torch.Generator().manual_seed(seed)
