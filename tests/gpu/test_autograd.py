@@ -14,10 +14,15 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
 
 - each gradient's relative L2 error at most eager fp32's (eager's gradients against float64
   from eager's z), plus the relative error of the chain's fp32 backward ops alone (on the
-  exactly rounded z, against float64 from it) and one fp32 ulp: the forward's float64 bar
-  (eager's error, the ops' own rounding, one ulp). Measured at full size: #75's dx, whose rows
-  are one product each (min routes one channel per row), 2.16e-7 against eager's 2.03e-7, the
-  split's 22 bits per operand against one rounding; end to end 4.3e-7 against 2.1e-6;
+  exactly rounded z, against float64 from it; the larger of PyTorch's CUDA and CPU ops, two
+  summation orders) and one fp32 ulp: the forward's float64 bar (eager's error, the ops' own
+  rounding, one ulp). The CPU's draw joined the floor at commit 58b80a7: a scalar mul[t]
+  gradient (pool chain 0, M = 130, K = 300, seed 11530), whose fp32 terms carry 2e-5 relative
+  error however they are summed, came out at 1.16e-5 against eager's 4.2e-6 + 2.6e-6 (the CUDA
+  ops' draw); PyTorch's CPU ops on the same data: 2.3e-5. Measured at full size: #75's dx,
+  whose rows are one product each (min routes one channel per row), 2.16e-7 against eager's
+  2.03e-7, the split's 22 bits per operand against one rounding; end to end 4.3e-7 against
+  2.1e-6;
 - random chains: the bar for kernel="auto"; a forced fused kernel at these small shapes, the
   allclose count alone (the forward's rule, tests/gpu/test_chains.py);
 - gradients that are zero to float64's rounding (a scalar multiplier before the mean of a
@@ -85,6 +90,13 @@ class Chain:
         self.chain = Epilogue(
             pre=epilogue.pre, norm=epilogue.norm, post=epilogue.post, reduce=epilogue.reduce
         )
+
+    def to(self, device):
+        """This chain's tensors on ``device``."""
+        moved = [None if t is None else t.to(device) for t in (*self.gn, *self.params)]
+        gn, params = moved[: len(self.gn)], moved[len(self.gn) :]
+        x, w, b = (t.to(device) for t in (self.x, self.w, self.b))
+        return Chain(x, w, b, self.epilogue, gn, params)
 
     def leaves(self, dtype=None):
         ts = [t for t in (self.x, self.w, self.b, *self.gn, *self.params) if t is not None]
@@ -181,6 +193,7 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
     ref_ours, ref_eager = chain.given_z(z_ours, grad), chain.given_z(z_eager, grad)
     z_rounded = F.linear(chain.x.double(), chain.w.double(), chain.b.double()).float()
     alone = chain.given_z(z_rounded, grad, torch.float32)
+    alone_cpu = chain.to("cpu").given_z(z_rounded.cpu(), grad.cpu(), torch.float32)
     ref_rounded = chain.given_z(z_rounded, grad)
     exact = chain.exact(grad)
     magnitudes = chain.term_magnitudes(z_ours, grad)
@@ -189,7 +202,8 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
         g = ours[i]
         assert g.shape == exact[i].shape and not (g.isnan() & ~eager[i].isnan()).any(), label
         err, err_eager = rel_err(g, ref_ours[i]), rel_err(eager[i], ref_eager[i])
-        floor = rel_err(alone[i], ref_rounded[i]) + EPS
+        floor = max(rel_err(alone[i], ref_rounded[i]), rel_err(alone_cpu[i], ref_rounded[i].cpu()))
+        floor += EPS
         e2e = [rel_err(g, exact[i]), rel_err(eager[i], exact[i])]
         e2e += [max_abs_err(g, exact[i]), max_abs_err(eager[i], exact[i])]
         line = (
@@ -270,8 +284,9 @@ def test_full_size_gradients(number):
     seed=st.integers(0, 2**31 - 1),
     kernel=st.sampled_from([*fused_kernels(), "auto", "epilogue"]),
 )
-# A scalar argument's gradient cancelling 6000-fold (see the module docstring)
+# Scalar arguments' gradients whose fp32 terms are noisy (see the module docstring)
 @example(index=5, m=5, k=2048, group_size=16, groups=1, seed=91832361, kernel="auto")
+@example(index=0, m=130, k=300, group_size=128, groups=2, seed=11530, kernel="auto")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]
     gen = torch.Generator().manual_seed(seed)
