@@ -87,7 +87,9 @@ class FusedLinearFunction(torch.autograd.Function):
         needs_x, needs_w, needs_b, *needs_chain = ctx.needs_input_grad[1:]
         tensors = (gn_weight, gn_bias, *params)
         if _kernel_backward_fits(call.chain, z, grad):
-            dz, chain_grads, db = _kernel_chain_backward(call.chain, z, grad, tensors, needs_chain)
+            dz, chain_grads, db = _kernel_chain_backward(
+                call.chain, z, grad, tensors, needs_chain, call.weight_cache
+            )
         else:
             dz, chain_grads = chain_backward(call.chain, z, grad, tensors, needs_chain)
             db = dz.sum(0) if needs_b else None
@@ -130,30 +132,33 @@ def channel_vectors(epilogue: Epilogue, params, n: int) -> list[torch.Tensor]:
     return [_float32(params[i].reshape(-1).expand(n)) for i in epilogue.channel_params]
 
 
-def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs):
-    """chain_backward on the GPU in one kernel: (dz, the gradients of ``tensors``, db)."""
+def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None):
+    """chain_backward on the GPU in one kernel: (dz, the gradients of ``tensors``, db), each in
+    z's dtype. ``cache`` (the forward's weight cache) keeps the GroupNorm vectors' float32
+    copies of a bfloat16 model between calls."""
     gn_weight, gn_bias, *params = tensors
     n = z.shape[1]
+    if cache is not None:
+        gn32 = cache.float32(gn_weight, "gn_weight"), cache.float32(gn_bias, "gn_bias")
+    else:
+        gn32 = _float32(gn_weight), _float32(gn_bias)
     dz, sums = extension_for(chain).chain_backward(
-        z, grad, _float32(gn_weight), _float32(gn_bias), channel_vectors(chain, params, n),
-        chain.scalars,
+        z, grad, *gn32, channel_vectors(chain, params, n), chain.scalars,
         _group_size(chain, n), chain.norm.eps if chain.norm is not None else 0.0,
     )  # fmt: skip
+    # One conversion for every per-channel gradient (the tensors share z's dtype on this path)
+    rounded = sums if sums.dtype == z.dtype else sums.to(z.dtype)
     _, first = column_sum_slots(chain)
-    grads = [sums[1], sums[2]] if gn_weight is not None else [None, None]
+    grads = [rounded[1], rounded[2]] if gn_weight is not None else [None, None]
     grads += [None] * len(params)
     for slot, i in enumerate(chain.channel_params, start=first):
         shape = params[i].shape
-        g = sums[slot].sum() if math.prod(shape) == 1 else sums[slot]
+        if math.prod(shape) == 1:  # a scalar's: its column sums added in float64 (they may cancel)
+            g = sums[slot].sum(dtype=torch.float64).to(z.dtype)
+        else:
+            g = rounded[slot]
         grads[2 + i] = g.reshape(shape) if grads[2 + i] is None else grads[2 + i] + g.reshape(shape)
-    return (
-        dz,
-        [
-            None if g is None or not need else g.to(t.dtype)
-            for g, t, need in zip(grads, tensors, needs, strict=True)
-        ],
-        sums[0],
-    )
+    return dz, [g if need else None for g, need in zip(grads, needs, strict=True)], rounded[0]
 
 
 def chain_backward(chain: Epilogue, z, grad, tensors, needs) -> tuple[torch.Tensor, list]:
