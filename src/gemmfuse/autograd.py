@@ -153,10 +153,7 @@ def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None)
     grads += [None] * len(params)
     for slot, i in enumerate(chain.channel_params, start=first):
         shape = params[i].shape
-        if math.prod(shape) == 1:  # a scalar's: its column sums added in float64 (they may cancel)
-            g = sums[slot].sum(dtype=torch.float64).to(z.dtype)
-        else:
-            g = rounded[slot]
+        g = sums[slot].sum().to(z.dtype) if math.prod(shape) == 1 else rounded[slot]
         grads[2 + i] = g.reshape(shape) if grads[2 + i] is None else grads[2 + i] + g.reshape(shape)
     return dz, [g if need else None for g, need in zip(grads, needs, strict=True)], rounded[0]
 

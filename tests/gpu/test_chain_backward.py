@@ -89,17 +89,25 @@ def test_every_pool_chain(index):
         check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n}")
 
 
+# (N, groups with a GroupNorm, the plan without logsumexp: slabs, in registers)
+LAYOUTS = {"registers": (4096, 64, [4, 1]), "shared memory": (2560, 10, [2, 0])}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("index", range(len(POOL)))
-def test_every_pool_chain_in_column_slabs(index):
-    """Rows cut into group-aligned column slabs (4 of 1024 columns here; one for logsumexp,
-    whose sum is not split): min/max merge their slabs' extremes in a first pass."""
+def test_every_pool_chain_in_column_slabs(index, layout):
+    """Rows cut into group-aligned column slabs, by both kernels: the register kernel (groups of
+    64 here) and the shared-memory one (groups of 256), logsumexp in one slab in shared memory;
+    min/max merge their slabs' extremes from a first phase."""
     spec = POOL[index]
-    m, n, groups = 37, 4096, (64 if spec.norm else 1)
+    n, groups, plan = LAYOUTS[layout]
+    m, groups = 37, (groups if spec.norm else 1)
     chain, z, grad, tensors = draw(spec, m, n, groups, 200 + index)
-    lse = chain.reduce is not None and chain.reduce.op == "logsumexp"
+    if chain.reduce is not None and chain.reduce.op == "logsumexp":
+        plan = [1, 0]
     group_size = n // groups if spec.norm else 1
-    assert kernel_plan(chain.structure, m, n, group_size, CUDA)[0] == (1 if lse else 4)
-    check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n}")
+    assert kernel_plan(chain.structure, m, n, group_size, CUDA)[::2] == plan
+    check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n} ({layout})")
 
 
 def chain_62(groups):
@@ -139,10 +147,11 @@ def test_ties_split_the_gradient_as_amin_does():
     assert (grads[1][10:20] != 0).all()  # each of the ten got a share
 
 
-def test_ties_across_slabs():
+@pytest.mark.parametrize("groups, in_registers", [(64, 1), (16, 0)])
+def test_ties_across_slabs(groups, in_registers):
     """Ties in different column slabs share the gradient: #75's chain on 4096 channels (four
-    slabs), the row's lowest value in channels 10..14 and 4000..4004."""
-    full = epilogue_75(64, 1e-5, True)
+    slabs), the row's lowest value in channels 10..14 and 4000..4004, by both kernels."""
+    full = epilogue_75(groups, 1e-5, True)
     chain = Epilogue(norm=full.norm, reduce=full.reduce)
     g = torch.Generator().manual_seed(3)
     z = torch.randn(16, 4096, generator=g).to(CUDA)
@@ -150,12 +159,23 @@ def test_ties_across_slabs():
     gn_w, gn_b = affine(4096, g)
     for lo in (10, 4000):
         gn_w[lo : lo + 5], gn_b[lo : lo + 5] = 0.0, -50.0
-    assert kernel_plan(chain.structure, 16, 4096, 64, CUDA)[0] == 4
+    assert kernel_plan(chain.structure, 16, 4096, 4096 // groups, CUDA)[::2] == [4, in_registers]
     dz, grads, _ = _kernel_chain_backward(chain, z, grad, [gn_w, gn_b], [True, True])
     exact_dz, exact = exact_grads(chain, z, grad, [gn_w, gn_b])
     torch.testing.assert_close(dz.double(), exact_dz, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grads[1].double(), exact[1], rtol=1e-6, atol=1e-7)
     assert (grads[1][10:15] != 0).all() and (grads[1][4000:4005] != 0).all()
+
+
+def test_unaligned_z():
+    """A view of z that starts 4 bytes into its storage (the register kernel reads 16 bytes at
+    once: the binding copies it)."""
+    g = torch.Generator().manual_seed(5)
+    storage = torch.randn(8 * 1024 + 1, generator=g).to(CUDA)
+    z = storage[1:].view(8, 1024)
+    grad = torch.randn(8, 1024, generator=g).to(CUDA)
+    assert kernel_plan(chain_62(64).structure, 8, 1024, 16, CUDA)[2] == 1
+    check(chain_62(64), z, grad, affine(1024, g), "unaligned z")
 
 
 def test_strided_gradient():
@@ -190,4 +210,4 @@ def test_slabs_too_wide_fall_back_to_pytorch():
     z = torch.randn(2, 1 << 16, device=CUDA)
     assert not _kernel_backward_fits(chain_62(1), z, z)
     assert _kernel_backward_fits(chain_62(8), z, z)
-    assert kernel_plan(chain_62(8).structure, 2, 1 << 16, 1 << 13, CUDA)[0] == 8
+    assert kernel_plan(chain_62(8).structure, 2, 1 << 16, 1 << 13, CUDA)[::2] == [8, 0]

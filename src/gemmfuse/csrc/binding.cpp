@@ -404,6 +404,8 @@ std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
   c10::cuda::CUDAGuard guard(z.device());
   const gemmfuse::BackwardPlan plan = gemmfuse::chain_backward_plan(chain.M, chain.N, chain.group_size);
   TORCH_CHECK(plan.row_blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_plan)");
+  // The register kernel reads four columns at once (a view of a larger z may start unaligned)
+  if (plan.in_registers && reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 != 0) z = z.clone();
   const int sums = gemmfuse::chain_backward_sums();
   auto dz = torch::empty_like(z);
   auto partial = torch::empty({plan.row_blocks, sums, N}, z.options().dtype(torch::kFloat32));
@@ -433,12 +435,13 @@ std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
 }
 
 // How chain_backward cuts an M x N chain in groups of group_size on this device: [slabs, row
-// blocks]; row blocks 0 where a slab does not fit a block (the backward then runs in PyTorch).
+// blocks, in registers (1) or shared memory (0)]; row blocks 0 where a slab does not fit a block
+// (the backward then runs in PyTorch).
 std::vector<int64_t> chain_backward_plan(int64_t M, int64_t N, int64_t group_size) {
   TORCH_CHECK(M >= 1 && M < (int64_t{1} << 31) && N >= 1 && N < (int64_t{1} << 31) &&
                   group_size >= 1 && N % group_size == 0,
               "gemmfuse: bad chain_backward_plan sizes");
   const gemmfuse::BackwardPlan plan = gemmfuse::chain_backward_plan(
       static_cast<int>(M), static_cast<int>(N), static_cast<int>(group_size));
-  return {plan.slabs, plan.row_blocks};
+  return {plan.slabs, plan.row_blocks, plan.in_registers};
 }

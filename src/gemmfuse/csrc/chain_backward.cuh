@@ -24,9 +24,6 @@
 // slab of partial sums, which the host adds in block order: results do not depend on timing.
 #pragma once
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "fused_args.h"
 #include "pointwise_grad.cuh"
@@ -344,60 +341,6 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
     const int slot = i / w;
     partial[static_cast<int64_t>(slot) * n + (i - slot * w)] = sums[i];
   }
-}
-
-// How the backward of an M x N chain is cut: the widest number of slabs (at most N / 1024, each
-// a whole number of groups; one for logsumexp, whose row-wide sum is not split), and as many
-// row blocks as fill the GPU with them. row_blocks 0: a slab's working set exceeds what the
-// device gives a block, so the chain's backward runs in PyTorch. Queried once per device and
-// slab shape (the attribute calls cost microseconds each).
-template <class Epi>
-BackwardPlan chain_backward_plan_for(int m, int n, int group_size) {
-  int slabs = Epi::kReduce == 5 ? 1 : max(1, min(256, n / kBackwardSlab));
-  while (slabs > 1 && (n % slabs != 0 || (n / slabs) % group_size != 0)) --slabs;
-  const int w = n / slabs;
-  const size_t bytes =
-      sizeof(float) * static_cast<size_t>(backward_smem(w, group_size, Epi::kNorm, Epi::kColumnSums).total);
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return {};
-  static std::mutex lock;
-  static std::map<std::pair<int, size_t>, int> resident;  // (device, bytes) -> blocks on the GPU
-  std::lock_guard<std::mutex> guard(lock);
-  auto found = resident.find({device, bytes});
-  if (found == resident.end()) {
-    int optin = 0, sms = 0, per_sm = 0;
-    const bool ok =
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-        bytes <= static_cast<size_t>(optin) &&
-        cudaFuncSetAttribute(chain_backward_kernel<Epi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(optin)) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_backward_kernel<Epi>,
-                                                      kBackwardThreads, bytes) == cudaSuccess;
-    if (!ok) cudaGetLastError();  // a refused size is an answer, not a sticky error
-    found = resident.emplace(std::make_pair(device, bytes), ok ? per_sm * sms : 0).first;
-  }
-  if (found->second < 1) return {slabs, 0, bytes};
-  return {slabs, max(1, min(m, found->second / slabs)), bytes};
-}
-
-// Launches a plan: the `extremes` phase first where min/max span several slabs. The kernel's
-// shared-memory limit was raised to the device's maximum when the plan was made.
-template <class Epi>
-cudaError_t launch_chain_backward_kernel(BackwardArgs a, const BackwardPlan& plan, cudaStream_t stream) {
-  if (plan.row_blocks < 1 || plan.slabs < 1 || a.N % plan.slabs != 0) return cudaErrorInvalidValue;
-  a.slab = a.N / plan.slabs;
-  const dim3 grid(plan.row_blocks, plan.slabs);
-  if ((Epi::kReduce == 1 || Epi::kReduce == 2) && plan.slabs > 1) {
-    if (a.extremes == nullptr) return cudaErrorInvalidValue;
-    a.phase = 1;
-    chain_backward_kernel<Epi><<<grid, kBackwardThreads, plan.smem_bytes, stream>>>(a);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  a.phase = 0;
-  chain_backward_kernel<Epi><<<grid, kBackwardThreads, plan.smem_bytes, stream>>>(a);
-  return cudaGetLastError();
 }
 
 }  // namespace gemmfuse

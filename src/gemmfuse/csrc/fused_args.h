@@ -85,11 +85,13 @@ struct BackwardArgs {
   EpilogueParams params;
 };
 
-// How a chain backward is cut (chain_backward.cuh): the columns into `slabs` (group-aligned),
-// the rows over `row_blocks` (0: it does fit a block's shared memory), smem_bytes per block.
+// How a chain backward runs (chain_backward_plan.cuh): the columns cut into `slabs`
+// (group-aligned), the rows over `row_blocks` (0: it does not fit a block's shared memory),
+// smem_bytes per block; in_registers: the register kernel (narrow groups, 1024-column slabs).
 struct BackwardPlan {
   int slabs = 0, row_blocks = 0;
   size_t smem_bytes = 0;
+  int in_registers = 0;
 };
 
 // Defined in fused_linear.cu, one translation unit per epilogue.

@@ -4,7 +4,7 @@
 #include "fused_args.h"
 #include "pointwise_grad.cuh"
 #include "epilogue_generated.cuh"
-#include "chain_backward.cuh"
+#include "chain_backward_plan.cuh"
 #include "gemm_gn_sm80.cuh"
 #include "gemm_gn_sm90.cuh"
 #include "gemv_epilogue.cuh"

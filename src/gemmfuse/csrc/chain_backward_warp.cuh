@@ -1,0 +1,196 @@
+// The chain backward of chain_backward.cuh for narrow groups, held in registers: each thread owns
+// four adjacent columns of a 1024-column slab for every row it visits (so a GroupNorm group of
+// 4 to 128 columns lies within one warp, its sums a shuffle among the group's lanes), and keeps
+// those columns' sums (bias, affine, tensor arguments) in registers across rows. No shared-memory
+// row, no block barrier per row except a min/max's block reduction: rows stream through at the
+// memory's pace. The arithmetic is the shared-memory kernel's: the same formulas, compensated
+// group sums (mean, then centred sums that refine it), the same routing; sums in another order.
+#pragma once
+#include <cstdint>
+
+#include "chain_backward.cuh"
+
+namespace gemmfuse {
+
+constexpr int kWarpSlab = 4 * kBackwardThreads;  // the slab width: four columns per thread
+
+// Whether a chain of n columns in groups of group_size takes the register kernel.
+template <class Epi>
+__host__ __device__ inline bool backward_in_registers(int n, int group_size) {
+  if (Epi::kReduce == 5 || n % kWarpSlab != 0) return false;  // logsumexp: one slab per row
+  if (!Epi::kNorm) return true;
+  const int lanes = group_size / 4;
+  return group_size % 4 == 0 && lanes >= 1 && lanes <= 32 && 32 % lanes == 0;
+}
+
+// The compensated sum of a group's partials across its `lanes` lanes (aligned, a power of two):
+// a butterfly, so every lane gets the same total (TwoSum's error term is exact either way round).
+__device__ __forceinline__ RowAcc group_total(RowAcc a, int lanes) {
+  for (int off = 1; off < lanes; off <<= 1) {
+    const RowAcc o{__shfl_xor_sync(0xffffffffu, a.m, off), __shfl_xor_sync(0xffffffffu, a.s, off)};
+    a = row_acc_merge<3>(a, o);
+  }
+  return a;
+}
+
+__device__ __forceinline__ void load4(float (&v)[4], const void* p, int64_t i, int bf16) {
+  if (bf16) {
+    const uint2 r = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p) + i);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  } else {
+    const float4 r = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
+  }
+}
+
+__device__ __forceinline__ void store4(void* p, int64_t i, const float (&v)[4], int bf16) {
+  if (bf16) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+    uint2 r;
+    r.x = *reinterpret_cast<const unsigned*>(&lo);
+    r.y = *reinterpret_cast<const unsigned*>(&hi);
+    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p) + i) = r;
+  } else {
+    *reinterpret_cast<float4*>(static_cast<float*>(p) + i) = make_float4(v[0], v[1], v[2], v[3]);
+  }
+}
+
+template <class Epi>
+__global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(const BackwardArgs a) {
+  constexpr int kSums = Epi::kColumnSums, kKind = Epi::kReduce;
+  constexpr bool kExtremes = kKind == 1 || kKind == 2;
+  if constexpr (kKind == 5) {
+    return;  // never launched (backward_in_registers)
+  } else {
+    __shared__ float scratch[2 * kBackwardWarps + 2];
+    const int n = a.N, gs = a.group_size, slabs = n / kWarpSlab;
+    const int c = blockIdx.y * kWarpSlab + 4 * threadIdx.x;  // this thread's first column
+    const int lanes = Epi::kNorm ? gs / 4 : 1;
+    const float inv_gs = 1.f / static_cast<float>(gs);
+    const bool extremes_phase = kExtremes && a.phase == 1;
+    const EpilogueParams& p = a.params;
+    const bool affine = a.gn_weight != nullptr;
+    float gw[4] = {1.f, 1.f, 1.f, 1.f}, gb[4] = {0.f, 0.f, 0.f, 0.f};
+    if (affine) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) gw[i] = __ldg(a.gn_weight + c + i), gb[i] = __ldg(a.gn_bias + c + i);
+    }
+    float acc[kSums * 4];
+#pragma unroll
+    for (int i = 0; i < kSums * 4; ++i) acc[i] = 0.f;
+
+    for (int row = blockIdx.x; row < a.M; row += gridDim.x) {
+      const int64_t base = static_cast<int64_t>(row) * n + c;
+      float zv[4], u[4], dv[4] = {0.f, 0.f, 0.f, 0.f};
+      load4(zv, a.z, base, a.bf16);
+      if constexpr (kKind == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          dv[i] = load_float(a.grad, row * a.grad_row_stride + (c + i) * a.grad_col_stride, a.bf16);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) u[i] = Epi::pre(zv[i], c + i, p);
+
+      float mean = 0.f, rstd = 1.f;
+      if constexpr (Epi::kNorm) {
+        RowAcc s{0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) row_acc_push<3>(s, u[i]);
+        s = group_total(s, lanes);
+        mean = (s.m + s.s) * inv_gs;
+        RowAcc d{0.f, 0.f}, d2{0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float t = u[i] - mean;
+          row_acc_push<3>(d, t);
+          row_acc_push<3>(d2, t * t);
+        }
+        d = group_total(d, lanes);
+        d2 = group_total(d2, lanes);
+        const double dd = static_cast<double>(d.m + d.s) / gs;
+        const double var = fmax(static_cast<double>(d2.m + d2.s) / gs - dd * dd, 0.0);
+        mean += static_cast<float>(dd);
+        rstd = static_cast<float>(1.0 / sqrt(var + static_cast<double>(a.eps)));
+      }
+      float xh[4], y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        xh[i] = (u[i] - mean) * rstd;
+        y[i] = round_like_model(affine ? xh[i] * gw[i] + gb[i] : xh[i], p);
+      }
+      auto chain_out = [&](int i) {
+        if constexpr (Epi::kNorm) return Epi::post(y[i], c + i, p);
+        return u[i];
+      };
+
+      if constexpr (kKind != 0) {
+        const float row_grad = load_float(a.grad, row * a.grad_row_stride, a.bf16);
+        float out = 0.f, ties = 0.f;
+        if constexpr (kExtremes) {
+          RowAcc r;
+          if (slabs == 1 || extremes_phase) {
+            r = row_acc_empty<kKind>();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) r = extreme_merge<kKind>(r, {chain_out(i), 1.f});
+            r = block_reduce<kKind>(r, scratch);
+            if (extremes_phase) {
+              if (threadIdx.x == 0) a.extremes[static_cast<int64_t>(row) * slabs + blockIdx.y] = make_float2(r.m, r.s);
+              continue;
+            }
+          } else {
+            r = merge_slabs<kKind>(a.extremes + static_cast<int64_t>(row) * slabs, slabs);
+          }
+          out = r.m;
+          ties = r.s;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          dv[i] = route<kKind>(row_grad, kExtremes ? chain_out(i) : 0.f, out, ties, n);
+      }
+
+      float dz[4];
+      if constexpr (Epi::kNorm) {
+        float g[4];
+        RowAcc sg{0.f, 0.f}, sgx{0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float dy = Epi::post_backward(y[i], c + i, p, dv[i], acc, i, 4);
+          if (affine) {
+            acc[4 + i] += dy * xh[i];
+            acc[8 + i] += dy;
+          }
+          g[i] = affine ? dy * gw[i] : dy;
+          row_acc_push<3>(sg, g[i]);
+          row_acc_push<3>(sgx, g[i] * xh[i]);
+        }
+        sg = group_total(sg, lanes);
+        sgx = group_total(sgx, lanes);
+        const float g_mean = (sg.m + sg.s) * inv_gs, gx_mean = (sgx.m + sgx.s) * inv_gs;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float du = rstd * (g[i] - g_mean - xh[i] * gx_mean);
+          dz[i] = Epi::pre_backward(zv[i], c + i, p, du, acc, i, 4);
+          acc[i] += dz[i];
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          dz[i] = Epi::pre_backward(zv[i], c + i, p, dv[i], acc, i, 4);
+          acc[i] += dz[i];
+        }
+      }
+      store4(a.dz, base, dz, a.bf16);
+    }
+    if (extremes_phase) return;
+    float* partial = a.column_partial + static_cast<int64_t>(blockIdx.x) * kSums * n + c;
+#pragma unroll
+    for (int slot = 0; slot < kSums; ++slot) {
+      float4 v = make_float4(acc[4 * slot], acc[4 * slot + 1], acc[4 * slot + 2], acc[4 * slot + 3]);
+      *reinterpret_cast<float4*>(partial + static_cast<int64_t>(slot) * n) = v;
+    }
+  }
+}
+
+}  // namespace gemmfuse
