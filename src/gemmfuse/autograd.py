@@ -146,8 +146,9 @@ def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None)
         z, grad, *gn32, channel_vectors(chain, params, n), chain.scalars,
         _group_size(chain, n), chain.norm.eps if chain.norm is not None else 0.0,
     )  # fmt: skip
-    # One conversion for every per-channel gradient (the tensors share z's dtype on this path)
-    rounded = sums if sums.dtype == z.dtype else sums.to(z.dtype)
+    # One conversion for every per-channel gradient (the tensors share z's dtype on this path);
+    # a scalar's gradient sums its columns in float64 first (they may cancel)
+    rounded = sums.to(z.dtype)
     _, first = column_sum_slots(chain)
     grads = [rounded[1], rounded[2]] if gn_weight is not None else [None, None]
     grads += [None] * len(params)

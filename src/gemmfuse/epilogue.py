@@ -391,9 +391,12 @@ def _forward_body(ops: tuple[Pointwise, ...], at: _CodeCursor) -> list[str]:
     return [f"    v = round_like_model({_op_code(op, at)[0].format(v='v')}, p);" for op in ops]
 
 
-def _backward_body(ops: tuple[Pointwise, ...], at: _CodeCursor, param_slot: int) -> list[str]:
+def _backward_body(
+    ops: tuple[Pointwise, ...], at: _CodeCursor, param_slot: int, sums: int
+) -> list[str]:
     """Recomputes each op's input v{i} from v, then takes d back through the ops, last first;
-    a tensor argument's gradient is added to its column sum, slot ``param_slot`` + its index."""
+    a tensor argument's gradient is added to its column sum, slot ``param_slot`` + its index
+    (compensated: the errors follow the ``sums`` slots)."""
     codes = [_op_code(op, at) for op in ops]
     lines = ["    const float v0 = v;"] if codes else []
     for i, (fwd, *_) in enumerate(codes):
@@ -405,7 +408,10 @@ def _backward_body(ops: tuple[Pointwise, ...], at: _CodeCursor, param_slot: int)
         lines.append("      (void)x;")
         lines.append("      (void)y;")
         if vec is not None:
-            lines.append(f"      acc[{param_slot + vec} * acc_stride + acc_col] += {grad_arg};")
+            lines.append(
+                f"      gemmfuse::column_add(acc, {param_slot + vec} * acc_stride + acc_col, "
+                f"{sums} * acc_stride, {grad_arg});"
+            )
         if grad != "d":
             lines.append(f"      d = {grad};")
         lines.append("    }")
@@ -443,10 +449,11 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
     pre_at = _CodeCursor()
     pre = _forward_body(epilogue.pre, pre_at)
     post = _forward_body(epilogue.post, dataclasses.replace(pre_at))
-    pre_bwd = _backward_body(epilogue.pre, _CodeCursor(), param_slot)
-    post_bwd = _backward_body(epilogue.post, dataclasses.replace(pre_at), param_slot)
+    pre_bwd = _backward_body(epilogue.pre, _CodeCursor(), param_slot, sums)
+    post_bwd = _backward_body(epilogue.post, dataclasses.replace(pre_at), param_slot, sums)
     fwd_args = "float v, int col, const gemmfuse::EpilogueParams& p"
-    # acc: the block's column sums, slot-major, acc_stride columns a slot; acc_col: this column's.
+    # acc: the block's column sums, slot-major, acc_stride columns a slot, then their rounding
+    # errors in the same layout; acc_col: this column's.
     bwd_args = f"{fwd_args}, float d, float* acc, int acc_col, int acc_stride"
     return "\n".join(
         [

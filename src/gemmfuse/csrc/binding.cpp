@@ -376,7 +376,7 @@ torch::Tensor gemv_forward(torch::Tensor x, torch::Tensor w, c10::optional<torch
 
 // The chain's backward (chain_backward.cuh): z [M, N] (the saved GEMM result, float32 or
 // bfloat16, contiguous) and the gradient of the chain's output (z's dtype: [M, N], or M values
-// when the chain reduces; any strides) -> {dz [M, N] of z's dtype, column sums float32
+// when the chain reduces; any strides) -> {dz [M, N] of z's dtype, column sums float64
 // [chain_backward_sums(), N]}: slot 0 the sum of dz over rows, then the GroupNorm affine's and
 // each per-channel tensor argument's gradients per column (epilogue.column_sum_slots).
 std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
@@ -431,7 +431,7 @@ std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
   args.params.round_bf16 = args.bf16;
   check_cuda(gemmfuse::launch_chain_backward(args, plan, at::cuda::getCurrentCUDAStream()),
              "chain backward launch");
-  return {dz, partial.sum(0)};
+  return {dz, partial.sum({0}, false, torch::kFloat64)};  // the blocks' sums added in float64
 }
 
 // How chain_backward cuts an M x N chain in groups of group_size on this device: [slabs, row

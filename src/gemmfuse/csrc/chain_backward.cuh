@@ -36,7 +36,8 @@ constexpr int kBackwardSlab = 1024;  // the slab width aimed at, in columns
 constexpr int kBackwardWarps = kBackwardThreads / 32;
 
 // Shared memory, in floats, for a slab of w columns: the slab of z; of the output's gradient,
-// overwritten by g (GroupNorm); the column sums; the group runs' partial sums (two per run);
+// overwritten by g (GroupNorm); the column sums, then their rounding errors (column_add); the
+// group runs' partial sums (two per run);
 // mean, rstd and the two gradient means per group; block-reduction scratch.
 struct BackwardSmem {
   int z, g, sums, runs, stats, scratch, total;
@@ -59,7 +60,7 @@ __host__ __device__ inline BackwardSmem backward_smem(int w, int group_size, boo
   s.z = 0;
   s.g = w;
   s.sums = s.g + w;
-  s.runs = s.sums + column_sums * w;
+  s.runs = s.sums + 2 * column_sums * w;  // each sum and its rounding error
   s.stats = s.runs + 2 * runs;
   s.scratch = s.stats + 4 * groups;
   s.total = s.scratch + 2 * kBackwardWarps + 2;
@@ -213,7 +214,8 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
   float* gx_mean = g_mean + groups;
   const EpilogueParams& p = a.params;
   const bool affine = a.gn_weight != nullptr;
-  for (int i = threadIdx.x; i < kSums * w; i += blockDim.x) sums[i] = 0.f;
+  for (int i = threadIdx.x; i < 2 * kSums * w; i += blockDim.x) sums[i] = 0.f;
+  const int errors = kSums * w;  // where each sum's rounding error is kept
 
   // Columns: j in the slab, c = c0 + j in the row. The group of j without an integer division
   // where float is exact enough: (j + 0.5) / gs is at least 0.5 / gs from an integer, and the
@@ -307,13 +309,13 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
         const float xh = x_hat(j, Epi::pre(zrow[j], c, p));
         const float dy = Epi::post_backward(norm_out(c, xh), c, p, dv, sums, j, w);
         if (affine) {
-          sums[w + j] += dy * xh;
-          sums[2 * w + j] += dy;
+          column_add(sums, w + j, errors, dy * xh);
+          column_add(sums, 2 * w + j, errors, dy);
         }
         grow[j] = affine ? dy * __ldg(a.gn_weight + c) : dy;
       } else {
         const float dz = Epi::pre_backward(zrow[j], c, p, dv, sums, j, w);
-        sums[j] += dz;
+        column_add(sums, j, errors, dz);
         store_float(a.dz, base + j, dz, a.bf16);
       }
     }
@@ -329,7 +331,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
         const float xh = (Epi::pre(zrow[j], c, p) - mean[g]) * rstd[g];
         const float du = rstd[g] * (grow[j] - g_mean[g] * inv_gs - xh * (gx_mean[g] * inv_gs));
         const float dz = Epi::pre_backward(zrow[j], c, p, du, sums, j, w);
-        sums[j] += dz;
+        column_add(sums, j, errors, dz);
         store_float(a.dz, base + j, dz, a.bf16);
       }
     }
@@ -339,7 +341,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
   float* partial = a.column_partial + static_cast<int64_t>(blockIdx.x) * kSums * n + c0;
   for (int i = threadIdx.x; i < kSums * w; i += blockDim.x) {
     const int slot = i / w;
-    partial[static_cast<int64_t>(slot) * n + (i - slot * w)] = sums[i];
+    partial[static_cast<int64_t>(slot) * n + (i - slot * w)] = sums[i] + sums[errors + i];
   }
 }
 

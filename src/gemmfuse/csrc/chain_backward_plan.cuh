@@ -23,14 +23,20 @@ int resident_blocks(Kernel kernel, int kernel_id, size_t bytes) {
   const auto key = std::make_tuple(device, kernel_id, bytes);
   auto found = known.find(key);
   if (found == known.end()) {
+    // Dynamic shared memory beyond the default 48 KB needs the kernel's limit raised (to what its
+    // static shared memory leaves of the device's maximum, once); a kernel without any needs none.
     int optin = 0, sms = 0, per_sm = 0;
-    const bool ok =
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-        bytes <= static_cast<size_t>(optin) &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(optin)) ==
-            cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBackwardThreads, bytes) == cudaSuccess;
+    cudaFuncAttributes attributes{};
+    bool ok = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+              cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+              cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess;
+    const size_t dynamic_max = ok ? static_cast<size_t>(optin) - attributes.sharedSizeBytes : 0;
+    ok = ok && bytes <= dynamic_max;
+    if (ok && bytes > 0)
+      ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(dynamic_max)) == cudaSuccess;
+    ok = ok && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBackwardThreads, bytes) ==
+                   cudaSuccess;
     if (!ok) cudaGetLastError();  // a refused size is an answer, not a sticky error
     found = known.emplace(key, ok ? per_sm * sms : 0).first;
   }
@@ -58,8 +64,8 @@ BackwardPlan chain_backward_plan_for(int m, int n, int group_size) {
   return {slabs, max(1, min(m, resident / slabs)), bytes, 0};
 }
 
-// Launches a plan: the `extremes` phase first where min/max span several slabs. The kernels'
-// shared-memory limits were raised to the device's maximum when the plan was made. The register
+// Launches a plan: the `extremes` phase first where min/max span several slabs. The shared-memory
+// kernel's limit was raised to the device's maximum when the plan was made. The register
 // kernel reads and writes four columns at once: z and dz 16-byte aligned (checked here).
 template <class Epi>
 cudaError_t launch_chain_backward_kernel(BackwardArgs a, const BackwardPlan& plan, cudaStream_t stream) {

@@ -1,9 +1,9 @@
 // The chain backward of chain_backward.cuh for narrow groups, held in registers: each thread owns
 // four adjacent columns of a 1024-column slab for every row it visits (so a GroupNorm group of
 // 4 to 128 columns lies within one warp, its sums a shuffle among the group's lanes), and keeps
-// those columns' sums (bias, affine, tensor arguments) in registers across rows. No shared-memory
-// row, no block barrier per row except a min/max's block reduction: rows stream through at the
-// memory's pace. The arithmetic is the shared-memory kernel's: the same formulas, compensated
+// those columns' sums (bias, affine, tensor arguments; compensated) in registers across rows.
+// No shared-memory row, no block barrier per row except a min/max's block reduction: rows
+// stream through at the memory's pace. The arithmetic is the shared-memory kernel's: the same formulas, compensated
 // group sums (mean, then centred sums that refine it), the same routing; sums in another order.
 #pragma once
 #include <cstdint>
@@ -77,9 +77,10 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
 #pragma unroll
       for (int i = 0; i < 4; ++i) gw[i] = __ldg(a.gn_weight + c + i), gb[i] = __ldg(a.gn_bias + c + i);
     }
-    float acc[kSums * 4];
+    float acc[2 * kSums * 4];  // this thread's column sums, then their rounding errors
 #pragma unroll
-    for (int i = 0; i < kSums * 4; ++i) acc[i] = 0.f;
+    for (int i = 0; i < 2 * kSums * 4; ++i) acc[i] = 0.f;
+    constexpr int kErrors = kSums * 4;
 
     for (int row = blockIdx.x; row < a.M; row += gridDim.x) {
       const int64_t base = static_cast<int64_t>(row) * n + c;
@@ -158,8 +159,8 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         for (int i = 0; i < 4; ++i) {
           const float dy = Epi::post_backward(y[i], c + i, p, dv[i], acc, i, 4);
           if (affine) {
-            acc[4 + i] += dy * xh[i];
-            acc[8 + i] += dy;
+            column_add(acc, 4 + i, kErrors, dy * xh[i]);
+            column_add(acc, 8 + i, kErrors, dy);
           }
           g[i] = affine ? dy * gw[i] : dy;
           row_acc_push<3>(sg, g[i]);
@@ -172,13 +173,13 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         for (int i = 0; i < 4; ++i) {
           const float du = rstd * (g[i] - g_mean - xh[i] * gx_mean);
           dz[i] = Epi::pre_backward(zv[i], c + i, p, du, acc, i, 4);
-          acc[i] += dz[i];
+          column_add(acc, i, kErrors, dz[i]);
         }
       } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           dz[i] = Epi::pre_backward(zv[i], c + i, p, dv[i], acc, i, 4);
-          acc[i] += dz[i];
+          column_add(acc, i, kErrors, dz[i]);
         }
       }
       store4(a.dz, base, dz, a.bf16);
@@ -187,7 +188,9 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
     float* partial = a.column_partial + static_cast<int64_t>(blockIdx.x) * kSums * n + c;
 #pragma unroll
     for (int slot = 0; slot < kSums; ++slot) {
-      float4 v = make_float4(acc[4 * slot], acc[4 * slot + 1], acc[4 * slot + 2], acc[4 * slot + 3]);
+      const float* e = acc + kErrors + 4 * slot;
+      const float4 v = make_float4(acc[4 * slot] + e[0], acc[4 * slot + 1] + e[1],
+                                   acc[4 * slot + 2] + e[2], acc[4 * slot + 3] + e[3]);
       *reinterpret_cast<float4*>(partial + static_cast<int64_t>(slot) * n) = v;
     }
   }

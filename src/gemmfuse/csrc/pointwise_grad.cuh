@@ -4,8 +4,17 @@
 // epilogue's `pre_backward` / `post_backward` call them (epilogue.py's POINTWISE `grad`).
 #pragma once
 #include "fused_args.h"
+#include "row_reduce.cuh"
 
 namespace gemmfuse {
+
+// Adds v to the column sum acc[i], compensated: the rounding error accumulates at acc[i + errors]
+// (the gradients of vectors and scalars sum many terms that may cancel).
+__device__ __forceinline__ void column_add(float* acc, int i, int errors, float v) {
+  float err;
+  acc[i] = two_sum(acc[i], v, err);
+  acc[i + errors] += err;
+}
 
 // d gelu(x) / dx, erf form: cdf + x * pdf.
 __device__ __forceinline__ float gelu_grad(float x) {
