@@ -23,6 +23,7 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   whose rows are one product each (min routes one channel per row), 2.16e-7 against eager's
   2.03e-7, the split's 22 bits per operand against one rounding; end to end 4.3e-7 against
   2.1e-6;
+- the hard data set of tests/gpu/test_accuracy.py through #62's chain: the same bars;
 - random chains: the bar for kernel="auto"; a forced fused kernel at these small shapes, the
   allclose count alone (the forward's rule, tests/gpu/test_chains.py);
 - gradients that are zero to float64's rounding (a scalar multiplier before the mean of a
@@ -65,7 +66,12 @@ from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import fused_linear_with_path, fused_pays
 from gemmfuse.reference import apply_epilogue, apply_pointwise
 from gemmfuse.sources import extension_for
-from helpers import build_pair, max_abs_err, off_allclose, rel_err
+from gpu.test_accuracy import DATA as HARD_DATA
+from gpu.test_accuracy import GROUPS as HARD_GROUPS
+from gpu.test_accuracy import K as HARD_K
+from gpu.test_accuracy import N as HARD_N
+from gpu.test_accuracy import shape_weight
+from helpers import build_pair, max_abs_err, off_allclose, rel_err, small_pair
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -270,6 +276,30 @@ def test_full_size_gradients(number):
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(CUDA)
     names = ["x", "weight", "bias", "gn.weight", "gn.bias", *(["params[0]"] * len(chain.params))]
     path, lines = check_gradients(chain, grad, "auto", f"#{number}", names)
+    assert path == "fused"
+    print("\n".join(lines))
+
+
+@pytest.mark.parametrize("data", sorted(HARD_DATA))
+def test_hard_data_gradients(data):
+    """tests/gpu/test_accuracy.py's hard data (ten decades of dynamic range; rows of zeros and
+    near fp16's largest and smallest values; weight rows scaled by 1e-6 and 1e4, a zero row, a
+    group of identical rows, whose variance is 0) through #62's chain: every gradient to the
+    bars above."""
+    ref, _ = small_pair(62, seed=0, init=(HARD_K, HARD_N, HARD_GROUPS))
+    shape_weight(ref)
+    ref = ref.to(CUDA)
+    g = torch.Generator().manual_seed(0)
+    x = HARD_DATA[data](g).to(CUDA)
+    gn = ref.gn
+    affine = [(p.detach() + 0.1 * torch.randn(p.shape, generator=g).to(CUDA)) for p in
+              (gn.weight, gn.bias)]  # fmt: skip
+    epilogue = epilogue_62(gn.num_groups, gn.eps, gn.affine, ref.leaky_relu.negative_slope)
+    chain = Chain(x, ref.fc.weight.detach(), ref.fc.bias.detach(), epilogue, affine, ())
+    out = chain.run_from_z(F.linear(x, chain.w, chain.b), list(chain.gn), [])
+    grad = torch.randn(out.shape, generator=g).to(CUDA)
+    names = ["x", "weight", "bias", "gn.weight", "gn.bias"]
+    path, lines = check_gradients(chain, grad, "auto", f"hard data {data}", names)
     assert path == "fused"
     print("\n".join(lines))
 
