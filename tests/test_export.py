@@ -264,7 +264,7 @@ INPUTS = (
         (
             PREAMBLE + "class Model(nn.Module):\n    def forward(self, x):\n"
             "        return torch.relu(x)\n\n\n" + INPUTS,
-            "Model.forward calls no nn.Linear",
+            "Model.forward calls no Linear (nn.Linear, F.linear, or x @ W.T on an attribute W)",
         ),
         (
             PREAMBLE + "class Model(nn.Module):\n    def __init__(self):\n"

@@ -45,6 +45,10 @@ EXPECTED = {
          "-> exp -> x / 3.0 -> clamp(-0.05, inf) -> clamp(-inf, 0.2)",
          "ends at the model's output"),
     ],
+    "matmul_transposed_weight": [
+        ("matmul", True, "x @ weight.T -> x / 2.0 -> sum(dim=1, keepdim=True) -> x * 1.5",
+         "ends at the model's output"),
+    ],
     "max_values_tail": [
         ("fc", True, "fc -> relu -> max(dim=1) -> x * 2.0 -> sigmoid -> x - shift",
          "ends at the model's output"),
@@ -111,7 +115,9 @@ def test_report_says_what_happened_to_each_linear(name):
     assert all(r.verified is (True if r.fused else None) for r in report.linears)
     fused = {path for path, m in new.named_modules() if isinstance(m, FusedLinear)}
     assert fused == {r.module for r in report.fused}
-    assert all(r.module == r.name for r in report.fused if not r.chain[0].startswith("F."))
+    for r in report.fused:  # a functional call's FusedLinear is a new submodule
+        functional = r.chain[0].startswith("F.") or " @ " in r.chain[0]
+        assert r.module == (f"{r.name}_fused" if functional else r.name), r
     text = str(report)
     assert f"{len(report.fused)} of {len(report.linears)} Linear call(s) fused" in text
     for line, entry in zip(text.splitlines()[1:], report.linears, strict=True):
@@ -584,6 +590,58 @@ def test_f_linear_on_the_models_tensors_is_fused_reading_them_at_each_call():
         "its weight is computed in the forward (F.linear is fused on parameters, buffers "
         "and tensor attributes)"
     )
+
+
+MATMUL_SPELLINGS = {
+    "x @ w.T": lambda s, x: x @ s.w.T,
+    "torch.matmul(x, w.t())": lambda s, x: torch.matmul(x, s.w.t()),
+    "torch.mm(x, torch.t(w))": lambda s, x: torch.mm(x, torch.t(s.w)),
+    "x.mm(w.transpose(0, 1))": lambda s, x: x.mm(s.w.transpose(0, 1)),
+    "x.matmul(w.transpose(-1, -2))": lambda s, x: x.matmul(s.w.transpose(-1, -2)),
+    "x @ w.permute(1, 0)": lambda s, x: x @ s.w.permute(1, 0),
+    "x @ w.mT": lambda s, x: x @ s.w.mT,
+}
+
+
+@pytest.mark.parametrize("spelling", MATMUL_SPELLINGS)
+def test_a_matmul_by_a_transposed_attribute_is_a_linear(spelling):
+    """``x @ W.T`` (+ a bias as a chain op) in every spelling: fused as F.linear(x, W) is."""
+    product = MATMUL_SPELLINGS[spelling]
+
+    def body(s, x):
+        return torch.relu(product(s, x) + s.b)
+
+    model = Chain(body, w=p(16, 8), b=p(16))
+    model.fc = nn.Identity()
+    x = torch.randn(5, 8)
+    new, report = optimize(model, (x,))
+    (entry,) = report.linears
+    assert entry.fused, entry
+    assert entry.chain == ("x @ w.T", "x + b", "relu")
+    assert list(new.state_dict()) == list(model.state_dict()) == ["w", "b"]
+    assert not any(n.op in ("call_method", "call_function") for n in new.graph.nodes), new.code
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+        model.w.mul_(-1.0)
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda s, x: torch.relu(x @ s.w),  # not transposed: x @ W is not W's Linear
+        lambda s, x: torch.relu(x @ (s.w * 2.0).T),  # a weight computed in the forward
+        lambda s, x: torch.relu(torch.matmul(x, s.w.T, out=None)),  # a keyword argument
+    ],
+)
+def test_other_matmuls_are_left_alone(body):
+    model = Chain(body, w=p(8, 8))
+    model.fc = nn.Identity()
+    x = torch.randn(5, 8)
+    new, report = optimize(model, (x,))
+    assert report.linears == ()
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
 
 
 def test_linears_that_are_not_swapped():

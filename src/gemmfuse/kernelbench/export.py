@@ -243,7 +243,9 @@ def analyse_problem_file(path: str | Path) -> OptimizeReport:
             f"({type(exc).__name__}: {exc})"
         ) from exc
     if not report.fused:
-        why = "; ".join(str(r) for r in report.linears) or "Model.forward calls no nn.Linear"
+        why = "; ".join(str(r) for r in report.linears) or (
+            "Model.forward calls no Linear (nn.Linear, F.linear, or x @ W.T on an attribute W)"
+        )
         raise ExportError(f"{path}: no Linear of Model can be swapped: {why}")
     return report
 

@@ -6,8 +6,10 @@ caller), runs the trace once on the example inputs (under no_grad, on a fork of 
 state; recording each value's shape and dtype; every buffer the run reads is a copy made for the
 run, so a forward that writes them is not stepped twice, and what the forward raises on the
 inputs reaches the caller), and, for every ``nn.Linear`` (or ``F.linear`` on the model's own
-tensors) applied to a 2-D input, extends the chain after it as far as the epilogue grammar
-goes::
+tensors, or a product by a 2-D tensor attribute transposed: ``x @ W.T``, ``torch.matmul(x,
+W.t())``, ``x.mm(W.transpose(0, 1))`` and the like, W's Linear without a bias, a following
+``+ b`` then being a chain op) applied to a 2-D input, extends the chain after it as far as the
+epilogue grammar goes::
 
     Linear -> pointwise ops -> GroupNorm -> pointwise ops -> reduction over dim 1 -> tail ops
 
@@ -22,7 +24,7 @@ default tolerances, NaN equal to NaN), else the Linear stays PyTorch. Meta tenso
 values: their chains are not checked, and the report says so.
 
 The result is an ``fx.GraphModule`` with a ``FusedLinear`` at each swapped Linear's path (for
-an ``F.linear`` call, a new stateless submodule of the root, ``<call>_fused``). Its
+an ``F.linear`` call or a product, a new stateless submodule of the root, ``<call>_fused``). Its
 module tree mirrors the model's: every submodule not on the way to a swapped Linear is the
 model's own object, the rest are shallow copies that share their parameter and buffer dicts, so
 every parameter and buffer keeps its state_dict key and is the model's own object (optimizer

@@ -26,6 +26,7 @@ from gemmfuse.optimize.grammar import (
     _input,
     _is_inplace,
     _linear_args,
+    _matmul_weight,
     _number,
     _op_label,
     _Refusal,
@@ -76,6 +77,7 @@ class _Analysis:
             or node.target in _BINARY
             or node.target in _REDUCTIONS
             or node.target in (F.linear, F.group_norm)
+            or _matmul_weight(node, self.gm) is not None
         )
 
     def _mutated_attributes(self) -> set[str]:
@@ -386,10 +388,11 @@ class _Analysis:
         return node.op
 
     def linear_problem(self, node: fx.Node, calls: int) -> str:
-        """Why this Linear call (a module's, or F.linear's) cannot be swapped ("" if it can)."""
+        """Why this Linear call (a module's, F.linear's or a matmul by a transposed attribute)
+        cannot be swapped ("" if it can)."""
         x = _input(node)
-        if node.op == "call_function":  # F.linear: on the model's own tensors only
-            args = _linear_args(node)
+        if node.op != "call_module":  # F.linear: on the model's own tensors only
+            args = _linear_args(node, self.gm)
             for key in ("weight", "bias"):
                 t = args[key]
                 if t is not None and not (isinstance(t, fx.Node) and t.op == "get_attr"):

@@ -247,10 +247,60 @@ def _input(node: fx.Node):
     return node.args[0] if node.args else node.kwargs.get("input")
 
 
-def _linear_args(node: fx.Node) -> dict:
-    """An F.linear call's arguments by name (input, weight, bias)."""
+def _linear_args(node: fx.Node, gm: fx.GraphModule) -> dict:
+    """A functional Linear call's arguments by name (input, weight, bias): F.linear's, or a
+    matmul spelling's (``x @ W.T``: W's get_attr node, no bias)."""
+    weight = _matmul_weight(node, gm)
+    if weight is not None:
+        return {"input": node.args[0], "weight": weight, "bias": None}
     bound = dict(zip(("input", "weight", "bias"), node.args, strict=False))
     return {"bias": None, **bound, **node.kwargs}
+
+
+_MATMULS = (torch.matmul, operator.matmul, torch.mm)
+_MATMUL_METHODS = ("matmul", "mm")
+
+
+def _matmul_weight(node: fx.Node, gm: fx.GraphModule) -> "fx.Node | None":
+    """W's get_attr node when ``node`` multiplies its input by a 2-D attribute W transposed
+    (``x @ W.T``, ``torch.matmul(x, W.t())``, ``x.mm(W.transpose(0, 1))``, ...): the Linear of
+    W without a bias, in another spelling. None for anything else."""
+    is_matmul = (node.op == "call_function" and node.target in _MATMULS) or (
+        node.op == "call_method" and node.target in _MATMUL_METHODS
+    )
+    if not is_matmul or node.kwargs or len(node.args) != 2:
+        return None
+    return _transposed_attribute(node.args[1], gm)
+
+
+def _transposed_attribute(node, gm: fx.GraphModule) -> "fx.Node | None":
+    """W when ``node`` is a 2-D tensor attribute W transposed (W.T, W.mT, W.t(), torch.t(W),
+    W.transpose(0, 1) in any order or sign of the dims, W.permute(1, 0)); else None."""
+    if not isinstance(node, fx.Node) or node.kwargs or not node.args:
+        return None
+    w, rest = node.args[0], tuple(node.args[1:])
+    if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+        return None
+    prefix, _, name = w.target.rpartition(".")
+    value = getattr(gm.get_submodule(prefix) if prefix else gm, name, None)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        return None
+    swaps = len(rest) == 2 and all(isinstance(d, int) for d in rest)
+    swaps = swaps and sorted(d % 2 for d in rest) == [0, 1]
+    if node.op == "call_function":
+        transposed = (
+            (node.target is getattr and rest in (("T",), ("mT",)))
+            or (node.target is torch.t and not rest)
+            or (node.target is torch.transpose and swaps)
+            or (node.target is torch.permute and rest == ((1, 0),))
+        )
+    else:
+        transposed = node.op == "call_method" and (
+            (node.target == "t" and not rest)
+            or (node.target == "transpose" and swaps)
+            or (node.target == "permute" and rest in ((1, 0), ((1, 0),)))
+        )
+    return w if transposed else None
 
 
 def _thread_inplace(gm: fx.GraphModule) -> None:

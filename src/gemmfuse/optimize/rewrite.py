@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from gemmfuse.modules import FusedLinear
 from gemmfuse.ops import KERNELS, PRECISIONS
 from gemmfuse.optimize.analysis import _Analysis, _Chain
-from gemmfuse.optimize.grammar import _input, _linear_args, _next_in_chain, _thread_inplace
+from gemmfuse.optimize.grammar import (
+    _input,
+    _linear_args,
+    _matmul_weight,
+    _next_in_chain,
+    _thread_inplace,
+)
 from gemmfuse.optimize.tracing import _Recorder, _trace
 
 # torch.testing.assert_close's default (rtol, atol) per dtype; other dtypes compare exactly.
@@ -186,6 +192,7 @@ def optimize(
         n for n in graph.nodes
         if (n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear))
         or (n.op == "call_function" and n.target is F.linear)
+        or _matmul_weight(n, gm) is not None
     ]  # fmt: skip
     keep = set()
     for node in linears:  # the inputs, and every node a chain can end at
@@ -212,8 +219,10 @@ def optimize(
         problem = analysis.linear_problem(node, calls[node.target])
         if node.op == "call_module":
             name, label = node.target, node.target
+        elif node.target is F.linear:
+            name, label = node.name, f"F.linear({_linear_args(node, gm)['weight'].target})"
         else:
-            name, label = node.name, f"F.linear({_linear_args(node)['weight'].target})"
+            name, label = node.name, f"x @ {_linear_args(node, gm)['weight'].target}.T"
         if problem:
             decisions[node] = LinearReport(name, False, (), "", problem)
         else:
@@ -241,8 +250,9 @@ def optimize(
             target = chain.path
             parent, name = _owner(gm, target)
             linear = {"linear": parent._modules[name]}
-        else:  # F.linear: a new submodule of the root, reading the tensors from their owners
-            args = _linear_args(chain.linear)
+        else:  # F.linear, x @ W.T: a new submodule of the root, reading the tensors from their
+            # owners
+            args = _linear_args(chain.linear, gm)
             parent, target = gm, f"{chain.path}_fused"
             while hasattr(gm, target):
                 target += "_"
@@ -284,8 +294,11 @@ def optimize(
         with graph.inserting_before(node):
             call = graph.call_module(target, (_input(node),))
         chain.end.replace_all_uses_with(call)
+        transposed = node.args[1] if _matmul_weight(node, gm) is not None else None
         for n in reversed([node, *chain.nodes]):
             graph.erase_node(n)
+        if transposed is not None and not transposed.users:  # x @ W.T's W.T
+            graph.erase_node(transposed)
     for n in list(graph.nodes):
         if n.op == "get_attr" and not n.users:  # operands only the chains read
             graph.erase_node(n)
