@@ -100,7 +100,7 @@ def main() -> int:
     structures = every_structure()
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.sources import extension_for
-    from helpers import build_in_processes
+    from gemmfuse.warmup import build_in_processes
 
     summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
     t = time.perf_counter()

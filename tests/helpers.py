@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -74,23 +69,3 @@ def float64_bar(err_eager: float, op_floor: float, exact: torch.Tensor) -> float
     finite = exact[exact.isfinite()].abs()
     ulp = torch.finfo(torch.float32).eps * (float(finite.max()) if finite.numel() else 0.0)
     return err_eager + op_floor + ulp
-
-
-_BUILD_ONE = (
-    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.sources import extension_for\n"
-    "extension_for(eval(sys.argv[1]))"
-)
-
-
-def build_in_processes(structures: Iterable[str], env: dict | None = None) -> list[str]:
-    """Builds each kernel structure (given as its repr) into the disk cache in its own process,
-    os.cpu_count() at a time (build.py serialises builds within one process); returns an error
-    message per failed build."""
-
-    def build(structure: str) -> str:
-        proc = subprocess.run([sys.executable, "-c", _BUILD_ONE, structure], env=env,
-                              capture_output=True, text=True)  # fmt: skip
-        return f"BUILD FAILED {structure}\n{proc.stderr[-3000:]}" if proc.returncode else ""
-
-    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
-        return [error for error in pool.map(build, structures) if error]

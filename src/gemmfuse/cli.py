@@ -1,9 +1,11 @@
-"""``python -m gemmfuse bench|export``."""
+"""``python -m gemmfuse bench|export|warmup``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 from gemmfuse.kernelbench.registry import PROBLEMS, get_problem
@@ -56,7 +58,56 @@ def parser() -> argparse.ArgumentParser:
         help=f"a shipped problem ({', '.join(map(str, sorted(PROBLEMS)))}) or the path of a "
         "KernelBench problem file",
     )
+    warmup = sub.add_parser(
+        "warmup", help="build every kernel a model needs into the cache, in parallel (needs a GPU)"
+    )
+    warmup.add_argument(
+        "target",
+        help=f"a shipped problem ({', '.join(map(str, sorted(PROBLEMS)))}) or the path of a "
+        "KernelBench problem file",
+    )
+    warmup.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 4,
+        help="builds at once (default: one per core)",
+    )  # fmt: skip
     return p
+
+
+def _warmup(p: argparse.ArgumentParser, target: str, jobs: int) -> int:
+    import torch
+
+    from gemmfuse.kernelbench.export import ExportError
+    from gemmfuse.warmup import build_in_processes, structures_for
+
+    if jobs < 1:
+        p.error(f"--jobs must be at least 1, got {jobs}")
+    try:
+        structures = structures_for(target)
+    except ExportError as exc:
+        print(f"gemmfuse warmup: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        p.error(f"{exc}, and {target!r} is not a file")
+    if not torch.cuda.is_available():
+        print(
+            "gemmfuse warmup: kernels are built for this machine's GPU, and torch sees no CUDA "
+            "device",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"gemmfuse warmup: {len(structures)} kernel structure(s), {jobs} at a time",
+          file=sys.stderr)  # fmt: skip
+    start = time.perf_counter()
+
+    def done(structure: str, outcome: str, seconds: float) -> None:
+        print(f"gemmfuse warmup: {outcome} in {seconds:.1f} s: {structure}", file=sys.stderr)
+
+    errors = build_in_processes(structures, jobs, on_done=done)
+    for error in errors:
+        print(error, file=sys.stderr)
+    print(f"gemmfuse warmup: {len(structures) - len(errors)} of {len(structures)} ready in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)  # fmt: skip
+    return 1 if errors else 0
 
 
 def _export(p: argparse.ArgumentParser, problem: str) -> int:
@@ -88,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "export":
         return _export(p, args.problem)
+    if args.command == "warmup":
+        return _warmup(p, args.target, args.jobs)
     if args.iters < 30 or args.seeds < 1:
         parser().error("--iters must be >= 30 and --seeds >= 1")
     from gemmfuse.bench import main as bench_main

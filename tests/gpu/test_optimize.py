@@ -16,7 +16,8 @@ from model_files import FIT, build, load, path_of
 
 from gemmfuse import FallbackWarning, FusedLinear, optimize
 from gemmfuse.kernelbench.export import standalone_source_for_file
-from helpers import build_in_processes, run_both
+from gemmfuse.warmup import build_in_processes
+from helpers import run_both
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -218,6 +218,12 @@ def _load(path: Path):
 
 def analyse_problem_file(path: str | Path) -> OptimizeReport:
     """optimize's analysis of a problem file's Model, built on the meta device."""
+    return optimize_problem_file(path)[1]
+
+
+def optimize_problem_file(path: str | Path) -> tuple[torch.nn.Module, OptimizeReport]:
+    """``optimize`` of a problem file's Model, built on the meta device: (the optimized model,
+    its report); ExportError when nothing can be swapped or the file does not load."""
     path = Path(path)
     module = _load(path)
     try:
@@ -231,7 +237,7 @@ def analyse_problem_file(path: str | Path) -> OptimizeReport:
             f"failed ({type(exc).__name__}: {exc})"
         ) from exc
     try:  # export.py is not bundled: the exported file has no try
-        _, report = optimize(model, inputs)
+        new, report = optimize(model, inputs)
     except torch.fx.proxy.TraceError as exc:
         raise ExportError(
             f"{path}: tracing Model.forward with torch.fx failed ({exc}); optimize rewrites "
@@ -247,7 +253,7 @@ def analyse_problem_file(path: str | Path) -> OptimizeReport:
             "Model.forward calls no Linear (nn.Linear, F.linear, or x @ W.T on an attribute W)"
         )
         raise ExportError(f"{path}: no Linear of Model can be swapped: {why}")
-    return report
+    return new, report
 
 
 def _docstring_spans(source: str) -> list[tuple[int, int, list[str]]]:

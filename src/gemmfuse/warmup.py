@@ -1,0 +1,73 @@
+"""Building a model's kernels ahead of time: ``python -m gemmfuse warmup 62|75|FILE.py``.
+
+A chain's first call builds its CUDA extension (tens of seconds), and the builds of one process
+run one at a time (build.py's lock). ``warmup`` finds every kernel structure a model needs and
+builds them in parallel child processes into the disk cache that later processes load from (a
+cached one is found, not rebuilt): the structures of a shipped problem, or those ``optimize``
+swaps into a KernelBench problem file's Model (built on the meta device), and always the plain
+GEMM's, on which the backward's products run.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from gemmfuse.epilogue import Epilogue
+from gemmfuse.kernelbench.registry import get_problem
+from gemmfuse.modules import FusedLinear
+
+# The child's program: the structure arrives as its repr (an expression of gemmfuse.epilogue's
+# names), and build.py prints "gemmfuse: building ..." on stderr only when it compiles.
+_BUILD_ONE = (
+    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.sources import extension_for\n"
+    "extension_for(eval(sys.argv[1]))"
+)
+
+
+def structures_for(target: str) -> list[Epilogue]:
+    """The kernel structures a shipped problem (its number) or a KernelBench problem file (its
+    path) needs, the plain GEMM's first. Raises ValueError for an unknown problem number and
+    ExportError for a file whose Model has nothing to swap."""
+    found = []
+    if Path(target).is_file():
+        from gemmfuse.kernelbench.export import optimize_problem_file
+
+        new, _ = optimize_problem_file(target)
+        for m in new.modules():
+            if isinstance(m, FusedLinear) and m.epilogue is not None:
+                found.append(m.epilogue.structure)
+    else:
+        found = [s.structure for s in get_problem(target).structures]
+    return list(dict.fromkeys([Epilogue(), *found]))
+
+
+def build_in_processes(
+    structures: Iterable[Epilogue | str],
+    jobs: int | None = None,
+    env: dict | None = None,
+    on_done: Callable[[str, str, float], None] | None = None,
+) -> list[str]:
+    """Builds each structure (an Epilogue or its repr) into the disk cache in its own process,
+    ``jobs`` at a time (default: one per core); ``on_done(structure, outcome, seconds)`` hears
+    of each as it ends, outcome "built", "cached" or "FAILED". Returns an error message per
+    failed build."""
+
+    def build(structure: str) -> str:
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", _BUILD_ONE, structure], env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode:
+            outcome = "FAILED"
+        else:
+            outcome = "built" if "gemmfuse: building" in proc.stderr else "cached"
+        if on_done is not None:
+            on_done(structure, outcome, time.perf_counter() - start)
+        return f"BUILD FAILED {structure}\n{proc.stderr[-3000:]}" if proc.returncode else ""
+
+    names = [s if isinstance(s, str) else repr(s) for s in structures]
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 4) as pool:
+        return [error for error in pool.map(build, names) if error]

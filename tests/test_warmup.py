@@ -1,0 +1,67 @@
+"""gemmfuse.warmup and ``python -m gemmfuse warmup`` on the CPU: which structures a model needs,
+the parallel builds' outcomes (with a stand-in child program), and the CLI's errors."""
+
+import pytest
+import torch
+from model_files import build, path_of
+
+import gemmfuse.warmup as warmup
+from gemmfuse import Epilogue, FusedLinear, optimize
+from gemmfuse.cli import main
+from gemmfuse.kernelbench.export import ExportError
+from gemmfuse.kernelbench.registry import PROBLEMS
+
+
+@pytest.mark.parametrize("number", sorted(PROBLEMS))
+def test_a_shipped_problem_needs_its_structures_and_the_plain_gemms(number):
+    got = warmup.structures_for(str(number))
+    assert got[0] == Epilogue()
+    assert got[1:] == [s.structure for s in PROBLEMS[number].structures]
+
+
+def test_a_problem_file_needs_what_optimize_swaps_in():
+    _, model, inputs = build("mixed_blocks")
+    new, _ = optimize(model, inputs)
+    fused = [m.epilogue.structure for m in new.modules() if isinstance(m, FusedLinear)]
+    got = warmup.structures_for(str(path_of("mixed_blocks")))
+    assert got == list(dict.fromkeys([Epilogue(), *fused])) and len(got) > 1
+
+
+def test_unknown_targets_raise():
+    with pytest.raises(ValueError, match="unknown problem '99'"):
+        warmup.structures_for("99")
+    with pytest.raises(ExportError, match="no Linear of Model can be swapped"):
+        warmup.structures_for(str(path_of("unfit_batched_linear")))
+
+
+def test_builds_report_each_outcome_and_the_failures(monkeypatch):
+    """A stand-in child: "a" compiles (says so on stderr), "b" is found cached, "bad" fails."""
+    program = (
+        "import sys\ns = sys.argv[1]\n"
+        "sys.stderr.write('gemmfuse: building CUDA extension' if s == 'a' else 'oops')\n"
+        "sys.exit(1 if s == 'bad' else 0)\n"
+    )
+    monkeypatch.setattr(warmup, "_BUILD_ONE", program)
+    heard = {}
+    errors = warmup.build_in_processes(
+        ["a", "b", "bad"], jobs=2, on_done=lambda s, outcome, _: heard.update({s: outcome})
+    )
+    assert heard == {"a": "built", "b": "cached", "bad": "FAILED"}
+    assert len(errors) == 1 and errors[0].startswith("BUILD FAILED bad") and "oops" in errors[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU only")
+def test_cli_without_a_gpu_says_so(capsys):
+    assert main(["warmup", "62"]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_cli_errors_name_the_argument(capsys):
+    with pytest.raises(SystemExit):
+        main(["warmup", "99"])
+    assert "unknown problem '99'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["warmup", "62", "--jobs", "0"])
+    assert "--jobs must be at least 1" in capsys.readouterr().err
+    assert main(["warmup", str(path_of("unfit_batched_linear"))]) == 2
+    assert "no Linear of Model can be swapped" in capsys.readouterr().err
