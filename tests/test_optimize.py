@@ -626,16 +626,31 @@ def test_a_matmul_by_a_transposed_attribute_is_a_linear(spelling):
         torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
 
 
+def test_addmm_of_a_bias_and_a_transposed_attribute_is_a_linear_with_bias():
+    model = Chain(lambda s, x: torch.relu(torch.addmm(s.b, x, s.w.t())), w=p(16, 8), b=p(16))
+    model.fc = nn.Identity()
+    x = torch.randn(5, 8)
+    new, report = optimize(model, (x,))
+    (entry,) = report.linears
+    assert entry.fused and entry.chain == ("addmm(b, x, w.T)", "relu"), entry
+    assert "bias=True" in repr(new.addmm_fused)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "body",
     [
         lambda s, x: torch.relu(x @ s.w),  # not transposed: x @ W is not W's Linear
+        lambda s, x: torch.addmm(s.w[0], x, s.w.T),  # a bias computed in the forward
+        lambda s, x: torch.addmm(s.b2, x, s.w.T),  # a (1, N) bias: not a Linear's
+        lambda s, x: torch.addmm(s.b, x, s.w.T, beta=2.0),  # a scaled bias
         lambda s, x: torch.relu(x @ (s.w * 2.0).T),  # a weight computed in the forward
         lambda s, x: torch.relu(torch.matmul(x, s.w.T, out=None)),  # a keyword argument
     ],
 )
 def test_other_matmuls_are_left_alone(body):
-    model = Chain(body, w=p(8, 8))
+    model = Chain(body, w=p(8, 8), b=p(8), b2=p(1, 8))
     model.fc = nn.Identity()
     x = torch.randn(5, 8)
     new, report = optimize(model, (x,))

@@ -8,8 +8,9 @@ run, so a forward that writes them is not stepped twice, and what the forward ra
 inputs reaches the caller), and, for every ``nn.Linear`` (or ``F.linear`` on the model's own
 tensors, or a product by a 2-D tensor attribute transposed: ``x @ W.T``, ``torch.matmul(x,
 W.t())``, ``x.mm(W.transpose(0, 1))`` and the like, W's Linear without a bias, a following
-``+ b`` then being a chain op) applied to a 2-D input, extends the chain after it as far as the
-epilogue grammar goes::
+``+ b`` then being a chain op; ``torch.addmm(b, x, W.T)`` with a 1-D attribute b, the Linear
+with bias b) applied to a 2-D input, extends the chain after it as far as the epilogue grammar
+goes::
 
     Linear -> pointwise ops -> GroupNorm -> pointwise ops -> reduction over dim 1 -> tail ops
 

@@ -26,10 +26,11 @@ from gemmfuse.optimize.grammar import (
     _input,
     _is_inplace,
     _linear_args,
-    _matmul_weight,
+    _linear_input,
     _number,
     _op_label,
     _Refusal,
+    _spelled_linear,
     _Step,
     _swish,
     _target_name,
@@ -77,7 +78,7 @@ class _Analysis:
             or node.target in _BINARY
             or node.target in _REDUCTIONS
             or node.target in (F.linear, F.group_norm)
-            or _matmul_weight(node, self.gm) is not None
+            or _spelled_linear(node, self.gm) is not None
         )
 
     def _mutated_attributes(self) -> set[str]:
@@ -336,7 +337,7 @@ class _Analysis:
         return sum(isinstance(a, Param) for a in op.current()[1])
 
     def chain(self, linear: fx.Node, path: str, label: str) -> _Chain:
-        chain = _Chain(linear, path, _input(linear), labels=[label])
+        chain = _Chain(linear, path, _linear_input(linear, self.gm), labels=[label])
         stage, v = "pre", linear
         while True:
             users = list(v.users)
@@ -390,7 +391,7 @@ class _Analysis:
     def linear_problem(self, node: fx.Node, calls: int) -> str:
         """Why this Linear call (a module's, F.linear's or a matmul by a transposed attribute)
         cannot be swapped ("" if it can)."""
-        x = _input(node)
+        x = _linear_input(node, self.gm)
         if node.op != "call_module":  # F.linear: on the model's own tensors only
             args = _linear_args(node, self.gm)
             for key in ("weight", "bias"):

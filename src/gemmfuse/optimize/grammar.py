@@ -247,12 +247,18 @@ def _input(node: fx.Node):
     return node.args[0] if node.args else node.kwargs.get("input")
 
 
+def _linear_input(node: fx.Node, gm: fx.GraphModule):
+    """A Linear call's input (addmm's is its second argument)."""
+    spelled = _spelled_linear(node, gm)
+    return _input(node) if spelled is None else spelled["input"]
+
+
 def _linear_args(node: fx.Node, gm: fx.GraphModule) -> dict:
-    """A functional Linear call's arguments by name (input, weight, bias): F.linear's, or a
-    matmul spelling's (``x @ W.T``: W's get_attr node, no bias)."""
-    weight = _matmul_weight(node, gm)
-    if weight is not None:
-        return {"input": node.args[0], "weight": weight, "bias": None}
+    """A functional Linear call's arguments by name (input, weight, bias): F.linear's, or another
+    spelling's (``x @ W.T``, ``torch.addmm(b, x, W.T)``: W's and b's get_attr nodes)."""
+    spelled = _spelled_linear(node, gm)
+    if spelled is not None:
+        return spelled
     bound = dict(zip(("input", "weight", "bias"), node.args, strict=False))
     return {"bias": None, **bound, **node.kwargs}
 
@@ -261,16 +267,34 @@ _MATMULS = (torch.matmul, operator.matmul, torch.mm)
 _MATMUL_METHODS = ("matmul", "mm")
 
 
-def _matmul_weight(node: fx.Node, gm: fx.GraphModule) -> "fx.Node | None":
-    """W's get_attr node when ``node`` multiplies its input by a 2-D attribute W transposed
-    (``x @ W.T``, ``torch.matmul(x, W.t())``, ``x.mm(W.transpose(0, 1))``, ...): the Linear of
-    W without a bias, in another spelling. None for anything else."""
-    is_matmul = (node.op == "call_function" and node.target in _MATMULS) or (
-        node.op == "call_method" and node.target in _MATMUL_METHODS
-    )
-    if not is_matmul or node.kwargs or len(node.args) != 2:
+def _spelled_linear(node: fx.Node, gm: fx.GraphModule) -> "dict | None":
+    """{input, weight, bias} when ``node`` is a Linear spelled as a product by a 2-D attribute W
+    transposed: ``x @ W.T``, ``torch.matmul(x, W.t())``, ``x.mm(W.transpose(0, 1))``, ... (no
+    bias; a following ``+ b`` is a chain op), or ``torch.addmm(b, x, W.T)`` with b a 1-D
+    attribute (beta and alpha 1). None for anything else."""
+    if node.kwargs:
         return None
-    return _transposed_attribute(node.args[1], gm)
+    if len(node.args) == 2 and (
+        (node.op == "call_function" and node.target in _MATMULS)
+        or (node.op == "call_method" and node.target in _MATMUL_METHODS)
+    ):
+        w = _transposed_attribute(node.args[1], gm)
+        return None if w is None else {"input": node.args[0], "weight": w, "bias": None}
+    if node.op == "call_function" and node.target is torch.addmm and len(node.args) == 3:
+        b, x, wt = node.args
+        w = _transposed_attribute(wt, gm)
+        if w is None or not (isinstance(b, fx.Node) and b.op == "get_attr"):
+            return None
+        bias, n = _attribute(gm, b.target), _attribute(gm, w.target).shape[0]
+        if not (isinstance(bias, torch.Tensor) and tuple(bias.shape) == (n,)):
+            return None
+        return {"input": x, "weight": w, "bias": b}
+    return None
+
+
+def _attribute(gm: fx.GraphModule, target: str):
+    prefix, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(prefix) if prefix else gm, name, None)
 
 
 def _transposed_attribute(node, gm: fx.GraphModule) -> "fx.Node | None":
@@ -281,8 +305,7 @@ def _transposed_attribute(node, gm: fx.GraphModule) -> "fx.Node | None":
     w, rest = node.args[0], tuple(node.args[1:])
     if not (isinstance(w, fx.Node) and w.op == "get_attr"):
         return None
-    prefix, _, name = w.target.rpartition(".")
-    value = getattr(gm.get_submodule(prefix) if prefix else gm, name, None)
+    value = _attribute(gm, w.target)
     if not isinstance(value, torch.Tensor) or value.dim() != 2:
         return None
     swaps = len(rest) == 2 and all(isinstance(d, int) for d in rest)

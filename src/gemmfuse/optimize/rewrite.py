@@ -15,10 +15,10 @@ from gemmfuse.modules import FusedLinear
 from gemmfuse.ops import KERNELS, PRECISIONS
 from gemmfuse.optimize.analysis import _Analysis, _Chain
 from gemmfuse.optimize.grammar import (
-    _input,
     _linear_args,
-    _matmul_weight,
+    _linear_input,
     _next_in_chain,
+    _spelled_linear,
     _thread_inplace,
 )
 from gemmfuse.optimize.tracing import _Recorder, _trace
@@ -192,12 +192,12 @@ def optimize(
         n for n in graph.nodes
         if (n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear))
         or (n.op == "call_function" and n.target is F.linear)
-        or _matmul_weight(n, gm) is not None
+        or _spelled_linear(n, gm) is not None
     ]  # fmt: skip
     keep = set()
     for node in linears:  # the inputs, and every node a chain can end at
-        if isinstance(_input(node), fx.Node):
-            keep.add(_input(node))
+        if isinstance(_linear_input(node, gm), fx.Node):
+            keep.add(_linear_input(node, gm))
         v = node
         while v is not None:
             keep.add(v)
@@ -222,7 +222,10 @@ def optimize(
         elif node.target is F.linear:
             name, label = node.name, f"F.linear({_linear_args(node, gm)['weight'].target})"
         else:
-            name, label = node.name, f"x @ {_linear_args(node, gm)['weight'].target}.T"
+            args = _linear_args(node, gm)
+            name, label = node.name, f"x @ {args['weight'].target}.T"
+            if args["bias"] is not None:
+                label = f"addmm({args['bias'].target}, x, {args['weight'].target}.T)"
         if problem:
             decisions[node] = LinearReport(name, False, (), "", problem)
         else:
@@ -292,12 +295,12 @@ def optimize(
             continue
         parent._modules[name] = fused
         with graph.inserting_before(node):
-            call = graph.call_module(target, (_input(node),))
+            call = graph.call_module(target, (_linear_input(node, gm),))
         chain.end.replace_all_uses_with(call)
-        transposed = node.args[1] if _matmul_weight(node, gm) is not None else None
+        transposed = node.args[-1] if _spelled_linear(node, gm) is not None else None
         for n in reversed([node, *chain.nodes]):
             graph.erase_node(n)
-        if transposed is not None and not transposed.users:  # x @ W.T's W.T
+        if transposed is not None and not transposed.users:  # x @ W.T's W.T (addmm's too)
             graph.erase_node(transposed)
     for n in list(graph.nodes):
         if n.op == "get_attr" and not n.users:  # operands only the chains read
