@@ -24,6 +24,10 @@ EXPECTED = {
         ("fc", True, "fc -> relu -> x * 0.5 -> gelu -> gelu_tanh -> x * sigmoid(x) -> tanh "
          "-> sigmoid -> x - 0.25", "ends at the model's output"),
     ],
+    "batched_linear_gelu": [
+        ("fc", True, "fc -> gelu -> x * 0.5",
+         "stopped at softmax (torch.softmax): not in the epilogue grammar"),
+    ],
     "gemm_groupnorm_min_bias": [
         ("gemm", True, "gemm -> group_norm -> min(dim=1, keepdim=True) -> x + bias",
          "ends at the model's output"),
@@ -56,8 +60,8 @@ EXPECTED = {
     "mixed_blocks": [
         ("fc1", True, "fc1 -> relu",
          "stopped at softmax (torch.softmax): not in the epilogue grammar"),
-        ("fc2", False, "", "its input is 3-D (32, 1, 64); the fused kernel takes (batch, "
-         "features) inputs"),
+        ("fc2", True, "fc2",
+         "stopped at squeeze (Tensor.squeeze): not in the epilogue grammar"),
         ("fc3", True, "fc3 -> x * sigmoid(x)", "stopped after mul: its result is used 2 times"),
         ("block.fc", True, "block.fc -> block.norm -> tanh",
          "stopped at linear (F.linear): not in the epilogue grammar"),
@@ -83,9 +87,9 @@ EXPECTED = {
     "scalar_tensor_attributes": [
         ("fc", True, "fc -> x / temperature -> x * factor -> relu", "ends at the model's output"),
     ],
-    "unfit_batched_linear": [
-        ("fc", False, "", "its input is 3-D (8, 16, 32); the fused kernel takes (batch, "
-         "features) inputs"),
+    "unfit_shared_linear": [
+        ("fc", False, "", "the module is called 2 times in forward (each call needs its chain)"),
+        ("fc", False, "", "the module is called 2 times in forward (each call needs its chain)"),
     ],
 }  # fmt: skip
 
@@ -655,6 +659,21 @@ def test_other_matmuls_are_left_alone(body):
     x = torch.randn(5, 8)
     new, report = optimize(model, (x,))
     assert report.linears == ()
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
+def test_a_linear_on_a_3d_input_takes_pointwise_ops_and_stops_at_a_groupnorm():
+    """(B, T, N): the leading dimensions become rows; GroupNorm would normalise dim 1 (T)."""
+    norm = nn.GroupNorm(4, 16)
+    model = Chain(lambda s, x: s.norm(torch.relu(x) * 2.0), norm=norm)
+    x = torch.randn(2, 16, 8)
+    new, report = optimize(model, (x,))
+    (entry,) = report.linears
+    assert entry.fused and entry.chain == ("fc", "relu", "x * 2.0")
+    assert entry.stopped == (
+        "stopped at norm (nn.GroupNorm): GroupNorm after a Linear on a 3-D input"
+    )
     with torch.no_grad():
         torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
 

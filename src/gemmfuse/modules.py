@@ -15,10 +15,13 @@ own state, never a copy of it:
   module that holds it, so a buffer that ``.to()`` replaced is seen; a plain tensor attribute
   (not a buffer) is the tensor optimize saw, as README.md says.
 
-Whenever the fused call's preconditions do not hold at run time (an input that is not 2-D,
-GroupNorm settings that no longer divide the channels, an operand of another dtype...), the
-original chain runs instead: an fx GraphModule of the model's own nodes (``last_path ==
-"fallback"``), which computes exactly what the model computed.
+An input of more than two dimensions (batch, sequence, features) runs with its leading
+dimensions flattened into rows, when the chain acts on the features alone (pointwise ops only).
+Whenever the fused call's preconditions do not hold at run time (a 1-D input, a higher one
+before a GroupNorm or a reduction, GroupNorm settings that no longer divide the channels, an
+operand of another dtype...), the original chain runs instead: an fx GraphModule of the
+model's own nodes (``last_path == "fallback"``), which computes exactly what the model
+computed.
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.
@@ -219,12 +222,14 @@ class FusedLinear(nn.Module):
         """Why the fused call cannot stand in for the chain now ("" when it can)."""
         if epilogue is None:
             return "the chain's current module settings are outside the epilogue grammar"
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            return f"the input {shape} is not a 2-D tensor"
+            return f"the input {shape} is not a tensor of 2 or more dimensions"
+        if x.dim() > 2 and (epilogue.norm is not None or epilogue.reduce is not None):
+            return f"the input {tuple(x.shape)} is not 2-D and the chain is not pointwise"
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             return "the weight is not a 2-D tensor"
-        (m, k), n = x.shape, weight.shape[0]
+        m, k, n = x.shape[:-1].numel(), x.shape[-1], weight.shape[0]
         like = (x.dtype, x.device)
         if k != weight.shape[1] or (weight.dtype, weight.device) != like:
             return "the input does not match the weight's size, dtype or device"
@@ -263,11 +268,12 @@ class FusedLinear(nn.Module):
             self.last_path = "fallback"
             return self._fallback(x, weight, bias, *operands)
         gn_weight, gn_bias = (None, None) if norm is None else norm[2:]
+        rows = x.reshape(-1, x.shape[-1])  # leading dimensions as rows (a pointwise chain)
         out, self.last_path = fused_linear_with_path(
-            x, weight, bias, epilogue, gn_weight, gn_bias, params=operands,
+            rows, weight, bias, epilogue, gn_weight, gn_bias, params=operands,
             weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
         )  # fmt: skip
-        return out
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The chain evaluated by ``gemmfuse.reference`` with the current settings: what the

@@ -9,10 +9,13 @@ inputs reaches the caller), and, for every ``nn.Linear`` (or ``F.linear`` on the
 tensors, or a product by a 2-D tensor attribute transposed: ``x @ W.T``, ``torch.matmul(x,
 W.t())``, ``x.mm(W.transpose(0, 1))`` and the like, W's Linear without a bias, a following
 ``+ b`` then being a chain op; ``torch.addmm(b, x, W.T)`` with a 1-D attribute b, the Linear
-with bias b) applied to a 2-D input, extends the chain after it as far as the epilogue grammar
-goes::
+with bias b) applied to an input of two or more dimensions, extends the chain after it as far
+as the epilogue grammar goes::
 
     Linear -> pointwise ops -> GroupNorm -> pointwise ops -> reduction over dim 1 -> tail ops
+
+(on a higher input, whose leading dimensions the fused call takes as rows, the pointwise ops
+alone: GroupNorm and the reductions act on dimension 1, not on the features).
 
 A chain stops at the first node that is not in the grammar, whose result has several users
 (``x + x`` excepted, and ``x * sigmoid(x)``: x used by a sigmoid that only the multiplication

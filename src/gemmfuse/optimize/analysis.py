@@ -277,6 +277,11 @@ class _Analysis:
         linear = self.meta[chain.linear]
         if end not in self.meta or self.meta[end].dtype != linear.dtype:
             return _Refusal(f"its result is not a {linear.dtype} tensor")
+        if len(linear.shape) > 2 and step.kind != "op":
+            # The leading dimensions are flattened into rows: only ops on the features keep
+            # their meaning (a GroupNorm of (B, T, N) normalises dim 1; reductions take dim 1)
+            return _Refusal(f"{'GroupNorm' if step.kind == 'norm' else 'a reduction'} after a "
+                            f"Linear on a {len(linear.shape)}-D input")  # fmt: skip
         if step.kind == "norm":
             if stage != "pre":
                 return _Refusal("a second GroupNorm" if chain.norm else "GroupNorm after the "
@@ -414,9 +419,6 @@ class _Analysis:
         if x not in self.meta:
             return "its input is not a tensor of the forward"
         shape = self.meta[x].shape
-        if len(shape) != 2:
-            return (
-                f"its input is {len(shape)}-D {shape}; the fused kernel takes (batch, "
-                "features) inputs"
-            )
+        if len(shape) < 2:
+            return f"its input is {len(shape)}-D {shape}; the fused kernel takes (batch, features)"
         return ""
