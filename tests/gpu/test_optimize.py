@@ -87,15 +87,26 @@ def test_exported_file(name, kernel):
 
 
 def test_fallback_on_cuda_warns():
-    _, ref, inputs = build("activations_no_norm", device=CUDA)
+    """A 3-D input before a reduction (which would take dim 1, not the features)."""
+    _, ref, inputs = build("max_values_tail", device=CUDA)
     new, _ = optimize(ref, inputs, kernel="portable")
     x = inputs[0].reshape(4, -1, inputs[0].shape[1])
-    with pytest.warns(FallbackWarning, match="not a 2-D tensor"):
+    with pytest.warns(FallbackWarning, match="is not 2-D and the chain is not pointwise"):
         with torch.no_grad():
             got = new(x)
     assert new.fc.last_path == "fallback"
     with torch.no_grad():
         torch.testing.assert_close(got, ref(x), rtol=0, atol=0)
+
+
+def test_a_3d_input_to_a_pointwise_chain_is_fused_with_its_rows_flattened():
+    _, ref, inputs = build("activations_no_norm", device=CUDA)
+    new, _ = optimize(ref, inputs)
+    x = inputs[0].reshape(4, -1, inputs[0].shape[1])
+    with torch.no_grad():
+        got = new(x)
+        torch.testing.assert_close(got, ref(x), rtol=1e-4, atol=1e-4)
+    assert new.fc.last_path in ("fused", "epilogue") and got.shape == ref(x).shape
 
 
 def test_to_cuda_after_optimize_moves_everything():
