@@ -84,12 +84,16 @@ EXPECTED = {
             "logsumexp(dim=1, keepdim=True)",
         ])
     ],
+    "shared_linear": [
+        ("fc", True, "fc -> relu", "stopped at fc (nn.Linear): not in the epilogue grammar"),
+        ("fc_1", True, "fc", "stopped at softmax (torch.softmax): not in the epilogue grammar"),
+    ],
     "scalar_tensor_attributes": [
         ("fc", True, "fc -> x / temperature -> x * factor -> relu", "ends at the model's output"),
     ],
-    "unfit_shared_linear": [
-        ("fc", False, "", "the module is called 2 times in forward (each call needs its chain)"),
-        ("fc", False, "", "the module is called 2 times in forward (each call needs its chain)"),
+    "unfit_computed_weight": [
+        ("linear", False, "", "its weight is computed in the forward (F.linear is fused on "
+         "parameters, buffers and tensor attributes)"),
     ],
 }  # fmt: skip
 
@@ -119,9 +123,8 @@ def test_report_says_what_happened_to_each_linear(name):
     assert all(r.verified is (True if r.fused else None) for r in report.linears)
     fused = {path for path, m in new.named_modules() if isinstance(m, FusedLinear)}
     assert fused == {r.module for r in report.fused}
-    for r in report.fused:  # a functional call's FusedLinear is a new submodule
-        functional = r.chain[0].startswith("F.") or " @ " in r.chain[0]
-        assert r.module == (f"{r.name}_fused" if functional else r.name), r
+    for r in report.fused:  # a module's at its path; a functional or shared call's, a new one
+        assert r.module in (r.name, f"{r.name}_fused"), r
     text = str(report)
     assert f"{len(report.fused)} of {len(report.linears)} Linear call(s) fused" in text
     for line, entry in zip(text.splitlines()[1:], report.linears, strict=True):
@@ -678,20 +681,29 @@ def test_a_linear_on_a_3d_input_takes_pointwise_ops_and_stops_at_a_groupnorm():
         torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
 
 
-def test_linears_that_are_not_swapped():
+def test_a_linear_module_called_twice_is_fused_at_each_call_sharing_its_weight_split():
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(8, 8)
 
         def forward(self, x):
-            return self.fc(torch.relu(self.fc(x)))
+            return torch.tanh(self.fc(torch.relu(self.fc(x))))
 
-    _, report = optimize(Twice(), (torch.randn(3, 8),))
-    assert [r.reason for r in report.linears] == [
-        "the module is called 2 times in forward (each call needs its chain)"
-    ] * 2
+    model, x = Twice(), torch.randn(3, 8)
+    new, report = optimize(model, (x,))
+    got = [(r.name, r.fused, r.chain, r.module) for r in report.linears]
+    assert got == [("fc", True, ("fc", "relu"), "fc_fused"),
+                   ("fc_1", True, ("fc", "tanh"), "fc_1_fused")]  # fmt: skip
+    assert new.fc is model.fc and list(new.state_dict()) == list(model.state_dict())
+    assert new.fc_fused.weight_split is new.fc_1_fused.weight_split
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+        model.fc.weight.mul_(-1.0)
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
 
+
+def test_linears_that_are_not_swapped():
     hooked = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     hooked[0].register_forward_hook(lambda m, i, o: o * 2)
     new, report = optimize(hooked, (torch.randn(3, 8),))

@@ -31,7 +31,7 @@ def test_unknown_targets_raise():
     with pytest.raises(ValueError, match="unknown problem '99'"):
         warmup.structures_for("99")
     with pytest.raises(ExportError, match="no Linear of Model can be swapped"):
-        warmup.structures_for(str(path_of("unfit_shared_linear")))
+        warmup.structures_for(str(path_of("unfit_computed_weight")))
 
 
 def test_builds_report_each_outcome_and_the_failures(monkeypatch):
@@ -63,5 +63,5 @@ def test_cli_errors_name_the_argument(capsys):
     with pytest.raises(SystemExit):
         main(["warmup", "62", "--jobs", "0"])
     assert "--jobs must be at least 1" in capsys.readouterr().err
-    assert main(["warmup", str(path_of("unfit_shared_linear"))]) == 2
+    assert main(["warmup", str(path_of("unfit_computed_weight"))]) == 2
     assert "no Linear of Model can be swapped" in capsys.readouterr().err

@@ -393,7 +393,7 @@ class _Analysis:
             return _target_name(node.target)
         return node.op
 
-    def linear_problem(self, node: fx.Node, calls: int) -> str:
+    def linear_problem(self, node: fx.Node) -> str:
         """Why this Linear call (a module's, F.linear's or a matmul by a transposed attribute)
         cannot be swapped ("" if it can)."""
         x = _linear_input(node, self.gm)
@@ -412,8 +412,6 @@ class _Analysis:
                 return f"{type(module).__name__} overrides nn.Linear.forward"
             if _has_hooks(module):
                 return "the module has forward hooks"
-            if calls > 1:
-                return f"the module is called {calls} times in forward (each call needs its chain)"
             if node.kwargs.keys() - {"input"} or len(node.args) > 1:
                 return "its input is not a tensor of the forward"
         if x not in self.meta:

@@ -214,11 +214,15 @@ def optimize(
     calls = {}
     for node in linears:
         calls[node.target] = calls.get(node.target, 0) + 1
+    # A Linear module called more than once: each call gets its own FusedLinear, a new
+    # submodule reading the module's tensors (as for F.linear), the module itself kept.
+    shared = {n.target for n in linears if n.op == "call_module" and calls[n.target] > 1}
     decisions: dict[fx.Node, LinearReport | _Chain] = {}
     for node in linears:
-        problem = analysis.linear_problem(node, calls[node.target])
+        problem = analysis.linear_problem(node)
         if node.op == "call_module":
-            name, label = node.target, node.target
+            name = node.name if node.target in shared else node.target
+            label = node.target
         elif node.target is F.linear:
             name, label = node.name, f"F.linear({_linear_args(node, gm)['weight'].target})"
         else:
@@ -234,7 +238,8 @@ def optimize(
     # The result's module tree: the model's own, with shared copies above swapped Linears.
     attributes = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     chains = [c for c in decisions.values() if isinstance(c, _Chain)]
-    _mirror(model, gm, {c.path for c in chains if c.linear.op == "call_module"})
+    in_place = [c for c in chains if c.linear.op == "call_module" and c.linear.target not in shared]
+    _mirror(model, gm, {c.path for c in in_place})
     gm._parameters, gm._buffers = model._parameters, model._buffers
     gm._non_persistent_buffers_set = model._non_persistent_buffers_set
     gm.training = model.training
@@ -246,25 +251,21 @@ def optimize(
                 gm.__dict__[target] = value
 
     verify = all(t.device.type != "meta" for t in recorder.values.values())
+    splits = {}  # a shared Linear module's target -> its calls' weight split cache
     for node, chain in list(decisions.items()):
         if not isinstance(chain, _Chain):
             continue
-        if chain.linear.op == "call_module":
+        if chain.linear.op == "call_module" and chain.linear.target not in shared:
             target = chain.path
             parent, name = _owner(gm, target)
             linear = {"linear": parent._modules[name]}
-        else:  # F.linear, x @ W.T: a new submodule of the root, reading the tensors from their
-            # owners
-            args = _linear_args(chain.linear, gm)
+        else:  # F.linear, x @ W.T, a shared module's call: a new submodule of the root,
+            # reading the tensors from their owners
             parent, target = gm, f"{chain.path}_fused"
             while hasattr(gm, target):
                 target += "_"
             name = target
-            linear = {
-                "linear": None,
-                "weight": _owner(gm, args["weight"].target),
-                "bias": None if args["bias"] is None else _owner(gm, args["bias"].target),
-            }
+            linear = _functional_tensors(gm, chain.linear)
         fused = FusedLinear(
             **linear,
             ops=chain.ops,
@@ -276,6 +277,9 @@ def optimize(
             kernel=kernel,
             precision=precision,
         )
+        if chain.linear.op == "call_module" and chain.linear.target in shared:
+            # the calls of one module split its weight once between them
+            fused.weight_split = splits.setdefault(chain.linear.target, fused.weight_split)
         mismatch = ""
         if verify:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -308,6 +312,22 @@ def optimize(
     graph.lint()
     gm.recompile()
     return gm, OptimizeReport(type(model).__name__, tuple(decisions.values()))
+
+
+def _functional_tensors(gm: fx.GraphModule, node: fx.Node) -> dict:
+    """FusedLinear's weight and bias arguments for a Linear call that is not swapped at its
+    module's path: (owner, name) pairs of an F.linear's or a spelled Linear's get_attr targets,
+    or of a shared Linear module's own tensors."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        bias = None if module.bias is None else (module, "bias")
+        return {"linear": None, "weight": (module, "weight"), "bias": bias}
+    args = _linear_args(node, gm)
+    return {
+        "linear": None,
+        "weight": _owner(gm, args["weight"].target),
+        "bias": None if args["bias"] is None else _owner(gm, args["bias"].target),
+    }
 
 
 def _fetch(root: nn.Module, target: str):

@@ -1,5 +1,5 @@
-"""Nothing gemmfuse can swap: the only Linear module is called twice (each call would need its
-own chain)."""
+"""One Linear module called twice (shared weights): each call fused with its own chain, the
+weight split once between them."""
 
 import torch
 import torch.nn as nn
