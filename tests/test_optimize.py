@@ -127,6 +127,9 @@ def test_report_says_what_happened_to_each_linear(name):
         assert r.module in (r.name, f"{r.name}_fused"), r
     text = str(report)
     assert f"{len(report.fused)} of {len(report.linears)} Linear call(s) fused" in text
+    bare = [r for r in report.fused if len(r.chain) == 1]
+    assert list(report.bare) == bare
+    assert (f"{len(bare)} bare GEMM" in text.splitlines()[0]) == bool(bare)
     for line, entry in zip(text.splitlines()[1:], report.linears, strict=True):
         assert line.strip() == str(entry)
 

@@ -62,9 +62,17 @@ class OptimizeReport:
     def fused(self) -> tuple[LinearReport, ...]:
         return tuple(r for r in self.linears if r.fused)
 
+    @property
+    def bare(self) -> tuple[LinearReport, ...]:
+        """The fused calls with no op after the GEMM (the tensor-core product alone)."""
+        return tuple(r for r in self.fused if len(r.chain) == 1)
+
     def __str__(self) -> str:
         head = f"gemmfuse.optimize({self.model}): {len(self.fused)} of {len(self.linears)} "
         head += "Linear call(s) fused"
+        if self.bare:
+            chained = len(self.fused) - len(self.bare)
+            head += f" ({chained} with a chain, {len(self.bare)} bare GEMM)"
         return "\n".join([head, *(f"  {r}" for r in self.linears)])
 
 
