@@ -88,6 +88,11 @@ EXPECTED = {
         ("fc", True, "fc -> relu", "stopped at fc (nn.Linear): not in the epilogue grammar"),
         ("fc_1", True, "fc", "stopped at softmax (torch.softmax): not in the epilogue grammar"),
     ],
+    "reductions_of_one": [
+        ("linear", True, "linear -> sum(dim=1, keepdim=True) -> max(dim=1, keepdim=True) -> "
+         "mean(dim=1, keepdim=True) -> logsumexp(dim=1, keepdim=True) -> "
+         "logsumexp(dim=1, keepdim=True)", "ends at the model's output"),
+    ],
     "scalar_tensor_attributes": [
         ("fc", True, "fc -> x / temperature -> x * factor -> relu", "ends at the model's output"),
     ],
@@ -419,8 +424,11 @@ def buffer(*shape):  # Chain registers plain tensors as buffers
          "(operator.add): operand mul is computed in the forward"),
         (lambda s, x: s.g2(s.g1(x)), {"g1": nn.GroupNorm(4, 16), "g2": nn.GroupNorm(2, 16)},
          "fc -> g1", "stopped at g2 (nn.GroupNorm): a second GroupNorm"),
-        (lambda s, x: x.sum(1, keepdim=True).amax(1), {}, "fc -> sum(dim=1, keepdim=True)",
+        (lambda s, x: x.sum(1).amax(-1), {}, "fc -> sum(dim=1)",
          "stopped at amax (Tensor.amax): a second reduction"),
+        (lambda s, x: torch.sigmoid(x.amax(1, keepdim=True)).sum(1), {},
+         "fc -> max(dim=1, keepdim=True) -> sigmoid",
+         "a reduction dropping the kept dimension after tail ops"),
         (lambda s, x: torch.max(x, 1)[1], {}, "fc", "its indices are used"),
         (lambda s, x: torch.max(x, torch.zeros(1)), {}, "fc", "elementwise"),
         (lambda s, x: x.sum(0), {}, "fc", "dim=0, not the channels"),
@@ -667,6 +675,24 @@ def test_other_matmuls_are_left_alone(body):
     assert report.linears == ()
     with torch.no_grad():
         torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
+def test_reductions_over_the_kept_dimension_are_identities_or_drop_it():
+    """KernelBench #18's and #51's forms: after a reduction with keepdim, min/max/sum/mean/
+    logsumexp over dim 1 (of size 1) are the value itself; without keepdim, and before any tail
+    op, the chain's reduction drops the dimension."""
+
+    def body(s, x):
+        x = torch.max(torch.sum(x, dim=1, keepdim=True), dim=1, keepdim=True)[0]
+        x = torch.logsumexp(torch.mean(x, dim=1, keepdim=True), dim=1, keepdim=True)
+        return torch.sigmoid(x.amin(dim=1)) * 2.0
+
+    entry = stops(body)
+    assert entry.fused and entry.stopped == "ends at the model's output"
+    assert entry.chain == (
+        "fc", "sum(dim=1, keepdim=True)", "max(dim=1, keepdim=True)", "mean(dim=1, keepdim=True)",
+        "logsumexp(dim=1, keepdim=True)", "min(dim=1)", "sigmoid", "x * 2.0",
+    )  # fmt: skip
 
 
 def test_a_linear_on_a_3d_input_takes_pointwise_ops_and_stops_at_a_groupnorm():

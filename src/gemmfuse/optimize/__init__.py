@@ -15,7 +15,8 @@ as the epilogue grammar goes::
     Linear -> pointwise ops -> GroupNorm -> pointwise ops -> reduction over dim 1 -> tail ops
 
 (on a higher input, whose leading dimensions the fused call takes as rows, the pointwise ops
-alone: GroupNorm and the reductions act on dimension 1, not on the features).
+alone: GroupNorm and the reductions act on dimension 1, not on the features). A reduction over
+dimension 1 after the chain's own kept it (size 1) is the value itself, or drops it.
 
 A chain stops at the first node that is not in the grammar, whose result has several users
 (``x + x`` excepted, and ``x * sigmoid(x)``: x used by a sigmoid that only the multiplication

@@ -299,7 +299,7 @@ class _Analysis:
             return "post"
         if step.kind == "reduce":
             if stage == "tail":
-                return _Refusal("a second reduction")
+                return self._reduce_kept_dim(chain, step)
             chain.reduce = step.reduction
             return "tail"
         if stage != "tail":
@@ -336,6 +336,20 @@ class _Analysis:
                          for a in step.args)  # fmt: skip
             chain.ops.append(ChainOp(stage, step.name, args))
         return stage
+
+    def _reduce_kept_dim(self, chain: _Chain, step: _Step) -> "str | _Refusal":
+        """A reduction after the chain's own, over the size-1 dimension it kept: the identity
+        with keepdim (min, max, sum, mean, logsumexp of one value are that value, exactly), else
+        the chain's reduction without keepdim, when no tail op came between."""
+        rows = self.meta[chain.linear].shape[0]
+        if not chain.reduce.keepdim or self.meta[chain.end].shape != (rows, 1):
+            return _Refusal("a second reduction")
+        if step.reduction.keepdim:
+            return "tail"
+        if any(op.stage == "tail" for op in chain.ops):
+            return _Refusal("a reduction dropping the kept dimension after tail ops")
+        chain.reduce = Reduction(chain.reduce.op, keepdim=False)
+        return "tail"
 
     @staticmethod
     def _tensors(op: ChainOp) -> int:
