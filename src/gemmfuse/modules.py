@@ -268,7 +268,9 @@ class FusedLinear(nn.Module):
             self.last_path = "fallback"
             return self._fallback(x, weight, bias, *operands)
         gn_weight, gn_bias = (None, None) if norm is None else norm[2:]
-        rows = x.reshape(-1, x.shape[-1])  # leading dimensions as rows (a pointwise chain)
+        # leading dimensions as rows (a pointwise chain); a 2-D x as it is (no view node for
+        # autograd to record on every call)
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         out, self.last_path = fused_linear_with_path(
             rows, weight, bias, epilogue, gn_weight, gn_bias, params=operands,
             weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
