@@ -41,3 +41,32 @@ def test_read_csrc_is_every_shipped_source():
         p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp")
     }
     assert files["binding.cpp"] == (CSRC / "binding.cpp").read_text()
+
+
+def _constant(file: str, name: str) -> int:
+    match = re.search(rf"constexpr int {name} = (\d+);", read_csrc()[file])
+    assert match, f"{name} not found in {file}"
+    return int(match.group(1))
+
+
+def test_constants_python_shares_with_the_kernels_agree():
+    """The values both sides hold, each written once per language: the Python copies must match
+    the C++ ones, or arguments and tiles disagree silently."""
+    from gemmfuse import autograd, epilogue, ops
+
+    assert epilogue.MAX_SCALARS == epilogue.MAX_TENSORS == _constant("fused_args.h", "kMaxParams")
+    assert ops.TILE == _constant("tile_epilogue.cuh", "kTile")
+    assert ops.GEMV_MAX_ROWS == _constant("gemv_epilogue.cuh", "kGemvMaxRows")
+    assert ops.K_ALIGN == autograd.SPLIT_ALIGN == _constant("gemm_gn_sm90.cuh", "kBlockK")
+    header = read_csrc()["row_reduce.cuh"].replace("\n// ", " ")
+    kinds = re.search(r"Kinds are REDUCTIONS in epilogue\.py: (.*?)\.", header)
+    documented = {name: int(code) for code, name in re.findall(r"(\d) (\w+)", kinds.group(1))}
+    assert documented == epilogue.REDUCTIONS
+
+
+def test_every_extension_function_is_defined_in_the_binding():
+    from gemmfuse.build import EXTENSION_FUNCTIONS
+
+    binding = read_csrc()["binding.cpp"]
+    defined = set(re.findall(r"^[\w:<>, ]+?\b(\w+)\(", binding, re.M))
+    assert set(EXTENSION_FUNCTIONS) <= defined, set(EXTENSION_FUNCTIONS) - defined
