@@ -180,7 +180,7 @@ def test_an_operand_that_no_longer_broadcasts_runs_the_original_chain():
      ((3, 64), False), ((2, 1, 64), False), ((65,), False)],
 )  # fmt: skip
 def test_broadcast_check_keeps_the_shape(shape, fits):
-    assert gemmfuse.modules._broadcasts_to(shape, (32, 64)) is fits
+    assert gemmfuse.epilogue.keeps_shape(shape, (32, 64)) is fits
 
 
 @pytest.mark.parametrize("setting, value", [("eps", -1.0), ("eps", "small"), ("num_groups", 2.5)])

@@ -127,6 +127,8 @@ def test_bad_kernel_or_precision_raises(kwargs, message):
         ({"a": 1}, TypeError, "params must be a tuple or list"),
         ((3.0,), TypeError, r"params\[0\] must be a torch.Tensor"),
         ((), ValueError, r"reads params\[0\] but 0 tensor"),
+        ((torch.ones(17),), ValueError, r"params\[0\] of shape \(17,\) does not broadcast"),
+        ((torch.ones(2, 1, 16),), ValueError, r"params\[0\] of shape \(2, 1, 16\) does not"),
     ],
 )
 def test_bad_params_raise(params, error, message):

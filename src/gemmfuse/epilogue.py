@@ -56,6 +56,14 @@ def per_channel(shape: tuple[int, ...], n: int) -> bool:
     return len(shape) <= 2 and math.prod(shape) in (1, n) and shape[:-1] in ((), (1,))
 
 
+def keeps_shape(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts against ``target`` leaving it ``target`` (what a
+    pre or post op's tensor argument must do: those ops keep the GEMM's (M, N))."""
+    return len(shape) <= len(target) and all(
+        a in (1, b) for a, b in zip(reversed(shape), reversed(target), strict=False)
+    )
+
+
 @dataclass(frozen=True)
 class PointwiseDef:
     """One pointwise op: its argument count, its CUDA expression and its torch function.

@@ -34,7 +34,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from gemmfuse.epilogue import Epilogue, GroupNormSpec, Pointwise, Reduction, epilogue_problem
+from gemmfuse.epilogue import (
+    Epilogue,
+    GroupNormSpec,
+    Pointwise,
+    Reduction,
+    epilogue_problem,
+    keeps_shape,
+)
 from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear_with_path
 from gemmfuse.reference import linear_epilogue
 
@@ -105,13 +112,6 @@ class ChainNorm:
             return m.num_groups, m.eps, m.weight, m.bias
         pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
         return (self.num_groups, self.eps, *pick)
-
-
-def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    """Whether a tensor of ``shape`` broadcasts against ``target`` leaving it ``target``."""
-    return len(shape) <= len(target) and all(
-        a in (1, b) for a, b in zip(reversed(shape), reversed(target), strict=False)
-    )
 
 
 class FusedLinear(nn.Module):
@@ -250,7 +250,7 @@ class FusedLinear(nn.Module):
             if not isinstance(t, torch.Tensor) or t.dtype != x.dtype:
                 return f"operand {self._operands[i][1]!r} is no longer a tensor of x's dtype"
         for i in epilogue.channel_params:  # the IR's rule: pre/post operands keep (M, N)
-            if not _broadcasts_to(tuple(operands[i].shape), (m, n)):
+            if not keeps_shape(tuple(operands[i].shape), (m, n)):
                 return f"operand {self._operands[i][1]!r} no longer broadcasts to ({m}, {n})"
         return ""
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
-from gemmfuse.epilogue import Epilogue, per_channel
+from gemmfuse.epilogue import Epilogue, keeps_shape, per_channel
 from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.sources import extension_for
 
@@ -183,6 +183,13 @@ def validate(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -> None:
             "must share dtype and device"
         )
     _check_vector(bias, "bias", n, weight)
+    for i in sorted(set(epilogue.channel_params)):
+        shape = tuple(params[i].shape)
+        if not keeps_shape(shape, (x.shape[0], n)):
+            raise ValueError(
+                f"params[{i}] of shape {shape} does not broadcast to the chain's "
+                f"({x.shape[0]}, {n}): the ops before the reduction keep the GEMM's shape"
+            )
     norm = epilogue.norm
     if norm is None:
         if gn_weight is not None or gn_bias is not None:
@@ -377,7 +384,9 @@ def fused_linear(
         weight, bias: the Linear's (N, K) weight and (N,) bias (or None).
         epilogue: the chain after the GEMM (:class:`gemmfuse.Epilogue`).
         gn_weight, gn_bias: the GroupNorm's affine parameters, when it is affine.
-        params: the tensors the epilogue's :class:`gemmfuse.Param` arguments refer to.
+        params: the tensors the epilogue's :class:`gemmfuse.Param` arguments refer to; those
+            of ops before the reduction must broadcast to (M, N) without changing it (a
+            ValueError names one that does not).
         weight_cache: keeps the weight's fp16 split between calls; without one the weight is
             split on every call (correct, slower).
         kernel: "auto" (by problem size and GPU), "portable" (sm_80+ mma.sync), "hopper"
