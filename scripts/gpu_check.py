@@ -7,14 +7,21 @@ process's load from the cache, runs the GPU tests (pytest -m gpu) and the benchm
 chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
 [--no-tests] [-k EXPR] (-k selects GPU tests as pytest's -k does).
+
+The device machine starts bare: a kernel cache carried over in .gemmfuse-cache/so.tgz (the
+device tool's `carry`) is unpacked into the cache first, and after the builds the cache's
+libraries are written to $OUT as so.tgz.part-* (15 MB each, what comes back); join them into
+.gemmfuse-cache/so.tgz for the next call (`cat so.tgz.part-* > .gemmfuse-cache/so.tgz`).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -94,18 +101,50 @@ def every_structure() -> list[str]:
     return list(dict.fromkeys(repr(s) for s in structures))
 
 
+CARRIED_CACHE = ROOT / ".gemmfuse-cache" / "so.tgz"
+PART_BYTES = 15 * 2**20
+
+
+def restore_cache(cache: Path) -> str:
+    """Unpacks a carried kernel cache (its libraries) into ``cache``."""
+    if not CARRIED_CACHE.exists():
+        return "no carried kernel cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(CARRIED_CACHE) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".so")]
+        tar.extractall(cache, members=members, filter="data")
+    return f"carried kernel cache: {len(members)} libraries"
+
+
+def save_cache(cache: Path, out: Path) -> int:
+    """Writes the cache's libraries to ``out`` as so.tgz.part-aa, -ab, ...; returns the parts."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for library in sorted(cache.rglob("*.so")):
+            tar.add(library, arcname=str(library.relative_to(cache)))
+    data = buffer.getvalue()
+    parts = range(0, len(data), PART_BYTES)
+    for n, start in enumerate(parts):
+        suffix = chr(ord("a") + n // 26) + chr(ord("a") + n % 26)
+        (out / f"so.tgz.part-{suffix}").write_bytes(data[start : start + PART_BYTES])
+    return len(parts)
+
+
 def main() -> int:
     quick = "--quick" in sys.argv
     OUT.mkdir(parents=True, exist_ok=True)
     structures = every_structure()
+    from gemmfuse.build import cache_dir
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.sources import extension_for
     from gemmfuse.warmup import build_in_processes
 
     summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
+    summary.append(restore_cache(cache_dir()))
     t = time.perf_counter()
     errors = build_in_processes(structures, ENV)
     print("\n".join(errors), flush=True)
+    summary.append(f"kernel cache saved to {OUT} in {save_cache(cache_dir(), OUT)} part(s)")
     summary.append(
         f"build: {len(structures)} extensions ({len(errors)} failed) in "
         f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time"
