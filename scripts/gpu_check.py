@@ -87,17 +87,17 @@ def every_structure() -> list[str]:
     sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
     from model_files import FIT, build
 
-    from gemmfuse import Epilogue, FusedLinear, optimize
+    from gemmfuse import Epilogue, optimize
     from gemmfuse.chains import chain_pool
     from gemmfuse.kernelbench.registry import PROBLEMS
+    from gemmfuse.warmup import model_structures
 
     structures = [Epilogue()]  # the plain GEMM: the backward's products
     structures += [s.structure for p in PROBLEMS.values() for s in p.structures]
     structures += [c.structure for c in chain_pool()]
     for name in FIT:
         _, model, inputs = build(name)
-        new, _ = optimize(model, inputs)
-        structures += [m.epilogue.structure for m in new.modules() if isinstance(m, FusedLinear)]
+        structures += model_structures(optimize(model, inputs)[0])
     return list(dict.fromkeys(repr(s) for s in structures))
 
 

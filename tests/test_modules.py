@@ -70,23 +70,20 @@ def test_cpu_runs_the_reference_path():
     assert new.fc.last_path == "torch"
 
 
-def test_a_3d_input_to_a_pointwise_chain_runs_with_its_rows_flattened():
-    model, new, inputs = optimized("activations_no_norm")
+@pytest.mark.parametrize(
+    "name, path",
+    [
+        ("activations_no_norm", "torch"),  # pointwise: the leading dimensions become rows
+        ("max_values_tail", "fallback"),  # max over dim 1 of (B, T, N) reduces T, not features
+    ],
+)
+def test_a_3d_input_runs_flattened_when_the_chain_is_pointwise(name, path):
+    model, new, inputs = optimized(name)
     x = inputs[0].reshape(4, -1, inputs[0].shape[1])
     with torch.no_grad():
-        got = new.fc(x)
-        torch.testing.assert_close(got, model(x), rtol=0, atol=0)
-    assert new.fc.last_path == "torch" and got.shape == (4, 16, 128)
-
-
-def test_a_3d_input_before_a_reduction_runs_the_original_chain():
-    """max over dim 1 of a (B, T, N) Linear output reduces T, not the features."""
-    model, new, inputs = optimized("max_values_tail")
-    x = inputs[0].reshape(4, -1, inputs[0].shape[1])
-    with torch.no_grad():
-        got = new.fc(x)
-        torch.testing.assert_close(got, model(x), rtol=0, atol=0)
-    assert new.fc.last_path == "fallback"
+        got, expected = new.fc(x), model(x)  # the FusedLinear holds the whole chain
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert new.fc.last_path == path and got.shape == expected.shape
 
 
 def test_groupnorm_settings_are_read_at_each_call():

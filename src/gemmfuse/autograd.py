@@ -103,8 +103,8 @@ def _group_size(chain: Epilogue, n: int) -> int:
 
 
 def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether the chain backward kernel takes this call: CUDA float32 or bfloat16, a row's
-    working set within a block's shared memory."""
+    """Whether the chain backward kernel takes this call: CUDA float32 or bfloat16, a column
+    slab's working set within a block's shared memory."""
     if not z.is_cuda or z.dtype not in (torch.float32, torch.bfloat16) or grad.dtype != z.dtype:
         return False
     return _kernel_fits(chain.structure, z.shape[1], _group_size(chain, z.shape[1]), z.device)
@@ -116,8 +116,9 @@ def _kernel_fits(structure: Epilogue, n: int, group_size: int, device: torch.dev
 
 
 def kernel_plan(structure: Epilogue, m: int, n: int, group_size: int, device) -> list[int]:
-    """[column slabs, row blocks] of the chain backward kernel for an (m, n) chain; 0 row blocks
-    where a slab's working set exceeds a block's shared memory."""
+    """[column slabs, row blocks, 1 for the register kernel or 0 for the shared-memory one] of
+    the chain backward for an (m, n) chain; 0 row blocks where a slab's working set exceeds a
+    block's shared memory."""
     with torch.cuda.device(device):
         return extension_for(structure).chain_backward_plan(m, n, group_size)
 

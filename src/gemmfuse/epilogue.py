@@ -92,6 +92,8 @@ class PointwiseDef:
     grad_scalar: str | None = None
 
 
+_CLAMP = "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))"  # hardtanh's and clamp's forward
+
 POINTWISE: dict[str, PointwiseDef] = {
     # binary arithmetic with a float or a tensor operand
     "add": PointwiseDef(1, "({v} + {a0})", lambda v, a: v + a, True, grad="{g}", grad_arg="{g}"),
@@ -164,13 +166,13 @@ POINTWISE: dict[str, PointwiseDef] = {
     # Their gradients differ at the bounds: hardtanh's is 0 there, clamp's passes.
     "hardtanh": PointwiseDef(
         2,
-        "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))",
+        _CLAMP,
         F.hardtanh,
         grad="(({x} <= {a0} || {x} >= {a1}) ? 0.f : {g})",
     ),
     "clamp": PointwiseDef(
         2,
-        "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))",
+        _CLAMP,
         torch.clamp,
         grad="(({x} >= {a0} && {x} <= {a1}) ? {g} : 0.f)",
     ),

@@ -32,17 +32,19 @@ def structures_for(target: str) -> list[Epilogue]:
     """The kernel structures a shipped problem (its number) or a KernelBench problem file (its
     path) needs, the plain GEMM's first. Raises ValueError for an unknown problem number and
     ExportError for a file whose Model has nothing to swap."""
-    found = []
     if Path(target).is_file():
         from gemmfuse.kernelbench.export import optimize_problem_file
 
-        new, _ = optimize_problem_file(target)
-        for m in new.modules():
-            if isinstance(m, FusedLinear) and m.epilogue is not None:
-                found.append(m.epilogue.structure)
+        found = model_structures(optimize_problem_file(target)[0])
     else:
         found = [s.structure for s in get_problem(target).structures]
     return list(dict.fromkeys([Epilogue(), *found]))
+
+
+def model_structures(model) -> list[Epilogue]:
+    """The kernel structures of an optimized model's FusedLinears (as their settings are now)."""
+    return [m.epilogue.structure for m in model.modules()
+            if isinstance(m, FusedLinear) and m.epilogue is not None]  # fmt: skip
 
 
 def build_in_processes(

@@ -16,7 +16,7 @@ from model_files import FIT, build, load, path_of
 
 from gemmfuse import FallbackWarning, FusedLinear, optimize
 from gemmfuse.kernelbench.export import standalone_source_for_file
-from gemmfuse.warmup import build_in_processes
+from gemmfuse.warmup import build_in_processes, model_structures
 from helpers import run_both
 
 pytestmark = pytest.mark.gpu
@@ -41,9 +41,7 @@ def built_extensions():
     structures = set()
     for name in FIT:
         _, model, inputs = build(name)
-        new, _ = optimize(model, inputs)
-        structures |= {repr(m.epilogue.structure) for m in new.modules()
-                       if isinstance(m, FusedLinear)}  # fmt: skip
+        structures |= {repr(s) for s in model_structures(optimize(model, inputs)[0])}
     build_in_processes(sorted(structures))
 
 

@@ -391,7 +391,8 @@ std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
   const int64_t M = z.size(0), N = z.size(1);
   TORCH_CHECK(grad.device() == z.device() && grad.scalar_type() == z.scalar_type(),
               "gemmfuse: grad must have z's dtype and device");
-  const bool reduces = gemmfuse::fused_reduce_kind() != 0;
+  const int kind = gemmfuse::fused_reduce_kind();
+  const bool reduces = kind != 0;
   if (reduces) {
     TORCH_CHECK(grad.numel() == M && (grad.dim() == 1 || (grad.dim() == 2 && grad.size(1) == 1)),
                 "gemmfuse: the gradient of a reducing chain must have M elements");
@@ -409,7 +410,6 @@ std::vector<torch::Tensor> chain_backward(torch::Tensor z, torch::Tensor grad,
   const int sums = gemmfuse::chain_backward_sums();
   auto dz = torch::empty_like(z);
   auto partial = torch::empty({plan.row_blocks, sums, N}, z.options().dtype(torch::kFloat32));
-  const int kind = gemmfuse::fused_reduce_kind();
   const bool slab_extremes = (kind == 1 || kind == 2) && plan.slabs > 1;
   auto extremes = torch::empty({slab_extremes ? M : 0, plan.slabs, 2}, partial.options());
   gemmfuse::BackwardArgs args{};

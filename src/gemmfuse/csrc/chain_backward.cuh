@@ -133,6 +133,17 @@ __device__ __forceinline__ void group_sums(F f, int groups, int group_size, int 
   __syncthreads();
 }
 
+// A group's statistics from its centred sums, in double: the mean (first estimate `mean`) refined
+// by the centred values' mean, and rstd = 1 / sqrt(biased variance + eps). Both kernels finish
+// their groups here, so they normalise alike.
+__device__ __forceinline__ void finish_group_stats(float sum_d, float sum_d2, int group_size,
+                                                   float eps, float& mean, float& rstd) {
+  const double d = static_cast<double>(sum_d) / group_size;
+  const double var = fmax(static_cast<double>(sum_d2) / group_size - d * d, 0.0);
+  mean += static_cast<float>(d);
+  rstd = static_cast<float>(1.0 / sqrt(var + static_cast<double>(eps)));
+}
+
 // The row's min or max (m) and how many columns hold it (s); NaN wins, as in torch.amin/amax.
 template <int kKind>
 __device__ __forceinline__ RowAcc extreme_merge(RowAcc a, RowAcc b) {
@@ -258,12 +269,8 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
         const float d = Epi::pre(zrow[j], c0 + j, p) - mean[g];
         return make_float2(d, d * d);
       }, groups, gs, segment, smem + at.runs, g_mean, gx_mean);
-      for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        const double d = static_cast<double>(g_mean[g]) / gs;
-        const double var = fmax(static_cast<double>(gx_mean[g]) / gs - d * d, 0.0);
-        mean[g] += static_cast<float>(d);
-        rstd[g] = static_cast<float>(1.0 / sqrt(var + static_cast<double>(a.eps)));
-      }
+      for (int g = threadIdx.x; g < groups; g += blockDim.x)
+        finish_group_stats(g_mean[g], gx_mean[g], gs, a.eps, mean[g], rstd[g]);
       __syncthreads();
     }
 

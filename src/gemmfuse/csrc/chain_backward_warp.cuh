@@ -110,10 +110,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         }
         d = group_total(d, lanes);
         d2 = group_total(d2, lanes);
-        const double dd = static_cast<double>(d.m + d.s) / gs;
-        const double var = fmax(static_cast<double>(d2.m + d2.s) / gs - dd * dd, 0.0);
-        mean += static_cast<float>(dd);
-        rstd = static_cast<float>(1.0 / sqrt(var + static_cast<double>(a.eps)));
+        finish_group_stats(d.m + d.s, d2.m + d2.s, gs, a.eps, mean, rstd);
       }
       float xh[4], y[4];
 #pragma unroll

@@ -292,9 +292,14 @@ def _spelled_linear(node: fx.Node, gm: fx.GraphModule) -> "dict | None":
     return None
 
 
-def _attribute(gm: fx.GraphModule, target: str):
+def _owner(root: nn.Module, target: str) -> tuple[nn.Module, str]:
     prefix, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(prefix) if prefix else gm, name, None)
+    return (root.get_submodule(prefix) if prefix else root), name
+
+
+def _attribute(root: nn.Module, target: str):
+    """The attribute a get_attr ``target`` names (None where there is none)."""
+    return getattr(*_owner(root, target), None)
 
 
 def _transposed_attribute(node, gm: fx.GraphModule) -> "fx.Node | None":

@@ -15,9 +15,11 @@ from gemmfuse.modules import FusedLinear
 from gemmfuse.ops import KERNELS, PRECISIONS
 from gemmfuse.optimize.analysis import _Analysis, _Chain
 from gemmfuse.optimize.grammar import (
+    _attribute,
     _linear_args,
     _linear_input,
     _next_in_chain,
+    _owner,
     _spelled_linear,
     _thread_inplace,
 )
@@ -107,11 +109,6 @@ def _fallback(gm: fx.GraphModule, chain: _Chain) -> fx.GraphModule:
     graph.output(env[chain.end])
     modules = {n.target: gm.get_submodule(n.target) for n in chain.nodes if n.op == "call_module"}
     return fx.GraphModule(modules, graph, class_name="FusedLinearFallback")
-
-
-def _owner(root: nn.Module, target: str) -> tuple[nn.Module, str]:
-    prefix, _, name = target.rpartition(".")
-    return (root.get_submodule(prefix) if prefix else root), name
 
 
 def _verify(fused: FusedLinear, x, expected: torch.Tensor) -> str:
@@ -204,8 +201,9 @@ def optimize(
     ]  # fmt: skip
     keep = set()
     for node in linears:  # the inputs, and every node a chain can end at
-        if isinstance(_linear_input(node, gm), fx.Node):
-            keep.add(_linear_input(node, gm))
+        x = _linear_input(node, gm)
+        if isinstance(x, fx.Node):
+            keep.add(x)
         v = node
         while v is not None:
             keep.add(v)
@@ -244,7 +242,7 @@ def optimize(
             decisions[node] = analysis.chain(node, name, label)
 
     # The result's module tree: the model's own, with shared copies above swapped Linears.
-    attributes = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
+    attributes = {n.target: _attribute(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     chains = [c for c in decisions.values() if isinstance(c, _Chain)]
     in_place = [c for c in chains if c.linear.op == "call_module" and c.linear.target not in shared]
     _mirror(model, gm, {c.path for c in in_place})
@@ -336,8 +334,3 @@ def _functional_tensors(gm: fx.GraphModule, node: fx.Node) -> dict:
         "weight": _owner(gm, args["weight"].target),
         "bias": None if args["bias"] is None else _owner(gm, args["bias"].target),
     }
-
-
-def _fetch(root: nn.Module, target: str):
-    owner, name = _owner(root, target)
-    return getattr(owner, name)
