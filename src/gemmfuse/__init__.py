@@ -1,5 +1,6 @@
 """gemmfuse: fused CUDA kernels for Linear -> GroupNorm -> pointwise/reduction chains."""
 
+import gemmfuse.library  # noqa: F401  (registers the gemmfuse:: torch.library ops)
 from gemmfuse.build import BuildError
 from gemmfuse.epilogue import (
     POINTWISE,

@@ -52,7 +52,9 @@ class FusedCall:
     chain up to its tail ops, and the GEMM result when ``save_z``. ``split_dx`` / ``split_dw``
     say whether each backward product runs on the split tensor-core kernel (``kernel`` its
     launch code, ``split`` three products or one) rather than PyTorch's; ``weight_cache`` keeps
-    the weight's transposed split between calls.
+    the weight's transposed split between calls. ``chain_kernel`` False keeps the chain's
+    backward in PyTorch (a call whose forward ran the PyTorch path: its tensor arguments need
+    not be per channel).
     """
 
     epilogue: Epilogue
@@ -62,6 +64,7 @@ class FusedCall:
     split_dw: bool = False
     kernel: int = 0
     split: bool = True
+    chain_kernel: bool = True
 
     @functools.cached_property
     def chain(self) -> Epilogue:
@@ -83,19 +86,25 @@ class FusedLinearFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight, z, gn_weight, gn_bias, *params = ctx.saved_tensors
-        call = ctx.call
-        needs_x, needs_w, needs_b, *needs_chain = ctx.needs_input_grad[1:]
-        tensors = (gn_weight, gn_bias, *params)
-        if _kernel_backward_fits(call.chain, z, grad):
-            dz, chain_grads, db = _kernel_chain_backward(
-                call.chain, z, grad, tensors, needs_chain, call.weight_cache
-            )
-        else:
-            dz, chain_grads = chain_backward(call.chain, z, grad, tensors, needs_chain)
-            db = dz.sum(0) if needs_b else None
-        dx = grad_input(dz, weight, call) if needs_x else None
-        dw = grad_weight(dz, x, call) if needs_w else None
-        return (None, dx, dw, db.to(z.dtype) if needs_b else None, *chain_grads)
+        tensors = (x, weight, z, gn_weight, gn_bias, params)
+        return (None, *fused_backward(ctx.call, grad, *tensors, ctx.needs_input_grad[1:]))
+
+
+def fused_backward(call: FusedCall, grad, x, weight, z, gn_weight, gn_bias, params, needs):
+    """The gradients of (x, weight, bias, gn_weight, gn_bias, *params), None where ``needs``
+    (one flag each) says no, from the forward's saved ``z`` and the output's ``grad``."""
+    needs_x, needs_w, needs_b, *needs_chain = needs
+    tensors = (gn_weight, gn_bias, *params)
+    if call.chain_kernel and _kernel_backward_fits(call.chain, z, grad):
+        dz, chain_grads, db = _kernel_chain_backward(
+            call.chain, z, grad, tensors, needs_chain, call.weight_cache
+        )
+    else:
+        dz, chain_grads = chain_backward(call.chain, z, grad, tensors, needs_chain)
+        db = dz.sum(0) if needs_b else None
+    dx = grad_input(dz, weight, call) if needs_x else None
+    dw = grad_weight(dz, x, call) if needs_w else None
+    return (dx, dw, db.to(z.dtype) if needs_b else None, *chain_grads)
 
 
 def _group_size(chain: Epilogue, n: int) -> int:

@@ -24,6 +24,7 @@ standalone files.
 
 import dataclasses
 import functools
+import json
 import math
 import numbers
 from collections.abc import Callable
@@ -299,6 +300,9 @@ class Epilogue:
                 f"an epilogue takes at most {MAX_TENSORS} tensor arguments before its "
                 f"reduction, got {len(self.channel_params)}"
             )
+        # Computed now, as the two above: torch.compile cannot trace a cached_property's
+        # first computation on Python 3.11 (its lock), and fused_linear reads these.
+        assert isinstance(self.tail_params, tuple)
 
     @functools.cached_property
     def scalars(self) -> tuple[float, ...]:
@@ -333,6 +337,47 @@ class Epilogue:
         norm = None if self.norm is None else GroupNormSpec(1, 0.0, self.norm.affine)
         reduce = None if self.reduce is None else Reduction(self.reduce.op)
         return Epilogue(strip(self.pre), norm, strip(self.post), reduce)
+
+
+def _ops_spec(ops: tuple[Pointwise, ...]) -> list:
+    return [[op.name, [{"param": a.index} if isinstance(a, Param) else a for a in op.args]]
+            for op in ops]  # fmt: skip
+
+
+def _ops_from_spec(spec: list) -> tuple[Pointwise, ...]:
+    return tuple(
+        Pointwise(name, tuple(Param(a["param"]) if isinstance(a, dict) else a for a in args))
+        for name, args in spec
+    )
+
+
+@functools.cache
+def epilogue_spec(epilogue: Epilogue) -> str:
+    """The chain as a string (JSON; floats exactly, inf and NaN included): how the
+    ``torch.library`` ops (library.py) take it, a constant that a torch.compile graph or a
+    torch.export program can hold. :func:`epilogue_from_spec` reads it back."""
+    norm = epilogue.norm
+    reduce = epilogue.reduce
+    return json.dumps({
+        "pre": _ops_spec(epilogue.pre),
+        "norm": None if norm is None else [norm.num_groups, norm.eps, norm.affine],
+        "post": _ops_spec(epilogue.post),
+        "reduce": None if reduce is None else [reduce.op, reduce.keepdim],
+        "tail": _ops_spec(epilogue.tail),
+    })  # fmt: skip
+
+
+@functools.cache
+def epilogue_from_spec(spec: str) -> Epilogue:
+    """The :class:`Epilogue` that :func:`epilogue_spec` wrote (its checks run again)."""
+    d = json.loads(spec)
+    return Epilogue(
+        pre=_ops_from_spec(d["pre"]),
+        norm=None if d["norm"] is None else GroupNormSpec(*d["norm"]),
+        post=_ops_from_spec(d["post"]),
+        reduce=None if d["reduce"] is None else Reduction(*d["reduce"]),
+        tail=_ops_from_spec(d["tail"]),
+    )
 
 
 def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:

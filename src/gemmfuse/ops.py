@@ -38,15 +38,18 @@ This module imports only torch and the standard library (plus the package's own 
 modules): ``gemmfuse export`` inlines it into standalone files.
 """
 
+import dataclasses
 import functools
+import itertools
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
-from gemmfuse.epilogue import Epilogue, keeps_shape, per_channel
+from gemmfuse.epilogue import Epilogue, epilogue_spec, keeps_shape, per_channel
 from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.sources import extension_for
 
@@ -98,8 +101,27 @@ class SplitWeightCache:
     GroupNorm affine): 4 bytes per channel and vector, one copy per vector slot.
     """
 
+    # Every live cache by its token: the torch.library ops (library.py) take a token, as a
+    # compiled graph or an exported program holds ints, not Python objects.
+    _live = weakref.WeakValueDictionary()
+    _adopted = {}  # tokens that no live cache holds (a program exported by another process)
+    _tokens = itertools.count()
+
     def __init__(self):
+        self.token = next(self._tokens)
+        self._live[self.token] = self
         self.clear()
+
+    @classmethod
+    def for_token(cls, token: int) -> "SplitWeightCache":
+        """The cache of ``token``: a new one for -1 (no cache), and one kept for good for a
+        token no live cache holds (a program exported by another process)."""
+        if token < 0:
+            return cls()
+        cache = cls._live.get(token)
+        if cache is None:
+            cache = cls._adopted.setdefault(token, cls())
+        return cache
 
     def clear(self) -> None:
         self._entries = {}
@@ -272,6 +294,17 @@ def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tupl
     return "fused", ""
 
 
+def take_path(x, weight, epilogue: Epilogue, kernel: str, params) -> str:
+    """The path a validated call takes (:func:`select_path`), after refusing a forced kernel the
+    GPU lacks; a CUDA call sent to the PyTorch path warns (:class:`FallbackWarning`) why."""
+    path, reason = select_path(x, weight, epilogue, kernel, params)
+    if path == "fused" and kernel == "hopper" and _capability(x.device.index) != (9, 0):
+        raise ValueError('kernel="hopper" needs an sm_90 GPU (H100/H200)')
+    if path == "torch" and x.device.type == "cuda":
+        warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=4)
+    return path
+
+
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the epilogue path's one-or-two-rows kernel takes this float32 problem."""
     m, k = x.shape
@@ -286,8 +319,8 @@ def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _launch(path, epilogue, cache, kernel, precision, x, weight, bias, gn_weight, gn_bias, params,
-            save_z):  # fmt: skip
+def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_weight, gn_bias,
+                params, save_z):  # fmt: skip
     """(the chain's output up to its tail ops, z) for a ``fused`` or ``epilogue`` path call; z, the
     GEMM result x @ W.T + b that the backward starts from, only when ``save_z`` (else None)."""
     # Runs once per forward: keep it lean.
@@ -337,7 +370,7 @@ def _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue: Epilogu
     return any(t is not None and t.requires_grad for t in tensors)
 
 
-def _backward_call(path, x, weight, epilogue, launch, cache, kernel, precision) -> FusedCall:
+def backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision) -> FusedCall:
     """The autograd plan: each backward product runs on the Hopper split kernel where the
     forward's rules would send a problem of its shape to the fused kernel (float32 models),
     else as PyTorch multiplies (eager's own result, and a bf16 model's single product)."""
@@ -361,6 +394,7 @@ def _backward_call(path, x, weight, epilogue, launch, cache, kernel, precision) 
         split_dw=pays(n, k, m),
         kernel=FUSED_KERNELS.get(kernel, 0),
         split=PRECISIONS[precision],
+        chain_kernel=path != "torch",
     )  # fmt: skip  (kernel="epilogue" splits nothing: its code is never read)
 
 
@@ -417,18 +451,39 @@ def fused_linear_with_path(
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    path, reason = select_path(x, weight, epilogue, kernel, params)
-    if path == "fused" and kernel == "hopper" and _capability(x.device.index) != (9, 0):
-        raise ValueError('kernel="hopper" needs an sm_90 GPU (H100/H200)')
+    if torch.compiler.is_compiling():
+        out = _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params,
+                           weight_cache, kernel, precision)  # fmt: skip
+        return out, "compiled"
+    path = take_path(x, weight, epilogue, kernel, params)
     if path == "torch":
-        if x.device.type == "cuda":
-            warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias, params), path
     cache = weight_cache if weight_cache is not None else SplitWeightCache()
-    launch = functools.partial(_launch, path, epilogue, cache, kernel, precision)
+    launch = functools.partial(launch_path, path, epilogue, cache, kernel, precision)
     if _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue):
-        call = _backward_call(path, x, weight, epilogue, launch, cache, kernel, precision)
+        call = backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision)
         out = FusedLinearFunction.apply(call, x, weight, bias, gn_weight, gn_bias, *params)
     else:
         out = launch(x, weight, bias, gn_weight, gn_bias, params, False)[0]
     return apply_pointwise(out, epilogue.tail, params), path
+
+
+@torch.compiler.assume_constant_result
+def _chain_spec(epilogue: Epilogue) -> str:
+    """The chain without its tail ops, as the registered ops take it (a trace-time constant)."""
+    return epilogue_spec(dataclasses.replace(epilogue, tail=()))
+
+
+def _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):
+    """The call as torch.compile and torch.export record it: the ``gemmfuse::`` torch.library
+    op (library.py), whose implementation is this module's eager call, then the tail ops in
+    PyTorch. The extension's functions are opaque to tracing; the op has a fake implementation
+    (the output's shape) and an autograd formula. The weight cache goes by its token."""
+    token = -1 if cache is None else cache.token
+    args = (x, weight, bias, gn_weight, gn_bias, list(params), _chain_spec(epilogue), kernel,
+            precision, token)  # fmt: skip
+    if _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue):
+        out = torch.ops.gemmfuse.fused_linear_saving_z(*args)[0]
+    else:
+        out = torch.ops.gemmfuse.fused_linear(*args)
+    return apply_pointwise(out, epilogue.tail, params)

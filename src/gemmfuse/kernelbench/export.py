@@ -33,6 +33,7 @@ import torch
 import gemmfuse.autograd
 import gemmfuse.build
 import gemmfuse.epilogue
+import gemmfuse.library
 import gemmfuse.modules
 import gemmfuse.ops
 import gemmfuse.reference
@@ -44,7 +45,7 @@ from gemmfuse.optimize import OptimizeReport, optimize
 
 # The export orders them by their imports, each after the modules it imports from.
 BUNDLED_MODULES = (gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build, gemmfuse.sources,
-                   gemmfuse.autograd, gemmfuse.ops)  # fmt: skip
+                   gemmfuse.autograd, gemmfuse.ops, gemmfuse.library)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")
              for name in ("grammar", "tracing", "analysis", "rewrite")]  # fmt: skip

@@ -1,0 +1,208 @@
+"""The fused call as ``torch.library`` ops, so torch.compile and torch.export can hold it.
+
+The extension's functions are opaque to tracing. Under ``torch.compiler.is_compiling()``
+(torch.compile, torch.export), ``fused_linear`` calls these ops instead (``ops._traced_call``);
+in eager mode it keeps calling the extension directly, without the dispatcher's overhead.
+
+``gemmfuse::fused_linear(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision,
+cache) -> Tensor``
+    The chain up to its tail ops, as ``fused_linear`` computes it without autograd. ``chain`` is
+    ``epilogue.epilogue_spec`` of the chain (no tail ops), ``cache`` a
+    :class:`~gemmfuse.ops.SplitWeightCache` token (-1: none).
+``gemmfuse::fused_linear_saving_z(...) -> (Tensor out, Tensor z)``
+    The same, also returning the GEMM result ``z = x @ W.T + b`` that the backward starts from;
+    its autograd formula is ``gemmfuse::fused_linear_backward``.
+``gemmfuse::fused_linear_backward(grad, x, weight, z, gn_weight, gn_bias, params, chain,
+kernel, precision, cache, needs) -> Tensor[]``
+    The gradients of (x, weight, bias, gn_weight, gn_bias, *params) that ``needs`` asks for, an
+    empty tensor for the others: ``autograd.fused_backward``, on the path the forward took.
+
+Each op runs on any device: its implementation is the eager call, which picks the path (the
+fused kernel, the epilogue path, PyTorch) from its inputs as it always does. While a CUDA graph
+is being captured, the weight's split is made inside the graph, not taken from the cache, so a
+replay after the weight changed splits the new weight.
+
+This module imports only torch and the standard library (plus the package's own standalone-safe
+modules): ``gemmfuse export`` inlines it into standalone files, where it registers the ops once
+per process however often the file is executed.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from gemmfuse.autograd import fused_backward
+from gemmfuse.epilogue import Epilogue, epilogue_from_spec
+from gemmfuse.ops import (
+    SplitWeightCache,
+    backward_plan,
+    fused_linear_with_path,
+    launch_path,
+    select_path,
+    take_path,
+)
+from gemmfuse.reference import apply_epilogue
+
+_FORWARD_ARGS = (
+    "Tensor x, Tensor weight, Tensor? bias, Tensor? gn_weight, Tensor? gn_bias, Tensor[] params, "
+    "str chain, str kernel, str precision, int cache"
+)
+FORWARD_SCHEMA = f"({_FORWARD_ARGS}) -> Tensor"
+SAVING_Z_SCHEMA = f"({_FORWARD_ARGS}) -> (Tensor, Tensor)"
+BACKWARD_SCHEMA = (
+    "(Tensor grad, Tensor x, Tensor weight, Tensor z, Tensor? gn_weight, Tensor? gn_bias, "
+    "Tensor[] params, str chain, str kernel, str precision, int cache, bool[] needs) -> Tensor[]"
+)
+
+
+def _cache(token: int) -> SplitWeightCache:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return SplitWeightCache()  # the split recorded in the graph, redone at each replay
+    return SplitWeightCache.for_token(token)
+
+
+def _owned(out: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    """``out``, copied where it is a view or shares storage with ``others`` (an op's outputs
+    must not alias)."""
+    ptr = out.untyped_storage().data_ptr()
+    if out._base is not None or any(t.untyped_storage().data_ptr() == ptr for t in others):
+        return out.clone()
+    return out
+
+
+def _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
+    with torch.no_grad():  # the ops' own autograd formula covers the call
+        out = fused_linear_with_path(
+            x, weight, bias, epilogue_from_spec(chain), gn_weight, gn_bias, params=params,
+            weight_cache=_cache(cache), kernel=kernel, precision=precision,
+        )[0]  # fmt: skip
+    return _owned(out)
+
+
+def _saving_z(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
+    epilogue = epilogue_from_spec(chain)
+    path = take_path(x, weight, epilogue, kernel, params)
+    with torch.no_grad():
+        if path == "torch":
+            z = F.linear(x, weight, bias)
+            out = apply_epilogue(z, epilogue, gn_weight, gn_bias, params)
+        else:
+            tensors = (x, weight, bias, gn_weight, gn_bias, params)
+            out, z = launch_path(path, epilogue, _cache(cache), kernel, precision, *tensors, True)
+    return _owned(out, z), z
+
+
+def _backward(grad, x, weight, z, gn_weight, gn_bias, params, chain, kernel, precision, cache,
+              needs):  # fmt: skip
+    epilogue = epilogue_from_spec(chain)
+    path = select_path(x, weight, epilogue, kernel, params)[0]  # the forward's path
+    call = backward_plan(path, x, weight, epilogue, None, _cache(cache), kernel, precision)
+    with torch.no_grad():
+        grads = fused_backward(call, grad, x, weight, z, gn_weight, gn_bias, params, needs)
+    like = _grad_likes(x, weight, z, gn_weight, gn_bias, params)
+    return [
+        g.contiguous() if g is not None else _zero_grad(t) if need else _empty_like_grad(x)
+        for g, t, need in zip(grads, like, needs, strict=True)
+    ]
+
+
+def _grad_likes(x, weight, z, gn_weight, gn_bias, params) -> list:
+    """A tensor shaped like each input's gradient (the bias's: one value per channel, as
+    ``z[0]``)."""
+    return [x, weight, z[0], gn_weight, gn_bias, *params]
+
+
+def _zero_grad(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(t, memory_format=torch.contiguous_format)
+
+
+def _empty_like_grad(x: torch.Tensor) -> torch.Tensor:
+    """What the backward op returns for a gradient not asked for (a Tensor[] holds no None)."""
+    return x.new_empty(0)
+
+
+def _chain_shape(x: torch.Tensor, weight: torch.Tensor, epilogue: Epilogue) -> tuple[int, ...]:
+    m, n = x.shape[0], weight.shape[0]
+    if epilogue.reduce is None:
+        return (m, n)
+    return (m, 1) if epilogue.reduce.keepdim else (m,)
+
+
+def _forward_fake(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
+    return x.new_empty(_chain_shape(x, weight, epilogue_from_spec(chain)))
+
+
+def _saving_z_fake(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
+    out = _forward_fake(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, 0)
+    return out, x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _backward_fake(grad, x, weight, z, gn_weight, gn_bias, params, chain, kernel, precision,
+                   cache, needs):  # fmt: skip
+    like = _grad_likes(x, weight, z, gn_weight, gn_bias, params)
+    return [
+        torch.empty_like(t, memory_format=torch.contiguous_format) if need else _empty_like_grad(x)
+        for t, need in zip(like, needs, strict=True)
+    ]
+
+
+def _setup_context(ctx, inputs, output):
+    """fused_linear_saving_z's: the backward starts from the forward's z."""
+    x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache = inputs
+    ctx.save_for_backward(x, weight, output[1], gn_weight, gn_bias, *params)
+    ctx.settings = (chain, kernel, precision, cache)
+
+
+def _setup_context_recompute(ctx, inputs, output):
+    """fused_linear's (called directly under autograd): the backward recomputes z."""
+    x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache = inputs
+    ctx.save_for_backward(x, weight, bias, gn_weight, gn_bias, *params)
+    ctx.settings = (chain, kernel, precision, cache)
+
+
+def _autograd_backward(ctx, grad, _grad_z=None):
+    x, weight, z, gn_weight, gn_bias, *params = ctx.saved_tensors
+    return _grads(ctx, grad, x, weight, z, gn_weight, gn_bias, params)
+
+
+def _autograd_backward_recompute(ctx, grad):
+    x, weight, bias, gn_weight, gn_bias, *params = ctx.saved_tensors
+    z = F.linear(x, weight, bias)
+    return _grads(ctx, grad, x, weight, z, gn_weight, gn_bias, params)
+
+
+def _grads(ctx, grad, x, weight, z, gn_weight, gn_bias, params) -> tuple:
+    """The forward op's input gradients through fused_linear_backward: None where not needed;
+    a tail op's tensor (not read by the chain) gets its gradient from autograd outside."""
+    if torch.is_grad_enabled():  # a backward with create_graph=True (traced ones run without)
+        raise RuntimeError(
+            "gemmfuse: the fused call's gradients are differentiable once; a backward with "
+            "create_graph=True (double backward) through it is not supported"
+        )
+    chain, *_ = ctx.settings
+    used = set(epilogue_from_spec(chain).channel_params)
+    needs = [bool(n) for n in ctx.needs_input_grad[:5]]
+    needs += [bool(n) and i in used for i, n in enumerate(ctx.needs_input_grad[5])]
+    grads = torch.ops.gemmfuse.fused_linear_backward(
+        grad, x, weight, z, gn_weight, gn_bias, params, *ctx.settings, needs
+    )
+    grads = [g if need else None for g, need in zip(grads, needs, strict=True)]
+    return (*grads[:5], grads[5:], None, None, None, None)
+
+
+def _define(name: str, schema: str, impl, fake) -> None:
+    torch.library.define(f"gemmfuse::{name}", schema)
+    torch.library.impl(f"gemmfuse::{name}", "default", impl)
+    torch.library.register_fake(f"gemmfuse::{name}", fake)
+
+
+if not hasattr(torch.ops.gemmfuse, "fused_linear"):  # an exported file executed again
+    _define("fused_linear", FORWARD_SCHEMA, _forward, _forward_fake)
+    _define("fused_linear_saving_z", SAVING_Z_SCHEMA, _saving_z, _saving_z_fake)
+    _define("fused_linear_backward", BACKWARD_SCHEMA, _backward, _backward_fake)
+    torch.library.register_autograd(
+        "gemmfuse::fused_linear", _autograd_backward_recompute,
+        setup_context=_setup_context_recompute,
+    )  # fmt: skip
+    torch.library.register_autograd(
+        "gemmfuse::fused_linear_saving_z", _autograd_backward, setup_context=_setup_context
+    )

@@ -1,0 +1,227 @@
+"""The gemmfuse:: torch.library ops on the CPU: their schema, fake and autograd registrations
+(torch.library.opcheck), their gradients (gradcheck in float64), and fused_linear under
+torch.compile(fullgraph=True) and torch.export, where the ops stand for the call. The CPU
+implementation is the PyTorch path; tests/gpu/test_library.py runs the same on the kernels."""
+
+import dataclasses
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemmfuse
+from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction, optimize
+from gemmfuse.epilogue import epilogue_spec
+from gemmfuse.kernelbench.registry import get_problem
+from gemmfuse.ops import SplitWeightCache
+from gemmfuse.reference import linear_epilogue
+
+M, K, N = 6, 5, 8
+
+CHAINS = {
+    "plain": Epilogue(),
+    "pointwise": Epilogue(pre=(Pointwise("mul", (Param(0),)), Pointwise("gelu"))),
+    "groupnorm": Epilogue(
+        pre=(Pointwise("add", (Param(0),)),),
+        norm=GroupNormSpec(2, eps=1e-3),
+        post=(Pointwise("leaky_relu", (0.1,)), Pointwise("div", (Param(1),))),
+    ),
+    "min_keepdim_tail": Epilogue(
+        norm=GroupNormSpec(4, affine=False),
+        reduce=Reduction("min", keepdim=True),
+        tail=(Pointwise("add", (Param(0),)),),
+    ),
+    "logsumexp": Epilogue(
+        pre=(Pointwise("tanh"),), norm=GroupNormSpec(1), reduce=Reduction("logsumexp")
+    ),
+}
+PARAM_SHAPES = {"min_keepdim_tail": [(2, 1, 1)]}  # a tail operand broadcasts as PyTorch does
+
+
+def inputs(name: str, dtype=torch.float32, seed: int = 0, bias: bool = True):
+    """(x, weight, bias, gn_weight, gn_bias, params) for CHAINS[name], all requiring grad."""
+    epilogue = CHAINS[name]
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g, dtype=dtype) * scale + shift).requires_grad_()
+
+    affine = epilogue.norm is not None and epilogue.norm.affine
+    n_params = len(set(epilogue.channel_params + epilogue.tail_params))
+    shapes = PARAM_SHAPES.get(name, [(N,)] * n_params)
+    params = [draw(*shape, scale=0.2, shift=1.5) for shape in shapes]
+    gn = (draw(N, scale=0.1, shift=1.0), draw(N, scale=0.1)) if affine else (None, None)
+    return draw(M, K), draw(N, K, scale=0.5), draw(N) if bias else None, *gn, params
+
+
+def op_args(name: str, tensors, cache: int = -1):
+    chain = epilogue_spec(dataclasses.replace(CHAINS[name], tail=()))
+    return (*tensors, chain, "auto", "fp32", cache)
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+@pytest.mark.parametrize("op", ["fused_linear", "fused_linear_saving_z"])
+def test_opcheck(name, op):
+    """Schema, fake tensor, autograd registration and (AOT) dispatch checks, with and without
+    a bias."""
+    for bias in (True, False):
+        args = op_args(name, inputs(name, bias=bias))
+        torch.library.opcheck(getattr(torch.ops.gemmfuse, op).default, args)
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+@pytest.mark.parametrize("op", ["fused_linear", "fused_linear_saving_z"])
+def test_gradcheck(name, op):
+    """The ops' autograd formulas (fused_linear_backward) against finite differences, in
+    float64: saving_z's from its saved z, fused_linear's from a recomputed one."""
+    x, w, b, gw, gb, params = inputs(name, torch.float64, seed=1)
+    spec_args = op_args(name, (None,) * 6)[6:]
+    call = getattr(torch.ops.gemmfuse, op)
+
+    def f(x, w, b, gw, gb, *params):
+        out = call(x, w, b, gw, gb, list(params), *spec_args)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    tensors = [t for t in (x, w, b, gw, gb) if t is not None] + params
+    assert torch.autograd.gradcheck(
+        lambda *ts: f(*_place(ts, (x, w, b, gw, gb), len(params))), tensors, eps=1e-6, atol=1e-7
+    )
+
+
+def _place(ts, slots, n_params):
+    """gradcheck's flat tensors back in (x, w, b, gw, gb, *params) order, None where None."""
+    it = iter(ts)
+    head = [None if s is None else next(it) for s in slots]
+    return (*head, *[next(it) for _ in range(n_params)])
+
+
+def test_double_backward_is_refused():
+    x, w, b, gw, gb, params = inputs("groupnorm", torch.float64)
+    out = torch.ops.gemmfuse.fused_linear_saving_z(*op_args("groupnorm", (x, w, b, gw, gb, params)))
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(out[0].sum(), [x], create_graph=True)
+
+
+def test_cache_tokens():
+    cache = SplitWeightCache()
+    assert SplitWeightCache.for_token(cache.token) is cache
+    assert SplitWeightCache.for_token(-1) is not SplitWeightCache.for_token(-1)
+    unknown = 10**9 + cache.token  # a token of another process: adopted, then kept
+    assert SplitWeightCache.for_token(unknown) is SplitWeightCache.for_token(unknown)
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps each graph dynamo hands it and runs it as it is."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def gemmfuse_ops(self) -> list[str]:
+        return [
+            str(node.target)
+            for gm in self.graphs
+            for node in gm.graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("gemmfuse.")
+        ]
+
+
+def small_problem(number: int, seed: int = 0):
+    """(the KernelBench model, its optimized twin, an input) at CPU size."""
+    problem = get_problem(number)
+    torch.manual_seed(seed)
+    model = problem.load().Model(*problem.small_init)
+    x = torch.randn(16, problem.small_init[0])
+    return model, optimize(model, (x,))[0], x
+
+
+def grads(model, x) -> list[torch.Tensor]:
+    for p in model.parameters():
+        p.grad = None
+    model(x).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("number", [62, 75])
+def test_compile_fullgraph_holds_the_op(number):
+    """One graph, no break, the whole chain in one gemmfuse op: the saving op with autograd
+    recording, the plain one under no_grad. Outputs equal the model's; gradients too."""
+    model, optimized, x = small_problem(number)
+    recorder = GraphRecorder()
+    compiled = torch.compile(optimized, fullgraph=True, backend=recorder)
+    expected = model(x)
+    torch.testing.assert_close(compiled(x), expected)
+    assert recorder.gemmfuse_ops() == ["gemmfuse.fused_linear_saving_z"]
+    assert optimized.get_submodule(_fused_path(optimized)).last_path == "compiled"
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), expected)
+    assert recorder.gemmfuse_ops()[-1] == "gemmfuse.fused_linear"
+    for got, want in zip(grads(compiled, x), grads(model, x), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _fused_path(model) -> str:
+    return next(n for n, m in model.named_modules() if isinstance(m, gemmfuse.FusedLinear))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_training_matches_eager(backend):
+    """AOTAutograd traces the backward through fused_linear_backward's fake; the compiled
+    step's gradients are the eager op's."""
+    model, optimized, x = small_problem(62, seed=3)
+    compiled = torch.compile(optimized, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(x), model(x))
+    for got, want in zip(grads(compiled, x), grads(model, x), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_functional_call_with_tail_ops():
+    """fused_linear itself under fullgraph: tail ops (a broadcasting operand included) run in
+    the graph after the op; gradients reach every tensor."""
+    x, w, b, gw, gb, params = inputs("min_keepdim_tail", seed=2)
+    epilogue = CHAINS["min_keepdim_tail"]
+
+    def f(x, w, b, p):
+        return gemmfuse.fused_linear(x, w, b, epilogue, params=(p,))
+
+    recorder = GraphRecorder()
+    out = torch.compile(f, fullgraph=True, backend=recorder)(x, w, b, params[0])
+    expected = linear_epilogue(x, w, b, epilogue, params=params)
+    torch.testing.assert_close(out, expected)
+    assert out.shape == (2, M, 1)
+    got = torch.autograd.grad(out.sum(), [x, w, b, params[0]])
+    want = torch.autograd.grad(expected.sum(), [x, w, b, params[0]])
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("number", [62, 75])
+def test_export_runs_and_round_trips(number):
+    """torch.export of an optimized model: the op in the program, the program's output the
+    model's, and the same after torch.export.save / load (the chain is a string argument)."""
+    model, optimized, x = small_problem(number, seed=5)
+    expected = model(x)
+    # parameters requiring grad: the op that also saves z (export keeps what autograd needs)
+    for no_grad, op in ((False, "fused_linear_saving_z"), (True, "fused_linear")):
+        with torch.set_grad_enabled(not no_grad):
+            program = torch.export.export(optimized, (x,))
+        targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+        assert f"gemmfuse.{op}.default" in targets
+        torch.testing.assert_close(program.module()(x), expected)
+        buffer = io.BytesIO()
+        torch.export.save(program, buffer)
+        buffer.seek(0)
+        torch.testing.assert_close(torch.export.load(buffer).module()(x), expected)
+
+
+def test_eager_calls_do_not_go_through_the_ops():
+    """Eager fused_linear keeps its direct path (no dispatcher overhead): the op is for traced
+    code only."""
+    x, w, b, *_ = inputs("plain")
+    out, path = gemmfuse.fused_linear_with_path(x, w, b, Epilogue())
+    assert path == "torch"
+    torch.testing.assert_close(out, F.linear(x, w, b))
