@@ -17,6 +17,16 @@ from gemmfuse.optimize import OptimizeReport, optimize
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # gemmfuse.parallelize imports torch.distributed's DTensor only when first asked for
+    if name == "parallelize":
+        from gemmfuse.parallel import parallelize
+
+        return parallelize
+    raise AttributeError(f"module 'gemmfuse' has no attribute {name!r}")
+
+
 __all__ = [
     "POINTWISE",
     "REDUCTIONS",
@@ -33,4 +43,5 @@ __all__ = [
     "fused_linear",
     "fused_linear_with_path",
     "optimize",
+    "parallelize",
 ]

@@ -1,0 +1,199 @@
+"""Multi-process cases for gemmfuse.parallelize, DDP and FSDP2, run by tests/test_parallel.py
+(gloo, CPU) and tests/gpu/test_parallel.py (NCCL, one GPU per rank).
+
+``run_cases(rank, world, port, backend, out_path)`` is the spawned function: it runs every
+case on every rank and each rank writes {case: "" or what failed} as JSON to
+``out_path.<rank>`` (:func:`read_results` merges them), so one spawn (a few seconds of process
+start-up) serves every test.
+"""
+
+import copy
+import functools
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import gemmfuse
+from gemmfuse import optimize
+from gemmfuse.kernelbench.registry import get_problem
+
+ROWS = 32  # per call; K = N = 64 on the CPU, 1024 on the GPU (the fused kernel forced there)
+TOL = {"cpu": (1e-5, 1e-6), "cuda": (1e-4, 1e-4)}  # rtol, atol: fp32 ops; KernelBench's bar
+
+
+class ReducedChain(nn.Module):
+    """Linear -> GroupNorm -> GELU -> a channel reduction -> + 1."""
+
+    def __init__(self, k, n, groups, reduce, keepdim):
+        super().__init__()
+        self.fc, self.gn = nn.Linear(k, n), nn.GroupNorm(groups, n)
+        self.reduce, self.keepdim = reduce, keepdim
+
+    def forward(self, x):
+        y = nn.functional.gelu(self.gn(self.fc(x)))
+        return getattr(torch, self.reduce)(y, dim=1, keepdim=self.keepdim) + 1.0
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _close(got, want, device, what):
+    rtol, atol = TOL[device.type]
+    torch.testing.assert_close(_full(got), want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _models(make, device, kernel, seed=0):
+    """(the model, its optimized twin sharing nothing with it, an input) on ``device``."""
+    torch.manual_seed(seed)
+    model = make().to(device)
+    x = torch.randn(ROWS, _k(model), device=device)
+    twin = copy.deepcopy(model)
+    return model, optimize(twin, (x,), kernel=kernel)[0], x
+
+
+def _k(model):
+    return next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
+
+
+def _check_split(model, split, x, device):
+    """Outputs, dx and every parameter gradient of the split model against the unsplit one."""
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = model(x1), split(x2)
+    _close(got, want, device, "output")
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    _full(got).backward(grad)
+    _close(x2.grad, x1.grad, device, "dx")
+    mine = dict(split.named_parameters())
+    for name, p in model.named_parameters():
+        _close(mine[name].grad, p.grad, device, f"grad of {name}")
+
+
+def _problem(number, size):
+    problem = get_problem(number)
+    init = list(problem.small_init) if size is None else [size, size, 8]
+    if number == 75 and size is not None:
+        init.append((1, size, 1, 1))
+    return lambda: problem.load().Model(*init)
+
+
+def case_split_problems(mesh, device, kernel, size):
+    for number in (62, 75):
+        model, optimized, x = _models(_problem(number, size), device, kernel)
+        _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+
+
+def case_split_reductions(mesh, device, kernel, size):
+    k = n = size or 64
+    for reduce, keepdim in (("sum", False), ("mean", True), ("amax", False),
+                            ("logsumexp", True), ("amin", True)):  # fmt: skip
+        make = functools.partial(ReducedChain, k, n, 4, reduce, keepdim)
+        model, optimized, x = _models(make, device, kernel, seed=len(reduce))
+        _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+
+
+def case_dtensor_output(mesh, device, kernel, size):
+    model, optimized, x = _models(_problem(62, size), device, kernel, seed=1)
+    split = gemmfuse.parallelize(optimized, mesh, gather_output=False)
+    out = split(x)
+    assert isinstance(out, DTensor) and out.placements[0].is_shard(1), out
+    _check_split(model, split, x, device)
+
+
+def case_refuses_a_cut_group(mesh, device, kernel, size):
+    model, optimized, x = _models(lambda: ReducedChain(64, 66, 3, "sum", False), device, kernel)
+    try:
+        gemmfuse.parallelize(optimized, mesh)
+    except ValueError as e:
+        assert "cut a GroupNorm group" in str(e) and "fc" in str(e), e
+    else:
+        raise AssertionError("a split cutting a group was accepted")
+    assert not any(isinstance(p, DTensor) for p in optimized.parameters())
+
+
+def _train(model, wrap, x_full, rank, world, steps=20):
+    """Losses of ``steps`` SGD steps of ``wrap(model)``, each rank on its rows of x."""
+    wrapped = wrap(model)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
+    rows = x_full.shape[0] // world
+    losses = []
+    for step in range(steps):
+        x = torch.roll(x_full, step, 0)[rank * rows : (rank + 1) * rows]
+        loss = wrapped(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total / world)
+    return torch.stack(losses)
+
+
+def _data_parallel_case(wrap, mesh, device, kernel, size):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimized, _ = _models(_problem(62, size), device, kernel, seed=2)
+    x = torch.randn(ROWS * world, _k(model), device=device)
+    want = _train(model, lambda m: wrap(m, mesh), x, rank, world)
+    got = _train(optimized, lambda m: wrap(m, mesh), x, rank, world)
+    _close(got, want, device, "losses")
+
+
+def _ddp(model, mesh):
+    from torch.nn.parallel import DistributedDataParallel
+
+    weight = next(model.parameters())
+    device_ids = [weight.device.index] if weight.is_cuda else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def _fsdp(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model, mesh=mesh)
+
+
+def case_ddp(mesh, device, kernel, size):
+    _data_parallel_case(_ddp, mesh, device, kernel, size)
+
+
+def case_fsdp2(mesh, device, kernel, size):
+    _data_parallel_case(_fsdp, mesh, device, kernel, size)
+
+
+CASES = {name[5:]: f for name, f in globals().items() if name.startswith("case_")}
+
+
+def run_cases(rank, world, port, backend, out_path, kernel="auto", size=None):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    mesh = init_device_mesh(device.type, (world,))
+    results = {}
+    for name, case in CASES.items():
+        try:
+            case(mesh, device, kernel, size)
+            results[name] = ""
+        except Exception:  # reported per case; the other cases still run
+            results[name] = traceback.format_exc()
+    with open(f"{out_path}.{rank}", "w") as f:  # all_gather_object would need numpy
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def read_results(out_path, world: int) -> dict[str, str]:
+    """{case: "" where every rank passed, else each failing rank's traceback}."""
+    per_rank = []
+    for rank in range(world):
+        with open(f"{out_path}.{rank}") as f:
+            per_rank.append(json.load(f))
+    return {n: "".join(f"[rank {r}] {res[n]}" for r, res in enumerate(per_rank) if res[n])
+            for n in CASES}  # fmt: skip
