@@ -88,13 +88,14 @@ def every_structure() -> list[str]:
     from model_files import FIT, build
 
     from gemmfuse import Epilogue, optimize
-    from gemmfuse.chains import chain_pool
+    from gemmfuse.chains import chain_pool, layer_norm_chain
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.warmup import model_structures
 
     structures = [Epilogue()]  # the plain GEMM: the backward's products
     structures += [s.structure for p in PROBLEMS.values() for s in p.structures]
     structures += [c.structure for c in chain_pool()]
+    structures += [layer_norm_chain(affine).structure for affine in (True, False)]
     for name in FIT:
         _, model, inputs = build(name)
         structures += model_structures(optimize(model, inputs)[0])

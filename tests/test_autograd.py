@@ -116,6 +116,19 @@ def test_no_norm_and_no_affine():
     check(Epilogue(norm=GroupNormSpec(1, affine=False), post=(Pointwise("tanh"),)))
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm(affine):
+    """A LayerNorm over the channels: the reference's F.layer_norm, the backward's one-group
+    GroupNorm formula."""
+    epilogue = Epilogue(
+        pre=(Pointwise("mul", (Param(0),)),),
+        norm=GroupNormSpec(1, eps=1e-3, affine=affine, layer=True),
+        post=(Pointwise("silu"),),
+        reduce=Reduction("logsumexp"),
+    )
+    check(epilogue, n_params=1)
+
+
 def test_only_what_needs_grad_is_computed():
     """Inputs that do not require grad get None (no product is run for them)."""
     epilogue = Epilogue(norm=GroupNormSpec(2), post=(Pointwise("silu"),))

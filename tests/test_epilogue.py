@@ -10,6 +10,8 @@ from gemmfuse.epilogue import (
     Pointwise,
     Reduction,
     cuda_epilogue,
+    epilogue_from_spec,
+    epilogue_spec,
 )
 
 
@@ -53,6 +55,7 @@ def test_generated_struct_flags():
         (lambda: Pointwise("relu", (1.0,)), "takes 0 argument"),
         (lambda: GroupNormSpec(0), "num_groups"),
         (lambda: GroupNormSpec(2, eps=-1.0), "eps"),
+        (lambda: GroupNormSpec(2, layer=True), "LayerNorm .* is one group"),
         (lambda: Reduction("median"), "unknown reduction"),
         (lambda: Epilogue(post=(Pointwise("relu"),)), "post ops need a GroupNorm"),
         (lambda: Epilogue(pre=(Pointwise("add", (1.0,)),) * 9), "at most 8 float"),
@@ -121,3 +124,26 @@ def test_chain_pool_covers_the_grammar():
     in_kernel = {op.name for spec in pool for op in spec.pre + spec.post}
     assert in_kernel == set(POINTWISE)
     assert {spec.reduce for spec in pool} >= set(REDUCTIONS)
+
+
+@pytest.mark.parametrize(
+    "epilogue",
+    [
+        Epilogue(),
+        chain(slope=0.1, eps=1e-3),
+        Epilogue(
+            pre=(Pointwise("mul", (Param(2),)), Pointwise("hardtanh", (float("-inf"), 0.5))),
+            norm=GroupNormSpec(1, 1e-6, affine=False, layer=True),
+            reduce=Reduction("logsumexp", keepdim=True),
+            tail=(Pointwise("add", (Param(0),)), Pointwise("clamp", (-1.0, float("inf")))),
+        ),
+    ],
+)
+def test_spec_round_trips(epilogue):
+    """What the torch.library ops carry: the same chain back, floats exactly."""
+    spec = epilogue_spec(epilogue)
+    assert isinstance(spec, str)
+    assert epilogue_from_spec(spec) == epilogue
+    assert epilogue_spec(Epilogue(norm=GroupNormSpec(3, 0.1 + 0.2))) != epilogue_spec(
+        Epilogue(norm=GroupNormSpec(3, 0.3))
+    )

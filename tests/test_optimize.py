@@ -74,6 +74,13 @@ EXPECTED = {
          "-> x + 0.5 -> 1.5 / x -> x / divisor -> x + 1.0 -> numerator / x -> sigmoid -> log",
          "ends at the model's output"),
     ],
+    "layernorm_functional_min": [
+        ("fc", True, "fc -> layer_norm(eps=1e-05) -> tanh -> min(dim=1, keepdim=True) -> "
+         "x + offset", "ends at the model's output"),
+    ],
+    "layernorm_sequence_gelu": [
+        ("fc", True, "fc -> ln -> gelu", "ends at the model's output"),
+    ],
     "reductions": [
         (f"fcs.{i}", True, f"fcs.{i} -> {chain}",
          f"stopped at reshape{f'_{i}' if i else ''} (Tensor.reshape): not in the epilogue grammar")
@@ -423,7 +430,7 @@ def buffer(*shape):  # Chain registers plain tensors as buffers
         (lambda s, x: torch.relu(x) + s.b * 2.0, {"b": p(16)}, "fc -> relu", "stopped at add "
          "(operator.add): operand mul is computed in the forward"),
         (lambda s, x: s.g2(s.g1(x)), {"g1": nn.GroupNorm(4, 16), "g2": nn.GroupNorm(2, 16)},
-         "fc -> g1", "stopped at g2 (nn.GroupNorm): a second GroupNorm"),
+         "fc -> g1", "stopped at g2 (nn.GroupNorm): a second norm"),
         (lambda s, x: x.sum(1).amax(-1), {}, "fc -> sum(dim=1)",
          "stopped at amax (Tensor.amax): a second reduction"),
         (lambda s, x: torch.sigmoid(x.amax(1, keepdim=True)).sum(1), {},

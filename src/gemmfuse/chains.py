@@ -202,6 +202,15 @@ def chain_pool(size: int = 2, seed: int = 0) -> list[ChainSpec]:
     return pool
 
 
+def layer_norm_chain(affine: bool) -> Epilogue:
+    """x * p[0] -> LayerNorm over the channels -> GELU: the GPU tests' LayerNorm chain."""
+    return Epilogue(
+        pre=(Pointwise("mul", (Param(0),)),),
+        norm=GroupNormSpec(1, 1e-5, affine, layer=True),
+        post=(Pointwise("gelu"),),
+    )
+
+
 def linear_data(gen: torch.Generator, m: int, k: int, n: int) -> tuple[torch.Tensor, ...]:
     """(x, weight, bias, gn_weight, gn_bias) on the CPU: x ~ randn(m, k), the Linear's weight and
     bias uniform in +-1/sqrt(k) as nn.Linear initialises them, the GroupNorm's affine parameters

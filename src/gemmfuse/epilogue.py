@@ -254,15 +254,27 @@ class Pointwise:
 
 @dataclass(frozen=True)
 class GroupNormSpec:
+    """The chain's normalisation over channel groups of each row (PyTorch's ``F.group_norm``),
+    with per-channel affine vectors when ``affine``.
+
+    ``layer=True`` is a LayerNorm over the channels (``F.layer_norm`` of the last dimension):
+    one group, the same statistics and affine, so the kernels run it as ``num_groups=1``; the
+    reference evaluates ``F.layer_norm``, and a 3-D input keeps the meaning with its rows
+    flattened (a GroupNorm's dim 1 would not).
+    """
+
     num_groups: int
     eps: float = 1e-5
     affine: bool = True
+    layer: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_groups, int) or self.num_groups < 1:
             raise ValueError(f"num_groups must be a positive int, got {self.num_groups!r}")
         if not self.eps >= 0:
             raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+        if self.layer and self.num_groups != 1:
+            raise ValueError(f"a LayerNorm (layer=True) is one group, got {self.num_groups}")
 
 
 @dataclass(frozen=True)
@@ -360,7 +372,7 @@ def epilogue_spec(epilogue: Epilogue) -> str:
     reduce = epilogue.reduce
     return json.dumps({
         "pre": _ops_spec(epilogue.pre),
-        "norm": None if norm is None else [norm.num_groups, norm.eps, norm.affine],
+        "norm": None if norm is None else [norm.num_groups, norm.eps, norm.affine, norm.layer],
         "post": _ops_spec(epilogue.post),
         "reduce": None if reduce is None else [reduce.op, reduce.keepdim],
         "tail": _ops_spec(epilogue.tail),

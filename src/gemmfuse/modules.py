@@ -96,22 +96,34 @@ class ChainOp:
 
 @dataclass(frozen=True)
 class ChainNorm:
-    """The chain's GroupNorm: an ``nn.GroupNorm`` read at each call, or ``F.group_norm``'s
-    constant ``num_groups``/``eps`` with its weight and bias as operand indices (or None)."""
+    """The chain's norm: an ``nn.GroupNorm`` or ``nn.LayerNorm`` read at each call, or
+    ``F.group_norm``'s / ``F.layer_norm``'s constant ``num_groups``/``eps`` with its weight and
+    bias as operand indices (or None). ``layer``: a LayerNorm over the channels (one group)."""
 
-    module: nn.GroupNorm | None = None
+    module: nn.GroupNorm | nn.LayerNorm | None = None
     num_groups: int = 1
     eps: float = 1e-5
     weight: int | None = None
     bias: int | None = None
+    layer: bool = False
+
+    def __post_init__(self):
+        if self.module is not None and self.layer != isinstance(self.module, nn.LayerNorm):
+            raise TypeError("layer=True goes with an nn.LayerNorm module, False with a GroupNorm")
 
     def current(self, operands: Sequence) -> tuple:
         """(num_groups, eps, weight, bias) as the model would use them now."""
         m = self.module
+        if isinstance(m, nn.LayerNorm):
+            return 1, m.eps, m.weight, m.bias
         if m is not None:
             return m.num_groups, m.eps, m.weight, m.bias
         pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
         return (self.num_groups, self.eps, *pick)
+
+    @property
+    def label(self) -> str:
+        return "LayerNorm" if self.layer else "GroupNorm"
 
 
 class FusedLinear(nn.Module):
@@ -212,7 +224,7 @@ class FusedLinear(nn.Module):
             return None
         return Epilogue(
             pre=tuple(Pointwise(*op) for op in stages["pre"]),
-            norm=None if norm is None else GroupNormSpec(*norm),
+            norm=None if norm is None else GroupNormSpec(*norm, layer=self._norm.layer),
             post=tuple(Pointwise(*op) for op in stages["post"]),
             reduce=self._reduce,
             tail=tuple(Pointwise(*op) for op in stages["tail"]),
@@ -225,8 +237,9 @@ class FusedLinear(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             return f"the input {shape} is not a tensor of 2 or more dimensions"
-        if x.dim() > 2 and (epilogue.norm is not None or epilogue.reduce is not None):
-            return f"the input {tuple(x.shape)} is not 2-D and the chain is not pointwise"
+        row_wise = epilogue.norm is None or epilogue.norm.layer  # each row on its own
+        if x.dim() > 2 and (not row_wise or epilogue.reduce is not None):
+            return f"the input {tuple(x.shape)} is not 2-D and the chain is not row-wise"
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             return "the weight is not a 2-D tensor"
         m, k, n = x.shape[:-1].numel(), x.shape[-1], weight.shape[0]
@@ -239,7 +252,11 @@ class FusedLinear(nn.Module):
                 continue
             if not isinstance(t, torch.Tensor) or t.shape != (n,) or (t.dtype, t.device) != like:
                 return "a bias or GroupNorm vector does not match the weight"
-        if norm is not None:
+        if norm is not None and self._norm.layer:
+            problem = _layer_norm_problem(self._norm.module, n, norm)
+            if problem:
+                return problem
+        elif norm is not None:
             groups = norm[0]
             if not isinstance(groups, int) or groups < 1 or n % groups or m * (n // groups) == 1:
                 return f"GroupNorm's num_groups={groups!r} does not fit {n} channels x {m} rows"
@@ -267,7 +284,7 @@ class FusedLinear(nn.Module):
                 )
             self.last_path = "fallback"
             return self._fallback(x, weight, bias, *operands)
-        gn_weight, gn_bias = (None, None) if norm is None else norm[2:]
+        gn_weight, gn_bias = _norm_vectors(norm)
         # leading dimensions as rows (a pointwise chain); a 2-D x as it is (no view node for
         # autograd to record on every call)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -283,5 +300,25 @@ class FusedLinear(nn.Module):
         operands, norm, epilogue = self._state()
         if epilogue is None:
             raise ValueError("the chain's current module settings are outside the grammar")
-        gn_weight, gn_bias = (None, None) if norm is None else norm[2:]
+        gn_weight, gn_bias = _norm_vectors(norm)
         return linear_epilogue(x, *self._linear(), epilogue, gn_weight, gn_bias, params=operands)
+
+
+def _layer_norm_problem(module: nn.LayerNorm | None, n: int, norm: tuple) -> str:
+    """Why a LayerNorm's current settings do not fit the fused call ("" when they do)."""
+    if module is not None and tuple(module.normalized_shape) != (n,):
+        return f"the LayerNorm normalises {tuple(module.normalized_shape)}, not the {n} channels"
+    if norm[2] is None and norm[3] is not None:
+        return "the LayerNorm has a bias but no weight"
+    return ""
+
+
+def _norm_vectors(norm: tuple | None) -> tuple:
+    """(weight, bias) of the norm as the kernels take them: a LayerNorm with a weight and no
+    bias (``bias=False``) gets zeros, adding nothing (x * w + 0 is x * w)."""
+    if norm is None:
+        return None, None
+    weight, bias = norm[2:]
+    if weight is not None and bias is None:
+        bias = torch.zeros_like(weight)
+    return weight, bias

@@ -219,7 +219,7 @@ def validate(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -> None:
         return
     if n % norm.num_groups:
         raise ValueError(f"num_groups={norm.num_groups} must divide out_features={n}")
-    if x.shape[0] * (n // norm.num_groups) == 1:  # F.group_norm refuses this too
+    if not norm.layer and x.shape[0] * (n // norm.num_groups) == 1:  # F.group_norm refuses it
         raise ValueError(
             f"GroupNorm needs more than 1 value per group, got x of shape {tuple(x.shape)} "
             f"with {norm.num_groups} groups of {n} channels"

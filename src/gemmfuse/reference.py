@@ -30,8 +30,12 @@ def apply_epilogue(
 ) -> torch.Tensor:
     """Applies ``epilogue`` to the GEMM result ``y`` of shape (M, N), as PyTorch would."""
     y = apply_pointwise(y, epilogue.pre, params)
-    if epilogue.norm is not None:
-        y = F.group_norm(y, epilogue.norm.num_groups, gn_weight, gn_bias, epilogue.norm.eps)
+    norm = epilogue.norm
+    if norm is not None and norm.layer:
+        y = F.layer_norm(y, y.shape[-1:], gn_weight, gn_bias, norm.eps)
+    elif norm is not None:
+        y = F.group_norm(y, norm.num_groups, gn_weight, gn_bias, norm.eps)
+    if norm is not None:
         y = apply_pointwise(y, epilogue.post, params)
     if epilogue.reduce is not None:
         y = REDUCTION_FNS[epilogue.reduce.op](y, dim=1, keepdim=epilogue.reduce.keepdim)

@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gemmfuse.chains import chain_pool, chain_references, linear_data
+from gemmfuse.chains import chain_pool, chain_references, layer_norm_chain, linear_data
 from gemmfuse.ops import fused_linear_with_path, fused_pays
 from helpers import float64_bar, max_abs_err, poison_allocator
 
@@ -98,4 +98,24 @@ def test_pool_chain_at_full_width(index, groups):
     )
     assert path == "fused"
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+    assert max_abs_err(got, exact) <= float64_bar(max_abs_err(eager, exact), floor, exact)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("m", [64, 300])
+def test_layer_norm_at_full_width(affine, m):
+    """A LayerNorm over the channels (a one-group GroupNorm in the kernels) at K = N = 8192,
+    against eager's F.layer_norm chain and float64."""
+    gen = torch.Generator().manual_seed(m + affine)
+    epilogue = layer_norm_chain(affine)
+    x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, 8192, 8192))
+    gn = (gn_w, gn_b) if affine else (None, None)
+    params = [(0.5 + torch.rand(8192, generator=gen)).to(CUDA)]
+    with torch.no_grad():
+        eager, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
+        poison_allocator(4 * m * 8192, CUDA)
+        got, path = fused_linear_with_path(x, w, b, epilogue, *gn, params=params)
+    assert path == "fused"
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+    floor = max_abs_err(ops_alone, exact)
     assert max_abs_err(got, exact) <= float64_bar(max_abs_err(eager, exact), floor, exact)

@@ -12,10 +12,12 @@ W.t())``, ``x.mm(W.transpose(0, 1))`` and the like, W's Linear without a bias, a
 with bias b) applied to an input of two or more dimensions, extends the chain after it as far
 as the epilogue grammar goes::
 
-    Linear -> pointwise ops -> GroupNorm -> pointwise ops -> reduction over dim 1 -> tail ops
+    Linear -> pointwise ops -> GroupNorm or LayerNorm -> pointwise ops -> reduction over dim 1
+    -> tail ops
 
-(on a higher input, whose leading dimensions the fused call takes as rows, the pointwise ops
-alone: GroupNorm and the reductions act on dimension 1, not on the features). A reduction over
+(a LayerNorm over the channels alone; on a higher input, whose leading dimensions the fused call
+takes as rows, the ops that act on each row alone: pointwise ops and a LayerNorm; GroupNorm and
+the reductions act on dimension 1, not on the features). A reduction over
 dimension 1 after the chain's own kept it (size 1) is the value itself, or drops it.
 
 A chain stops at the first node that is not in the grammar, whose result has several users

@@ -77,7 +77,7 @@ class _Analysis:
             node.target in _ACTS
             or node.target in _BINARY
             or node.target in _REDUCTIONS
-            or node.target in (F.linear, F.group_norm)
+            or node.target in (F.linear, F.group_norm, F.layer_norm)
             or _spelled_linear(node, self.gm) is not None
         )
 
@@ -213,7 +213,42 @@ class _Analysis:
         refusal = _first_refusal(affine)
         if refusal is not None:
             return refusal
-        return _Step("norm", f"group_norm({groups}, eps={eps!r})", args=(groups, eps, *affine))
+        return _Step("norm", f"group_norm({groups}, eps={eps!r})", name="group_norm",
+                     args=(groups, eps, *affine))  # fmt: skip
+
+    def _layer_norm(self, node: fx.Node, v) -> "_Step | _Refusal":
+        names = ("normalized_shape", "weight", "bias", "eps")
+        bound = self._bind(node, names, (None, None, None, 1e-5), v, tensors=("weight", "bias"))
+        if isinstance(bound, _Refusal):
+            return bound
+        eps = _number(bound["eps"], "eps")
+        if isinstance(eps, _Refusal):
+            return eps
+        shape = bound["normalized_shape"]
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if shape != self.meta[v].shape[-1:]:
+            return _Refusal(f"layer_norm over {shape}, not the channels alone")
+        if bound["weight"] is None and bound["bias"] is not None:
+            return _Refusal("layer_norm with a bias but no weight")
+        affine = [None if a is None else self._operand(a) for a in (bound["weight"], bound["bias"])]
+        refusal = _first_refusal(affine)
+        if refusal is not None:
+            return refusal
+        return _Step("norm", f"layer_norm(eps={eps!r})", name="layer_norm",
+                     args=(1, eps, *affine))  # fmt: skip
+
+    def _norm_module(self, node: fx.Node, module: nn.Module, v) -> "_Step | _Refusal":
+        """An nn.GroupNorm or nn.LayerNorm called on the chain's value."""
+        if type(module) is nn.GroupNorm and (module.weight is None) != (module.bias is None):
+            return _Refusal("the GroupNorm has a weight but no bias (or the reverse)")
+        if type(module) is nn.LayerNorm and module.normalized_shape != self.meta[v].shape[-1:]:
+            return _Refusal(f"the LayerNorm normalises {module.normalized_shape}, not the "
+                            "channels alone")  # fmt: skip
+        for p in ("weight", "bias"):
+            if f"{node.target}.{p}" in self.mutated:
+                return _Refusal(f"its {p} is modified in place in the forward")
+        name = "layer_norm" if type(module) is nn.LayerNorm else "group_norm"
+        return _Step("norm", node.target, name=name, module=module)
 
     def _match(self, node: fx.Node, v: fx.Node) -> "_Step | _Refusal":
         if node.op == "call_module":
@@ -222,13 +257,8 @@ class _Analysis:
                 return _Refusal("the module has forward hooks")
             if node.args != (v,) or node.kwargs:
                 return _Refusal("the module takes more than the chain's value")
-            if type(module) is nn.GroupNorm:
-                if (module.weight is None) != (module.bias is None):
-                    return _Refusal("the GroupNorm has a weight but no bias (or the reverse)")
-                for p in ("weight", "bias"):
-                    if f"{node.target}.{p}" in self.mutated:
-                        return _Refusal(f"its {p} is modified in place in the forward")
-                return _Step("norm", node.target, module=module)
+            if type(module) in (nn.GroupNorm, nn.LayerNorm):
+                return self._norm_module(node, module, v)
             if type(module) not in MODULE_OPS:
                 return _Refusal("not in the epilogue grammar")
             name, args = MODULE_OPS[type(module)](module)
@@ -245,6 +275,8 @@ class _Analysis:
             return self._reduction(node, v)
         if target is F.group_norm:
             return self._group_norm(node, v)
+        if target is F.layer_norm:
+            return self._layer_norm(node, v)
         if target in _ACTS:
             act = _ACTS[target]
             bound = self._bind(node, act.params, act.defaults, v)
@@ -277,17 +309,17 @@ class _Analysis:
         linear = self.meta[chain.linear]
         if end not in self.meta or self.meta[end].dtype != linear.dtype:
             return _Refusal(f"its result is not a {linear.dtype} tensor")
-        if len(linear.shape) > 2 and step.kind != "op":
+        layer = step.name == "layer_norm"
+        if len(linear.shape) > 2 and step.kind != "op" and not layer:
             # The leading dimensions are flattened into rows: only ops on the features keep
             # their meaning (a GroupNorm of (B, T, N) normalises dim 1; reductions take dim 1)
             return _Refusal(f"{'GroupNorm' if step.kind == 'norm' else 'a reduction'} after a "
                             f"Linear on a {len(linear.shape)}-D input")  # fmt: skip
         if step.kind == "norm":
             if stage != "pre":
-                return _Refusal("a second GroupNorm" if chain.norm else "GroupNorm after the "
-                               "reduction")  # fmt: skip
+                return _Refusal("a second norm" if chain.norm else "a norm after the reduction")
             if step.module is not None:
-                chain.norm = ChainNorm(module=step.module)
+                chain.norm = ChainNorm(module=step.module, layer=layer)
             else:
                 groups, eps, weight, bias = step.args
                 for a in (weight, bias):
@@ -295,7 +327,7 @@ class _Analysis:
                         return _Refusal(f"{a.target} is {self.meta[a].dtype}, not {linear.dtype}")
                 index = [None if a is None else chain.operand(a.target).index
                          for a in (weight, bias)]  # fmt: skip
-                chain.norm = ChainNorm(None, groups, eps, *index)
+                chain.norm = ChainNorm(None, groups, eps, *index, layer=layer)
             return "post"
         if step.kind == "reduce":
             if stage == "tail":
