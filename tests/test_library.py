@@ -225,3 +225,26 @@ def test_eager_calls_do_not_go_through_the_ops():
     out, path = gemmfuse.fused_linear_with_path(x, w, b, Epilogue())
     assert path == "torch"
     torch.testing.assert_close(out, F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("number", [62, 75])
+def test_compiled_model_new_builds_its_chain_in_the_graph(number):
+    """ModelNew62/75 build their Epilogue inside forward: the traced op carries that chain
+    (once, a constant made at trace time carried the empty chain: outputs off by 4)."""
+    problem = get_problem(number)
+    torch.manual_seed(0)
+    model = problem.model_new(*problem.small_init)
+    x = torch.randn(16, problem.small_init[0])
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, fullgraph=True, backend=recorder)
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    (node,) = [n for gm in recorder.graphs for n in gm.graph.nodes
+               if str(n.target).startswith("gemmfuse.")]  # fmt: skip
+    expected = problem.epilogue_fn(*_settings(model, number))
+    assert node.args[6] == epilogue_spec(expected, tail=False)
+
+
+def _settings(model, number):
+    gn = model.gn if number == 62 else model.group_norm
+    common = (gn.num_groups, gn.eps, gn.affine)
+    return (*common, float(model.leaky_relu.negative_slope)) if number == 62 else common

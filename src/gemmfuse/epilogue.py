@@ -302,6 +302,12 @@ class Epilogue:
             raise ValueError("post ops need a GroupNorm; put ops without one in `pre`")
         if self.reduce is None and self.tail:
             raise ValueError("tail ops need a reduction; put ops without one in `pre`/`post`")
+        # Plain attributes set once, not cached_property: torch.compile traces a chain built
+        # inside forward (a ModelNew's), and cannot trace a cached_property's lock (Python 3.11).
+        chain = self.pre + self.post
+        object.__setattr__(self, "_scalars", tuple(s for op in chain for s in op.scalars))
+        object.__setattr__(self, "_channel_params", tuple(i for op in chain for i in op.params))
+        object.__setattr__(self, "_tail_params", tuple(i for op in self.tail for i in op.params))
         if len(self.scalars) > MAX_SCALARS:
             raise ValueError(
                 f"an epilogue takes at most {MAX_SCALARS} float arguments before its "
@@ -312,23 +318,20 @@ class Epilogue:
                 f"an epilogue takes at most {MAX_TENSORS} tensor arguments before its "
                 f"reduction, got {len(self.channel_params)}"
             )
-        # Computed now, as the two above: torch.compile cannot trace a cached_property's
-        # first computation on Python 3.11 (its lock), and fused_linear reads these.
-        assert isinstance(self.tail_params, tuple)
 
-    @functools.cached_property
+    @property
     def scalars(self) -> tuple[float, ...]:
         """The kernel's float arguments, in the order the generated code reads them."""
-        return tuple(s for op in self.pre + self.post for s in op.scalars)
+        return self._scalars
 
-    @functools.cached_property
+    @property
     def channel_params(self) -> tuple[int, ...]:
         """The ``params`` indices the kernel reads per channel, in generated-code order."""
-        return tuple(i for op in self.pre + self.post for i in op.params)
+        return self._channel_params
 
-    @functools.cached_property
+    @property
     def tail_params(self) -> tuple[int, ...]:
-        return tuple(i for op in self.tail for i in op.params)
+        return self._tail_params
 
     @functools.cached_property
     def structure(self) -> "Epilogue":
@@ -351,9 +354,43 @@ class Epilogue:
         return Epilogue(strip(self.pre), norm, strip(self.post), reduce)
 
 
-def _ops_spec(ops: tuple[Pointwise, ...]) -> list:
-    return [[op.name, [{"param": a.index} if isinstance(a, Param) else a for a in op.args]]
-            for op in ops]  # fmt: skip
+def _number_spec(a) -> str:
+    """A float argument as JSON (Python's json spelling of inf and NaN)."""
+    if a != a:
+        return "NaN"
+    if a in (math.inf, -math.inf):
+        return "Infinity" if a > 0 else "-Infinity"
+    return repr(float(a))
+
+
+def _ops_spec(ops: tuple[Pointwise, ...]) -> str:
+    return "[" + ", ".join(
+        f'["{op.name}", [' + ", ".join(
+            f'{{"param": {a.index}}}' if isinstance(a, Param) else _number_spec(a) for a in op.args
+        ) + "]]"
+        for op in ops
+    ) + "]"  # fmt: skip
+
+
+def epilogue_spec(epilogue: "Epilogue", tail: bool = True) -> str:
+    """The chain as a string (JSON; floats exactly, inf and NaN included; the tail ops left out
+    when ``tail`` is False): how the ``torch.library`` ops (library.py) take it, a constant that a
+    torch.compile graph or a torch.export program can hold. :func:`epilogue_from_spec` reads it
+    back. Plain string building, which torch.compile traces into a constant (json.dumps, a C
+    function, it cannot), for a chain built inside the traced forward too."""
+    norm, reduce = epilogue.norm, epilogue.reduce
+    norm_spec = "null"
+    if norm is not None:
+        flags = ", ".join("true" if f else "false" for f in (norm.affine, norm.layer))
+        norm_spec = f"[{norm.num_groups}, {_number_spec(norm.eps)}, {flags}]"
+    reduce_spec = "null"
+    if reduce is not None:
+        reduce_spec = f'["{reduce.op}", {"true" if reduce.keepdim else "false"}]'
+    return (
+        f'{{"pre": {_ops_spec(epilogue.pre)}, "norm": {norm_spec}, '
+        f'"post": {_ops_spec(epilogue.post)}, "reduce": {reduce_spec}, '
+        f'"tail": {_ops_spec(epilogue.tail if tail else ())}}}'
+    )
 
 
 def _ops_from_spec(spec: list) -> tuple[Pointwise, ...]:
@@ -361,22 +398,6 @@ def _ops_from_spec(spec: list) -> tuple[Pointwise, ...]:
         Pointwise(name, tuple(Param(a["param"]) if isinstance(a, dict) else a for a in args))
         for name, args in spec
     )
-
-
-@functools.cache
-def epilogue_spec(epilogue: Epilogue) -> str:
-    """The chain as a string (JSON; floats exactly, inf and NaN included): how the
-    ``torch.library`` ops (library.py) take it, a constant that a torch.compile graph or a
-    torch.export program can hold. :func:`epilogue_from_spec` reads it back."""
-    norm = epilogue.norm
-    reduce = epilogue.reduce
-    return json.dumps({
-        "pre": _ops_spec(epilogue.pre),
-        "norm": None if norm is None else [norm.num_groups, norm.eps, norm.affine, norm.layer],
-        "post": _ops_spec(epilogue.post),
-        "reduce": None if reduce is None else [reduce.op, reduce.keepdim],
-        "tail": _ops_spec(epilogue.tail),
-    })  # fmt: skip
 
 
 @functools.cache

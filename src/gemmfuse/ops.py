@@ -38,7 +38,6 @@ This module imports only torch and the standard library (plus the package's own 
 modules): ``gemmfuse export`` inlines it into standalone files.
 """
 
-import dataclasses
 import functools
 import itertools
 import warnings
@@ -468,20 +467,14 @@ def fused_linear_with_path(
     return apply_pointwise(out, epilogue.tail, params), path
 
 
-@torch.compiler.assume_constant_result
-def _chain_spec(epilogue: Epilogue) -> str:
-    """The chain without its tail ops, as the registered ops take it (a trace-time constant)."""
-    return epilogue_spec(dataclasses.replace(epilogue, tail=()))
-
-
 def _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):
     """The call as torch.compile and torch.export record it: the ``gemmfuse::`` torch.library
     op (library.py), whose implementation is this module's eager call, then the tail ops in
     PyTorch. The extension's functions are opaque to tracing; the op has a fake implementation
     (the output's shape) and an autograd formula. The weight cache goes by its token."""
     token = -1 if cache is None else cache.token
-    args = (x, weight, bias, gn_weight, gn_bias, list(params), _chain_spec(epilogue), kernel,
-            precision, token)  # fmt: skip
+    chain = epilogue_spec(epilogue, tail=False)  # a string constant of the traced graph
+    args = (x, weight, bias, gn_weight, gn_bias, list(params), chain, kernel, precision, token)
     if _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue):
         out = torch.ops.gemmfuse.fused_linear_saving_z(*args)[0]
     else:
