@@ -40,6 +40,22 @@ class ReducedChain(nn.Module):
         return getattr(torch, self.reduce)(y, dim=1, keepdim=self.keepdim) + 1.0
 
 
+class ScaledChain(nn.Module):
+    """Linear -> (GroupNorm) -> x * scale (a one-element parameter, replicated) -> tanh."""
+
+    def __init__(self, k, n, groups):
+        super().__init__()
+        self.fc = nn.Linear(k, n)
+        self.gn = nn.GroupNorm(groups, n) if groups else None
+        self.scale = nn.Parameter(torch.tensor([0.75]))
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.gn is not None:
+            y = self.gn(y)
+        return torch.tanh(y * self.scale)
+
+
 def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -97,6 +113,23 @@ def case_split_reductions(mesh, device, kernel, size):
         make = functools.partial(ReducedChain, k, n, 4, reduce, keepdim)
         model, optimized, x = _models(make, device, kernel, seed=len(reduce))
         _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+
+
+def case_replicated_operand(mesh, device, kernel, size):
+    """A one-element operand of the chain: its gradient summed over the ranks' channels."""
+    k = n = size or 64
+    model, optimized, x = _models(functools.partial(ScaledChain, k, n, 4), device, kernel)
+    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+
+
+def case_sequence_input(mesh, device, kernel, size):
+    """A pointwise chain on (batch, sequence, features): rows flattened, as FusedLinear."""
+    k = n = size or 64
+    torch.manual_seed(3)
+    model = ScaledChain(k, n, 0).to(device)
+    x = torch.randn(2, ROWS // 2, k, device=device)
+    optimized = optimize(copy.deepcopy(model), (x,), kernel=kernel)[0]
+    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
 
 
 def case_dtensor_output(mesh, device, kernel, size):

@@ -248,3 +248,30 @@ def _settings(model, number):
     gn = model.gn if number == 62 else model.group_norm
     common = (gn.num_groups, gn.eps, gn.affine)
     return (*common, float(model.leaky_relu.negative_slope)) if number == 62 else common
+
+
+def test_fake_promotes_a_chain_tensor_of_another_dtype():
+    """float32 x times a float64 per-channel tensor is float64 in PyTorch: the fake says so."""
+    x, w, b, *_ = inputs("plain")
+    p = torch.rand(N, dtype=torch.float64, requires_grad=True)
+    epilogue = Epilogue(pre=(Pointwise("mul", (Param(0),)),))
+    args = (x, w, b, None, None, [p], epilogue_spec(epilogue), "auto", "fp32", -1)
+    for op in ("fused_linear", "fused_linear_saving_z"):
+        torch.library.opcheck(getattr(torch.ops.gemmfuse, op).default, args)
+
+
+def test_backward_returns_no_alias_of_its_inputs():
+    """An (M, N) add operand's gradient is the incoming gradient itself in autograd; the op
+    returns a copy (a custom op's outputs must not alias its inputs)."""
+    x, w, b, *_ = inputs("plain")
+    full = torch.randn(M, N, requires_grad=True)
+    epilogue = Epilogue(pre=(Pointwise("add", (Param(0),)),))
+    spec = epilogue_spec(epilogue)
+    z = F.linear(x, w, b).detach()
+    grad = torch.randn(M, N)
+    needs = [False, False, False, False, False, True]
+    out = torch.ops.gemmfuse.fused_linear_backward(
+        grad, x, w, z, None, None, [full], spec, "auto", "fp32", -1, needs
+    )
+    torch.testing.assert_close(out[5], grad)
+    assert out[5].data_ptr() != grad.data_ptr()

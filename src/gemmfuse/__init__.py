@@ -1,5 +1,7 @@
 """gemmfuse: fused CUDA kernels for Linear -> GroupNorm -> pointwise/reduction chains."""
 
+import torch
+
 import gemmfuse.library  # noqa: F401  (registers the gemmfuse:: torch.library ops)
 from gemmfuse.build import BuildError
 from gemmfuse.epilogue import (
@@ -43,5 +45,6 @@ __all__ = [
     "fused_linear",
     "fused_linear_with_path",
     "optimize",
-    "parallelize",
 ]
+if torch.distributed.is_available():  # parallelize needs torch.distributed's DTensor
+    __all__.append("parallelize")

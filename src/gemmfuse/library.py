@@ -27,6 +27,8 @@ modules): ``gemmfuse export`` inlines it into standalone files, where it registe
 per process however often the file is executed.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -99,10 +101,12 @@ def _backward(grad, x, weight, z, gn_weight, gn_bias, params, chain, kernel, pre
     with torch.no_grad():
         grads = fused_backward(call, grad, x, weight, z, gn_weight, gn_bias, params, needs)
     like = _grad_likes(x, weight, z, gn_weight, gn_bias, params)
-    return [
-        g.contiguous() if g is not None else _zero_grad(t) if need else _empty_like_grad(x)
+    inputs = [grad, x, weight, z, *(t for t in (gn_weight, gn_bias, *params) if t is not None)]
+    return [  # a gradient may be an input itself (autograd passes grad through an add)
+        _owned(g.contiguous(), *inputs) if g is not None
+        else _zero_grad(t) if need else _empty_like_grad(x)
         for g, t, need in zip(grads, like, needs, strict=True)
-    ]
+    ]  # fmt: skip
 
 
 def _grad_likes(x, weight, z, gn_weight, gn_bias, params) -> list:
@@ -128,7 +132,11 @@ def _chain_shape(x: torch.Tensor, weight: torch.Tensor, epilogue: Epilogue) -> t
 
 
 def _forward_fake(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
-    return x.new_empty(_chain_shape(x, weight, epilogue_from_spec(chain)))
+    epilogue = epilogue_from_spec(chain)
+    dtype = functools.reduce(  # a chain tensor of another dtype promotes as PyTorch does
+        torch.promote_types, [params[i].dtype for i in epilogue.channel_params], x.dtype
+    )
+    return x.new_empty(_chain_shape(x, weight, epilogue), dtype=dtype)
 
 
 def _saving_z_fake(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
@@ -149,6 +157,7 @@ def _setup_context(ctx, inputs, output):
     """fused_linear_saving_z's: the backward starts from the forward's z."""
     x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache = inputs
     ctx.save_for_backward(x, weight, output[1], gn_weight, gn_bias, *params)
+    ctx.mark_non_differentiable(output[1])  # z is saved for the backward, not a result
     ctx.settings = (chain, kernel, precision, cache)
 
 

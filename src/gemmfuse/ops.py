@@ -128,7 +128,10 @@ class SplitWeightCache:
     def _lookup(self, t: torch.Tensor, slot, make):
         """``make()``, made once per version of ``t`` for this slot."""
         storage = t.untyped_storage()
-        key = (t._version, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        # data_ptr: a storage freed and re-allocated in place (FSDP2's unsharded parameters)
+        # usually moves; the version counter alone misses writes FSDP2 hides from it.
+        key = (t._version, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+               t.dtype, t.device)  # fmt: skip
         hit = self._entries.get(slot)
         if hit is None or hit[0] is not storage or hit[1] != key:
             hit = (storage, key, make())

@@ -63,7 +63,7 @@ class _CopyToRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd's may be shared
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -107,6 +107,10 @@ class ColumnParallelFusedLinear(nn.Module):
         object.__setattr__(self, "fused", fused)  # not registered: no second state_dict key
         self.weight_split = SplitWeightCache()
         _distribute_channels(fused, self.epilogue, mesh)
+        self.sharded_operands = {
+            i for i, (owner, name) in enumerate(fused._operands)
+            if isinstance(getattr(owner, name), DTensor)
+        }  # fmt: skip
         norm = self.epilogue.norm
         local_norm = None if norm is None else dataclasses.replace(
             norm, num_groups=norm.num_groups // self.world)  # fmt: skip
@@ -116,15 +120,35 @@ class ColumnParallelFusedLinear(nn.Module):
         return f"{self.fused.extra_repr()}, ranks={self.world}, gather_output={self.gather_output}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor) and not all(p.is_replicate() for p in x.placements):
+            raise ValueError(f"x must be replicated on every rank, got {x.placements}")
         x = _local(x)
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ValueError(f"x must be a 2-D tensor (rows, in_features), got {_shape(x)}")
+        row_wise = self.epilogue.norm is None and self.epilogue.reduce is None
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or (x.dim() > 2 and not row_wise):
+            raise ValueError(
+                f"x must be a tensor (rows, in_features), or of more dimensions before a "
+                f"pointwise chain, got {_shape(x)}"
+            )
+        if x.dim() > 2:  # leading dimensions as rows, as FusedLinear runs them
+            lead = x.shape[:-1]
+            return self._call(x.reshape(-1, x.shape[-1])).unflatten(0, lead)
+        return self._call(x)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = (_local(t) for t in self.fused._linear())
         operands, norm, _ = self.fused._state()
-        operands = [_local(t) for t in operands]
-        gn = (None, None) if norm is None else (_local(norm[2]), _local(norm[3]))
         group = self.mesh.get_group()
-        if x.requires_grad and torch.is_grad_enabled():
+        grad_on = torch.is_grad_enabled()
+        # A replicated operand of the chain sees this rank's channels only: its gradient is
+        # the sum over the ranks (a tail operand's is whole on every rank already).
+        replicated = set(self.epilogue.channel_params) - self.sharded_operands
+        operands = [
+            _CopyToRanks.apply(_local(t), group) if i in replicated and grad_on and t.requires_grad
+            else _local(t)
+            for i, t in enumerate(operands)
+        ]  # fmt: skip
+        gn = (None, None) if norm is None else (_local(norm[2]), _local(norm[3]))
+        if x.requires_grad and grad_on:
             x = _CopyToRanks.apply(x, group)
         out = fused_linear_with_path(
             x, weight, bias, self.local_epilogue, *gn, params=operands,
