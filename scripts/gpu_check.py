@@ -143,7 +143,7 @@ def main() -> int:
     summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
     summary.append(restore_cache(cache_dir()))
     t = time.perf_counter()
-    errors = build_in_processes(structures, ENV)
+    errors = build_in_processes(structures, env=ENV)
     print("\n".join(errors), flush=True)
     summary.append(f"kernel cache saved to {OUT} in {save_cache(cache_dir(), OUT)} part(s)")
     summary.append(
