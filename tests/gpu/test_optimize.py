@@ -89,7 +89,7 @@ def test_fallback_on_cuda_warns():
     _, ref, inputs = build("max_values_tail", device=CUDA)
     new, _ = optimize(ref, inputs, kernel="portable")
     x = inputs[0].reshape(4, -1, inputs[0].shape[1])
-    with pytest.warns(FallbackWarning, match="is not 2-D and the chain is not pointwise"):
+    with pytest.warns(FallbackWarning, match="is not 2-D and the chain is not row-wise"):
         with torch.no_grad():
             got = new(x)
     assert new.fc.last_path == "fallback"
