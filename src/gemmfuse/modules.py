@@ -121,10 +121,6 @@ class ChainNorm:
         pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
         return (self.num_groups, self.eps, *pick)
 
-    @property
-    def label(self) -> str:
-        return "LayerNorm" if self.layer else "GroupNorm"
-
 
 class FusedLinear(nn.Module):
     """``linear`` and the chain after it as one ``fused_linear`` call (see the module docstring).

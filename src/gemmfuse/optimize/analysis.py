@@ -201,41 +201,37 @@ class _Analysis:
         bound = self._bind(node, names, (None, None, None, 1e-5), v, tensors=("weight", "bias"))
         if isinstance(bound, _Refusal):
             return bound
-        groups, eps = bound["num_groups"], _number(bound["eps"], "eps")
-        if isinstance(eps, _Refusal):
-            return eps
+        groups = bound["num_groups"]
         if isinstance(groups, bool) or not isinstance(groups, int):
             return _Refusal(f"num_groups={groups!r} is not an int")
-        affine = [bound["weight"], bound["bias"]]
-        if (affine[0] is None) != (affine[1] is None):
+        if (bound["weight"] is None) != (bound["bias"] is None):
             return _Refusal("group_norm with a weight but no bias (or a bias but no weight)")
-        affine = [None if a is None else self._operand(a) for a in affine]
-        refusal = _first_refusal(affine)
-        if refusal is not None:
-            return refusal
-        return _Step("norm", f"group_norm({groups}, eps={eps!r})", name="group_norm",
-                     args=(groups, eps, *affine))  # fmt: skip
+        return self._norm_step(bound, "group_norm", groups, f"group_norm({groups}, eps={{}})")
 
     def _layer_norm(self, node: fx.Node, v) -> "_Step | _Refusal":
         names = ("normalized_shape", "weight", "bias", "eps")
         bound = self._bind(node, names, (None, None, None, 1e-5), v, tensors=("weight", "bias"))
         if isinstance(bound, _Refusal):
             return bound
-        eps = _number(bound["eps"], "eps")
-        if isinstance(eps, _Refusal):
-            return eps
         shape = bound["normalized_shape"]
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if shape != self.meta[v].shape[-1:]:
             return _Refusal(f"layer_norm over {shape}, not the channels alone")
         if bound["weight"] is None and bound["bias"] is not None:
             return _Refusal("layer_norm with a bias but no weight")
+        return self._norm_step(bound, "layer_norm", 1, "layer_norm(eps={})")
+
+    def _norm_step(self, bound: dict, name: str, groups: int, label: str) -> "_Step | _Refusal":
+        """A functional norm's step from its bound arguments: eps a number, the affine
+        weight and bias operands (or None); ``label`` gets eps's repr."""
+        eps = _number(bound["eps"], "eps")
+        if isinstance(eps, _Refusal):
+            return eps
         affine = [None if a is None else self._operand(a) for a in (bound["weight"], bound["bias"])]
         refusal = _first_refusal(affine)
         if refusal is not None:
             return refusal
-        return _Step("norm", f"layer_norm(eps={eps!r})", name="layer_norm",
-                     args=(1, eps, *affine))  # fmt: skip
+        return _Step("norm", label.format(repr(eps)), name=name, args=(groups, eps, *affine))
 
     def _norm_module(self, node: fx.Node, module: nn.Module, v) -> "_Step | _Refusal":
         """An nn.GroupNorm or nn.LayerNorm called on the chain's value."""
