@@ -116,13 +116,14 @@ def test_no_norm_and_no_affine():
     check(Epilogue(norm=GroupNormSpec(1, affine=False), post=(Pointwise("tanh"),)))
 
 
+@pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("affine", [True, False])
-def test_layer_norm(affine):
+def test_layer_norm(affine, rms):
     """A LayerNorm over the channels: the reference's F.layer_norm, the backward's one-group
-    GroupNorm formula."""
+    GroupNorm formula; an RMSNorm: F.rms_norm and its own backward."""
     epilogue = Epilogue(
         pre=(Pointwise("mul", (Param(0),)),),
-        norm=GroupNormSpec(1, eps=1e-3, affine=affine, layer=True),
+        norm=GroupNormSpec(1, eps=1e-3, affine=affine, layer=True, rms=rms),
         post=(Pointwise("silu"),),
         reduce=Reduction("logsumexp"),
     )

@@ -45,6 +45,19 @@ def test_generated_struct_flags():
     code = cuda_epilogue(Epilogue(norm=GroupNormSpec(4), reduce=Reduction("min", True)))
     assert "kReduce = 1" in code
     assert "kNorm = false" in cuda_epilogue(Epilogue())
+    assert "kRms = false" in cuda_epilogue(chain())
+    rms = Epilogue(norm=GroupNormSpec(1, layer=True, rms=True))
+    assert "kNorm = true" in cuda_epilogue(rms) and "kRms = true" in cuda_epilogue(rms)
+
+
+def test_structure_keeps_what_the_kernels_tell_apart():
+    """A LayerNorm is a one-group GroupNorm to the kernels (one structure); an RMSNorm is not."""
+    group = Epilogue(norm=GroupNormSpec(4, 1e-3))
+    layer = Epilogue(norm=GroupNormSpec(1, layer=True))
+    rms = Epilogue(norm=GroupNormSpec(1, 1e-6, layer=True, rms=True))
+    assert group.structure == layer.structure
+    assert rms.structure != layer.structure
+    assert rms.structure == Epilogue(norm=GroupNormSpec(1, 0.5, layer=True, rms=True)).structure
 
 
 @pytest.mark.parametrize(
@@ -56,6 +69,7 @@ def test_generated_struct_flags():
         (lambda: GroupNormSpec(0), "num_groups"),
         (lambda: GroupNormSpec(2, eps=-1.0), "eps"),
         (lambda: GroupNormSpec(2, layer=True), "LayerNorm .* is one group"),
+        (lambda: GroupNormSpec(1, rms=True), "RMSNorm .* needs layer=True"),
         (lambda: Reduction("median"), "unknown reduction"),
         (lambda: Epilogue(post=(Pointwise("relu"),)), "post ops need a GroupNorm"),
         (lambda: Epilogue(pre=(Pointwise("add", (1.0,)),) * 9), "at most 8 float"),
@@ -137,6 +151,7 @@ def test_chain_pool_covers_the_grammar():
             reduce=Reduction("logsumexp", keepdim=True),
             tail=(Pointwise("add", (Param(0),)), Pointwise("clamp", (-1.0, float("inf")))),
         ),
+        Epilogue(norm=GroupNormSpec(1, 1.1920928955078125e-07, layer=True, rms=True)),
     ],
 )
 def test_spec_round_trips(epilogue):

@@ -14,7 +14,7 @@ import gemmfuse
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction, optimize
 from gemmfuse.epilogue import epilogue_spec
 from gemmfuse.kernelbench.registry import get_problem
-from gemmfuse.ops import SplitWeightCache
+from gemmfuse.ops import SplitWeightCache, cache_for_call
 from gemmfuse.reference import linear_epilogue
 
 M, K, N = 6, 5, 8
@@ -109,6 +109,19 @@ def test_cache_tokens():
     assert SplitWeightCache.for_token(-1) is not SplitWeightCache.for_token(-1)
     unknown = 10**9 + cache.token  # a token of another process: adopted, then kept
     assert SplitWeightCache.for_token(unknown) is SplitWeightCache.for_token(unknown)
+
+
+def test_cache_for_call():
+    cache = SplitWeightCache()
+    assert cache_for_call(cache) is cache  # not capturing a CUDA graph
+    assert isinstance(cache_for_call(None), SplitWeightCache)
+
+
+@pytest.mark.parametrize("name", ["fused_linear", "fused_linear_saving_z", "fused_linear_backward"])
+def test_ops_stay_out_of_cuda_graphs(name):
+    """Inductor's CUDA graphs would warm the weight cache up in their private pool and refuse
+    it; the tag makes them run the op outside the recorded graph (GPU: test_library.py)."""
+    assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.gemmfuse, name).default.tags
 
 
 class GraphRecorder:

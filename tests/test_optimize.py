@@ -81,6 +81,13 @@ EXPECTED = {
     "layernorm_sequence_gelu": [
         ("fc", True, "fc -> ln -> gelu", "ends at the model's output"),
     ],
+    "rmsnorm_functional_max": [
+        ("fc", True, "fc -> rms_norm(eps=1e-06) -> x * 2.0 -> max(dim=1, keepdim=True)",
+         "ends at the model's output"),
+    ],
+    "rmsnorm_sequence_silu": [
+        ("fc", True, "fc -> norm -> silu", "ends at the model's output"),
+    ],
     "reductions": [
         (f"fcs.{i}", True, f"fcs.{i} -> {chain}",
          f"stopped at reshape{f'_{i}' if i else ''} (Tensor.reshape): not in the epilogue grammar")

@@ -176,10 +176,10 @@ def chain_backward(chain: Epilogue, z, grad, tensors, needs) -> tuple[torch.Tens
 
     The chain is evaluated again from ``z`` under autograd and differentiated: PyTorch's own
     backward formulas for every op of the grammar. A float32 (or float64) chain's GroupNorm is
-    the exception: its backward is written out (``_group_norm_backward``), because PyTorch's
-    GroupNorm kernels take 0.32 ms each way on #62's 1024 x 8192 with groups of 16 (measured,
-    H100), a quarter of the whole training step, where a grouped ``var_mean`` and a few
-    elementwise ops take a fraction of that.
+    the exception (an RMSNorm keeps F.rms_norm's): its backward is written out
+    (``_group_norm_backward``), because PyTorch's GroupNorm kernels take 0.32 ms each way on
+    #62's 1024 x 8192 with groups of 16 (measured, H100), a quarter of the whole training
+    step, where a grouped ``var_mean`` and a few elementwise ops take a fraction of that.
     """
     leaves = [
         None if t is None else t.detach().requires_grad_(bool(need))
@@ -188,7 +188,8 @@ def chain_backward(chain: Epilogue, z, grad, tensors, needs) -> tuple[torch.Tens
     gn_weight, gn_bias, *params = leaves
     z = z.detach().requires_grad_()
     with torch.enable_grad():
-        if chain.norm is None or z.dtype not in (torch.float32, torch.float64):
+        norm = chain.norm
+        if norm is None or norm.rms or z.dtype not in (torch.float32, torch.float64):
             out = apply_epilogue(z, chain, gn_weight, gn_bias, params)
             wanted = [z] + [t for t in leaves if t is not None and t.requires_grad]
             grads = list(torch.autograd.grad(out, wanted, grad, allow_unused=True))

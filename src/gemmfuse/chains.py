@@ -202,11 +202,12 @@ def chain_pool(size: int = 2, seed: int = 0) -> list[ChainSpec]:
     return pool
 
 
-def layer_norm_chain(affine: bool) -> Epilogue:
-    """x * p[0] -> LayerNorm over the channels -> GELU: the GPU tests' LayerNorm chain."""
+def layer_norm_chain(affine: bool, rms: bool = False) -> Epilogue:
+    """x * p[0] -> LayerNorm (or RMSNorm) over the channels -> GELU: the GPU tests' row-norm
+    chain."""
     return Epilogue(
         pre=(Pointwise("mul", (Param(0),)),),
-        norm=GroupNormSpec(1, 1e-5, affine, layer=True),
+        norm=GroupNormSpec(1, 1e-5, affine, layer=True, rms=rms),
         post=(Pointwise("gelu"),),
     )
 

@@ -261,12 +261,19 @@ class GroupNormSpec:
     one group, the same statistics and affine, so the kernels run it as ``num_groups=1``; the
     reference evaluates ``F.layer_norm``, and a 3-D input keeps the meaning with its rows
     flattened (a GroupNorm's dim 1 would not).
+
+    ``rms=True`` (with ``layer=True``) is an RMSNorm over the channels (``F.rms_norm`` of the
+    last dimension): each row divided by its root mean square, ``sqrt(mean(u**2) + eps)``, with
+    no mean subtracted; the affine vectors as for a LayerNorm (an ``nn.RMSNorm`` has a weight
+    alone: give it a zero bias). ``eps`` is a number here; PyTorch's ``eps=None`` (the input
+    dtype's machine epsilon) is resolved by the caller.
     """
 
     num_groups: int
     eps: float = 1e-5
     affine: bool = True
     layer: bool = False
+    rms: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_groups, int) or self.num_groups < 1:
@@ -275,6 +282,8 @@ class GroupNormSpec:
             raise ValueError(f"eps must be >= 0, got {self.eps!r}")
         if self.layer and self.num_groups != 1:
             raise ValueError(f"a LayerNorm (layer=True) is one group, got {self.num_groups}")
+        if self.rms and not self.layer:
+            raise ValueError("an RMSNorm (rms=True) normalises rows: it needs layer=True")
 
 
 @dataclass(frozen=True)
@@ -349,7 +358,9 @@ class Epilogue:
                 for op in ops
             )
 
-        norm = None if self.norm is None else GroupNormSpec(1, 0.0, self.norm.affine)
+        norm = self.norm
+        if norm is not None:  # a LayerNorm is a one-group GroupNorm to the kernels
+            norm = GroupNormSpec(1, 0.0, norm.affine, layer=norm.rms, rms=norm.rms)
         reduce = None if self.reduce is None else Reduction(self.reduce.op)
         return Epilogue(strip(self.pre), norm, strip(self.post), reduce)
 
@@ -381,7 +392,7 @@ def epilogue_spec(epilogue: "Epilogue", tail: bool = True) -> str:
     norm, reduce = epilogue.norm, epilogue.reduce
     norm_spec = "null"
     if norm is not None:
-        flags = ", ".join("true" if f else "false" for f in (norm.affine, norm.layer))
+        flags = ", ".join("true" if f else "false" for f in (norm.affine, norm.layer, norm.rms))
         norm_spec = f"[{norm.num_groups}, {_number_spec(norm.eps)}, {flags}]"
     reduce_spec = "null"
     if reduce is not None:
@@ -533,6 +544,7 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
     forward (``pre``, ``post``) and backward (``pre_backward``, ``post_backward``)."""
     reduce = 0 if epilogue.reduce is None else REDUCTIONS[epilogue.reduce.op]
     plain = epilogue.structure == Epilogue()
+    rms = epilogue.norm is not None and epilogue.norm.rms
     sums, param_slot = column_sum_slots(epilogue)
     pre_at = _CodeCursor()
     pre = _forward_body(epilogue.pre, pre_at)
@@ -549,6 +561,8 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
             "#pragma once",
             "struct GeneratedEpilogue {",
             f"  static constexpr bool kNorm = {'true' if epilogue.norm else 'false'};",
+            # RMSNorm: rows scaled by 1 / sqrt(mean(u^2) + eps), no mean subtracted.
+            f"  static constexpr bool kRms = {'true' if rms else 'false'};",
             f"  static constexpr int kReduce = {reduce};",
             # A plain GEMM (+ bias): the backward's matrix products run on this structure.
             f"  static constexpr bool kPlain = {'true' if plain else 'false'};",

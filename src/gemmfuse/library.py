@@ -18,9 +18,12 @@ kernel, precision, cache, needs) -> Tensor[]``
     empty tensor for the others: ``autograd.fused_backward``, on the path the forward took.
 
 Each op runs on any device: its implementation is the eager call, which picks the path (the
-fused kernel, the epilogue path, PyTorch) from its inputs as it always does. While a CUDA graph
-is being captured, the weight's split is made inside the graph, not taken from the cache, so a
-replay after the weight changed splits the new weight.
+fused kernel, the epilogue path, PyTorch) from its inputs as it always does. The ops are tagged
+``cudagraph_unsafe``: torch.compile's CUDA graphs (``mode="reduce-overhead"``) leave them out of
+the recorded graph and run them as eager calls, with the weight-split cache. Where a CUDA graph
+is captured around them by hand (``torch.cuda.graph``), the weight's split is made inside the
+graph, not taken from the cache, so a replay after the weight changed splits the new weight
+(``ops.cache_for_call``, as for eager calls).
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files, where it registers the ops once
@@ -37,6 +40,7 @@ from gemmfuse.epilogue import Epilogue, epilogue_from_spec
 from gemmfuse.ops import (
     SplitWeightCache,
     backward_plan,
+    cache_for_call,
     fused_linear_with_path,
     launch_path,
     select_path,
@@ -57,9 +61,7 @@ BACKWARD_SCHEMA = (
 
 
 def _cache(token: int) -> SplitWeightCache:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return SplitWeightCache()  # the split recorded in the graph, redone at each replay
-    return SplitWeightCache.for_token(token)
+    return cache_for_call(SplitWeightCache.for_token(token))
 
 
 def _owned(out: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
@@ -198,8 +200,16 @@ def _grads(ctx, grad, x, weight, z, gn_weight, gn_bias, params) -> tuple:
     return (*grads[:5], grads[5:], None, None, None, None)
 
 
+# CUDA graphs (torch.compile's reduce-overhead mode) run these ops outside the recorded graph:
+# the weight-split cache allocates when a weight changes, and inductor's CUDA-graph warm-up would
+# put those lasting tensors in its private pool, which it refuses ("tensors in the cudagraph pool
+# not tracked as outputs"). Outside the graph the cache serves as in eager mode; the ops around
+# are still graphed (inductor partitions the graph at an op so tagged).
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
 def _define(name: str, schema: str, impl, fake) -> None:
-    torch.library.define(f"gemmfuse::{name}", schema)
+    torch.library.define(f"gemmfuse::{name}", schema, tags=_TAGS)
     torch.library.impl(f"gemmfuse::{name}", "default", impl)
     torch.library.register_fake(f"gemmfuse::{name}", fake)
 

@@ -96,30 +96,43 @@ class ChainOp:
 
 @dataclass(frozen=True)
 class ChainNorm:
-    """The chain's norm: an ``nn.GroupNorm`` or ``nn.LayerNorm`` read at each call, or
-    ``F.group_norm``'s / ``F.layer_norm``'s constant ``num_groups``/``eps`` with its weight and
-    bias as operand indices (or None). ``layer``: a LayerNorm over the channels (one group)."""
+    """The chain's norm: an ``nn.GroupNorm``, ``nn.LayerNorm`` or ``nn.RMSNorm`` read at each
+    call, or ``F.group_norm``'s / ``F.layer_norm``'s / ``F.rms_norm``'s constant
+    ``num_groups``/``eps`` with its weight and bias as operand indices (or None). ``layer``: a
+    norm over the channels (one group); ``rms``: that norm is an RMSNorm (``layer`` too)."""
 
-    module: nn.GroupNorm | nn.LayerNorm | None = None
+    module: nn.GroupNorm | nn.LayerNorm | nn.RMSNorm | None = None
     num_groups: int = 1
-    eps: float = 1e-5
+    eps: float | None = 1e-5
     weight: int | None = None
     bias: int | None = None
     layer: bool = False
+    rms: bool = False
 
     def __post_init__(self):
-        if self.module is not None and self.layer != isinstance(self.module, nn.LayerNorm):
-            raise TypeError("layer=True goes with an nn.LayerNorm module, False with a GroupNorm")
+        if self.rms and not self.layer:
+            raise TypeError("rms=True (an RMSNorm) goes with layer=True")
+        kind = {nn.LayerNorm: (True, False), nn.RMSNorm: (True, True)}.get(type(self.module))
+        if self.module is not None and (self.layer, self.rms) != (kind or (False, False)):
+            raise TypeError(
+                "layer=True goes with an nn.LayerNorm or nn.RMSNorm module (rms=True with the "
+                "RMSNorm), both False with a GroupNorm"
+            )
 
-    def current(self, operands: Sequence) -> tuple:
-        """(num_groups, eps, weight, bias) as the model would use them now."""
+    def current(self, operands: Sequence, dtype: torch.dtype) -> tuple:
+        """(num_groups, eps, weight, bias) as the model would use them now, on a ``dtype``
+        input (an RMSNorm's eps=None is that dtype's machine epsilon, as in F.rms_norm)."""
         m = self.module
-        if isinstance(m, nn.LayerNorm):
-            return 1, m.eps, m.weight, m.bias
-        if m is not None:
-            return m.num_groups, m.eps, m.weight, m.bias
-        pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
-        return (self.num_groups, self.eps, *pick)
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            norm = 1, m.eps, m.weight, getattr(m, "bias", None)
+        elif m is not None:
+            norm = m.num_groups, m.eps, m.weight, m.bias
+        else:
+            pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
+            norm = (self.num_groups, self.eps, *pick)
+        if norm[1] is None and self.rms:
+            return norm[0], torch.finfo(dtype).eps, *norm[2:]
+        return norm
 
 
 class FusedLinear(nn.Module):
@@ -197,7 +210,8 @@ class FusedLinear(nn.Module):
     def _state(self):
         """(operands, GroupNorm values or None, epilogue or None) as of now."""
         operands = [getattr(owner, name) for owner, name in self._operands]
-        norm = None if self._norm is None else self._norm.current(operands)
+        dtype = getattr(self._linear()[0], "dtype", torch.float32)
+        norm = None if self._norm is None else self._norm.current(operands, dtype)
         key = (
             tuple(op.current() for op in self._ops),
             None if norm is None else (norm[0], norm[1], norm[2] is not None),
@@ -220,7 +234,9 @@ class FusedLinear(nn.Module):
             return None
         return Epilogue(
             pre=tuple(Pointwise(*op) for op in stages["pre"]),
-            norm=None if norm is None else GroupNormSpec(*norm, layer=self._norm.layer),
+            norm=None
+            if norm is None
+            else GroupNormSpec(*norm, layer=self._norm.layer, rms=self._norm.rms),
             post=tuple(Pointwise(*op) for op in stages["post"]),
             reduce=self._reduce,
             tail=tuple(Pointwise(*op) for op in stages["tail"]),
@@ -300,18 +316,21 @@ class FusedLinear(nn.Module):
         return linear_epilogue(x, *self._linear(), epilogue, gn_weight, gn_bias, params=operands)
 
 
-def _layer_norm_problem(module: nn.LayerNorm | None, n: int, norm: tuple) -> str:
-    """Why a LayerNorm's current settings do not fit the fused call ("" when they do)."""
+def _layer_norm_problem(module: nn.LayerNorm | nn.RMSNorm | None, n: int, norm: tuple) -> str:
+    """Why a LayerNorm's or RMSNorm's current settings do not fit the fused call ("" when they
+    do)."""
+    name = type(module).__name__ if module is not None else "norm"
     if module is not None and tuple(module.normalized_shape) != (n,):
-        return f"the LayerNorm normalises {tuple(module.normalized_shape)}, not the {n} channels"
+        return f"the {name} normalises {tuple(module.normalized_shape)}, not the {n} channels"
     if norm[2] is None and norm[3] is not None:
-        return "the LayerNorm has a bias but no weight"
+        return f"the {name} has a bias but no weight"
     return ""
 
 
 def _norm_vectors(norm: tuple | None) -> tuple:
     """(weight, bias) of the norm as the kernels take them: a LayerNorm with a weight and no
-    bias (``bias=False``) gets zeros, adding nothing (x * w + 0 is x * w)."""
+    bias (``bias=False``), or an RMSNorm's weight, gets zeros, adding nothing (x * w + 0 is
+    x * w)."""
     if norm is None:
         return None, None
     weight, bias = norm[2:]

@@ -162,6 +162,16 @@ class SplitWeightCache:
         )
 
 
+def cache_for_call(cache: SplitWeightCache | None) -> SplitWeightCache:
+    """The cache a call uses: ``cache``, or a new one (the split made in the call) where there is
+    none or a CUDA graph is being captured. A graph captured with the cache's split would replay
+    on that split after the weight changed in place; captured with a new one, the split is part
+    of the graph and redone at each replay."""
+    if cache is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return SplitWeightCache()
+    return cache
+
+
 def _check_vector(t: torch.Tensor | None, name: str, n: int, like: torch.Tensor) -> None:
     if t is None:
         return
@@ -460,7 +470,7 @@ def fused_linear_with_path(
     path = take_path(x, weight, epilogue, kernel, params)
     if path == "torch":
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias, params), path
-    cache = weight_cache if weight_cache is not None else SplitWeightCache()
+    cache = cache_for_call(weight_cache)
     launch = functools.partial(launch_path, path, epilogue, cache, kernel, precision)
     if _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue):
         call = backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision)

@@ -31,7 +31,10 @@ def apply_epilogue(
     """Applies ``epilogue`` to the GEMM result ``y`` of shape (M, N), as PyTorch would."""
     y = apply_pointwise(y, epilogue.pre, params)
     norm = epilogue.norm
-    if norm is not None and norm.layer:
+    if norm is not None and norm.rms:
+        y = F.rms_norm(y, y.shape[-1:], gn_weight, norm.eps)
+        y = y if gn_bias is None else y + gn_bias
+    elif norm is not None and norm.layer:
         y = F.layer_norm(y, y.shape[-1:], gn_weight, gn_bias, norm.eps)
     elif norm is not None:
         y = F.group_norm(y, norm.num_groups, gn_weight, gn_bias, norm.eps)

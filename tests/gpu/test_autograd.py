@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gemmfuse.chains import chain_pool, linear_data
+from gemmfuse.chains import chain_pool, layer_norm_chain, linear_data
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.harness import load_custom_model, static_check_errors, time_cuda_events
@@ -276,6 +276,23 @@ def test_full_size_gradients(number):
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(CUDA)
     names = ["x", "weight", "bias", "gn.weight", "gn.bias", *(["params[0]"] * len(chain.params))]
     path, lines = check_gradients(chain, grad, "auto", f"#{number}", names)
+    assert path == "fused"
+    print("\n".join(lines))
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_row_norm_gradients(rms):
+    """A LayerNorm or RMSNorm over all 8192 channels (chains.layer_norm_chain) in training,
+    M = 256, K = 1024: every gradient to the bars above."""
+    gen = torch.Generator().manual_seed(21 + rms)
+    epilogue = layer_norm_chain(True, rms=rms)
+    x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, 256, 1024, 8192))
+    scale = [(0.5 + torch.rand(8192, generator=gen)).to(CUDA)]
+    chain = Chain(x, w, b, epilogue, (gn_w, gn_b), scale)
+    out = chain.run_from_z(F.linear(x, w, b), [gn_w, gn_b], scale)
+    grad = torch.randn(out.shape, generator=gen).to(CUDA)
+    names = ["x", "weight", "bias", "norm.weight", "norm.bias", "scale"]
+    path, lines = check_gradients(chain, grad, "auto", f"row norm rms={rms}", names)
     assert path == "fused"
     print("\n".join(lines))
 

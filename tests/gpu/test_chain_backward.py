@@ -30,7 +30,7 @@ from gemmfuse.autograd import (
     chain_backward,
     kernel_plan,
 )
-from gemmfuse.chains import chain_pool
+from gemmfuse.chains import chain_pool, layer_norm_chain
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
 from gemmfuse.reference import apply_epilogue
@@ -146,6 +146,21 @@ def test_group_sizes(group_size):
     z = (torch.randn(33, n, generator=g) * 3 + 5).to(CUDA)  # an offset against the spread
     grad = torch.randn(33, n, generator=g).to(CUDA)
     check(chain_62(n // group_size), z, grad, affine(n, g), f"group_size={group_size}")
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("affine_norm", [True, False])
+@pytest.mark.parametrize("m, n", [(7, 48), (130, 600), (37, 4096), (16, 8192)])
+def test_row_norms(m, n, affine_norm, rms):
+    """A LayerNorm or RMSNorm over all the channels (chains.layer_norm_chain), z offset from
+    zero against its spread (an RMSNorm's mean square holds the mean)."""
+    g = torch.Generator().manual_seed(m + n + 2 * rms + affine_norm)
+    chain = layer_norm_chain(affine_norm, rms=rms)
+    z = (torch.randn(m, n, generator=g) * 2 + 3).to(CUDA)
+    grad = torch.randn(m, n, generator=g).to(CUDA)
+    gn = affine(n, g) if affine_norm else [None, None]
+    scale = (0.5 + torch.rand(n, generator=g)).to(CUDA)
+    check(chain, z, grad, [*gn, scale], f"rms={rms} affine={affine_norm} m={m} n={n}")
 
 
 def test_ties_split_the_gradient_as_amin_does():

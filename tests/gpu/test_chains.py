@@ -101,13 +101,14 @@ def test_pool_chain_at_full_width(index, groups):
     assert max_abs_err(got, exact) <= float64_bar(max_abs_err(eager, exact), floor, exact)
 
 
+@pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("m", [64, 300])
-def test_layer_norm_at_full_width(affine, m):
-    """A LayerNorm over the channels (a one-group GroupNorm in the kernels) at K = N = 8192,
-    against eager's F.layer_norm chain and float64."""
-    gen = torch.Generator().manual_seed(m + affine)
-    epilogue = layer_norm_chain(affine)
+def test_layer_norm_at_full_width(affine, m, rms):
+    """A LayerNorm (a one-group GroupNorm in the kernels) or an RMSNorm over the channels at
+    K = N = 8192, against eager's F.layer_norm / F.rms_norm chain and float64."""
+    gen = torch.Generator().manual_seed(m + affine + 2 * rms)
+    epilogue = layer_norm_chain(affine, rms=rms)
     x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, 8192, 8192))
     gn = (gn_w, gn_b) if affine else (None, None)
     params = [(0.5 + torch.rand(8192, generator=gen)).to(CUDA)]

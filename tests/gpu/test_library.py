@@ -99,6 +99,30 @@ def test_cuda_graph_replay_sees_a_changed_weight():
         torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)
 
 
+def test_hand_captured_cuda_graph_sees_a_changed_weight():
+    """An eager gemmfuse call captured with torch.cuda.graph after a warm-up that filled the
+    weight cache: the split is made inside the graph (not read from the cache), so a replay
+    after an in-place weight update is right."""
+    model, optimized, x = problem(75, seed=4)
+    static_x = x.clone()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            optimized(static_x)  # warm-up outside the capture, as torch.cuda.graph asks
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = optimized(static_x)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(static_out, model(static_x), atol=1e-4, rtol=1e-4)
+        model.gemm.weight.mul_(-0.5)
+        static_x.copy_(torch.rand_like(static_x))
+        graph.replay()
+        torch.testing.assert_close(static_out, model(static_x), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("number", [62, 75])
 def test_exported_program(number):
     model, optimized, x = problem(number, seed=3)

@@ -135,13 +135,22 @@ __device__ __forceinline__ void group_sums(F f, int groups, int group_size, int 
 
 // A group's statistics from its centred sums, in double: the mean (first estimate `mean`) refined
 // by the centred values' mean, and rstd = 1 / sqrt(biased variance + eps). Both kernels finish
-// their groups here, so they normalise alike.
+// their groups here, so they normalise alike. An RMSNorm (kRms) subtracts no mean: rstd =
+// 1 / sqrt(mean(u^2) + eps), mean(u^2) = variance + mean^2, and `mean` is set to 0, so the
+// callers' (u - mean) * rstd is its u * rstd.
+template <bool kRms>
 __device__ __forceinline__ void finish_group_stats(float sum_d, float sum_d2, int group_size,
                                                    float eps, float& mean, float& rstd) {
   const double d = static_cast<double>(sum_d) / group_size;
   const double var = fmax(static_cast<double>(sum_d2) / group_size - d * d, 0.0);
-  mean += static_cast<float>(d);
-  rstd = static_cast<float>(1.0 / sqrt(var + static_cast<double>(eps)));
+  if constexpr (kRms) {
+    const double mu = static_cast<double>(mean) + d;
+    rstd = static_cast<float>(1.0 / sqrt(var + mu * mu + static_cast<double>(eps)));
+    mean = 0.f;
+  } else {
+    mean += static_cast<float>(d);
+    rstd = static_cast<float>(1.0 / sqrt(var + static_cast<double>(eps)));
+  }
 }
 
 // The row's min or max (m) and how many columns hold it (s); NaN wins, as in torch.amin/amax.
@@ -270,7 +279,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
         return make_float2(d, d * d);
       }, groups, gs, segment, smem + at.runs, g_mean, gx_mean);
       for (int g = threadIdx.x; g < groups; g += blockDim.x)
-        finish_group_stats(g_mean[g], gx_mean[g], gs, a.eps, mean[g], rstd[g]);
+        finish_group_stats<Epi::kRms>(g_mean[g], gx_mean[g], gs, a.eps, mean[g], rstd[g]);
       __syncthreads();
     }
 
@@ -336,7 +345,9 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
       for (int j = threadIdx.x; j < w; j += blockDim.x) {
         const int c = c0 + j, g = group_of(j);
         const float xh = (Epi::pre(zrow[j], c, p) - mean[g]) * rstd[g];
-        const float du = rstd[g] * (grow[j] - g_mean[g] * inv_gs - xh * (gx_mean[g] * inv_gs));
+        // an RMSNorm's output does not shift with its input: no mean(g) term
+        const float g_term = Epi::kRms ? 0.f : g_mean[g] * inv_gs;
+        const float du = rstd[g] * (grow[j] - g_term - xh * (gx_mean[g] * inv_gs));
         const float dz = Epi::pre_backward(zrow[j], c, p, du, sums, j, w);
         column_add(sums, j, errors, dz);
         store_float(a.dz, base + j, dz, a.bf16);

@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         }
         d = group_total(d, lanes);
         d2 = group_total(d2, lanes);
-        finish_group_stats(d.m + d.s, d2.m + d2.s, gs, a.eps, mean, rstd);
+        finish_group_stats<Epi::kRms>(d.m + d.s, d2.m + d2.s, gs, a.eps, mean, rstd);
       }
       float xh[4], y[4];
 #pragma unroll
@@ -165,7 +165,9 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         }
         sg = group_total(sg, lanes);
         sgx = group_total(sgx, lanes);
-        const float g_mean = (sg.m + sg.s) * inv_gs, gx_mean = (sgx.m + sgx.s) * inv_gs;
+        // an RMSNorm's output does not shift with its input: no mean(g) term
+        const float g_mean = Epi::kRms ? 0.f : (sg.m + sg.s) * inv_gs;
+        const float gx_mean = (sgx.m + sgx.s) * inv_gs;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float du = rstd * (g[i] - g_mean - xh[i] * gx_mean);

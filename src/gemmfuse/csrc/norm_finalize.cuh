@@ -91,7 +91,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
           if (lane == 0) {
             s_mean[i] = m.mean;
             s_mean_lo[i] = m.mean_lo;
-            s_rstd[i] = group_rstd<true>(m.m2, gs, args.eps);
+            s_rstd[i] = norm_rstd<Epi, true>(m.m2, m.mean, m.mean_lo, gs, args.eps);
           }
         }
       } else {
@@ -99,7 +99,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
           const Moments m = group_moments(stats, g0 + i, 0, 1, args);
           s_mean[i] = m.mean;
           s_mean_lo[i] = m.mean_lo;
-          s_rstd[i] = group_rstd<true>(m.m2, gs, args.eps);
+          s_rstd[i] = norm_rstd<Epi, true>(m.m2, m.mean, m.mean_lo, gs, args.eps);
         }
       }
       __syncthreads();

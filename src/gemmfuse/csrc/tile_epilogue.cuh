@@ -209,12 +209,34 @@ __device__ __forceinline__ float group_rstd(float m2, int n, float eps) {
   return static_cast<float>(__drcp_rn(__dsqrt_rn(__dadd_rn(var, static_cast<double>(eps)))));
 }
 
-// GroupNorm of one value given its group's mean (mean + mean_lo) and rstd, then the affine part
-// (the channel's weight w and bias b, when the GroupNorm has them) and `post`.
+// The group's rstd from its moments: 1 / sqrt(m2 / n + eps) for a GroupNorm or LayerNorm; for
+// an RMSNorm (Epi::kRms) 1 / sqrt(mean(v^2) + eps), mean(v^2) = m2 / n + mean^2 with the mean as
+// mean + mean_lo (kExact: in double, where the float products would round twice).
+template <class Epi, bool kExact>
+__device__ __forceinline__ float norm_rstd(float m2, float mean, float mean_lo, int n, float eps) {
+  if constexpr (!Epi::kRms) {
+    return group_rstd<kExact>(m2, n, eps);
+  } else if constexpr (!kExact) {
+    return rsqrtf(fmaf(m2, 1.f / static_cast<float>(n), fmaf(mean, mean, eps)));
+  } else {
+    const double mu = __dadd_rn(static_cast<double>(mean), static_cast<double>(mean_lo));
+    const double var = __dmul_rn(static_cast<double>(m2), __drcp_rn(static_cast<double>(n)));
+    const double ms = __dadd_rn(var, __dmul_rn(mu, mu));
+    return static_cast<float>(__drcp_rn(__dsqrt_rn(__dadd_rn(ms, static_cast<double>(eps)))));
+  }
+}
+
+// GroupNorm of one value given its group's mean (mean + mean_lo) and rstd (an RMSNorm's: the
+// value scaled, no mean subtracted), then the affine part (the channel's weight w and bias b,
+// when the norm has them) and `post`.
 template <class Epi>
 __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, float rstd,
                                            float w, float b, int gcol, const FusedArgs& args) {
-  float y = ((v - mean) - mean_lo) * rstd;
+  float y;
+  if constexpr (Epi::kRms)
+    y = v * rstd;
+  else
+    y = ((v - mean) - mean_lo) * rstd;
   if (args.gn_weight != nullptr) y = y * w + b;
   return Epi::post(round_like_model(y, args.params), gcol, args.params);
 }
@@ -275,7 +297,7 @@ __device__ __forceinline__ void group_task(float* tile, const float* w, const fl
 #pragma unroll
   for (int j = 0; j < kGs; ++j) y[j] = v[j];
   const SegmentMoments mom = segment_moments<kExact, kGs>(y, kGs);
-  const float rstd = group_rstd<kExact>(mom.m2, kGs, args.eps);
+  const float rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, kGs, args.eps);
 #pragma unroll
   for (int j = 0; j < kGs; ++j)
     y[j] = normalize<Epi>(y[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],
@@ -405,7 +427,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       float* v = tile + r * kEpiStride + c0;
       const SegmentMoments mom =
           warp_per_group ? segment_moments_warp(v, gs, lane) : segment_moments<kExact>(v, gs);
-      const float rstd = group_rstd<kExact>(mom.m2, gs, args.eps);
+      const float rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, gs, args.eps);
       auto out = [&](int j) {
         return normalize<Epi>(v[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],
                               tc.n0 + c0 + j, args);

@@ -12,11 +12,12 @@ W.t())``, ``x.mm(W.transpose(0, 1))`` and the like, W's Linear without a bias, a
 with bias b) applied to an input of two or more dimensions, extends the chain after it as far
 as the epilogue grammar goes::
 
-    Linear -> pointwise ops -> GroupNorm or LayerNorm -> pointwise ops -> reduction over dim 1
-    -> tail ops
+    Linear -> pointwise ops -> GroupNorm, LayerNorm or RMSNorm -> pointwise ops
+    -> reduction over dim 1 -> tail ops
 
-(a LayerNorm over the channels alone; on a higher input, whose leading dimensions the fused call
-takes as rows, the ops that act on each row alone: pointwise ops and a LayerNorm; GroupNorm and
+(a LayerNorm or RMSNorm over the channels alone, nn or functional; on a higher input, whose
+leading dimensions the fused call takes as rows, the ops that act on each row alone: pointwise
+ops and a LayerNorm or RMSNorm; GroupNorm and
 the reductions act on dimension 1, not on the features). A reduction over
 dimension 1 after the chain's own kept it (size 1) is the value itself, or drops it.
 

@@ -77,7 +77,7 @@ class _Analysis:
             node.target in _ACTS
             or node.target in _BINARY
             or node.target in _REDUCTIONS
-            or node.target in (F.linear, F.group_norm, F.layer_norm)
+            or node.target in (F.linear, F.group_norm, F.layer_norm, F.rms_norm)
             or _spelled_linear(node, self.gm) is not None
         )
 
@@ -221,10 +221,22 @@ class _Analysis:
             return _Refusal("layer_norm with a bias but no weight")
         return self._norm_step(bound, "layer_norm", 1, "layer_norm(eps={})")
 
+    def _rms_norm(self, node: fx.Node, v) -> "_Step | _Refusal":
+        names = ("normalized_shape", "weight", "eps")
+        bound = self._bind(node, names, (None, None, None), v, tensors=("weight",))
+        if isinstance(bound, _Refusal):
+            return bound
+        shape = bound["normalized_shape"]
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if shape != self.meta[v].shape[-1:]:
+            return _Refusal(f"rms_norm over {shape}, not the channels alone")
+        return self._norm_step({**bound, "bias": None}, "rms_norm", 1, "rms_norm(eps={})")
+
     def _norm_step(self, bound: dict, name: str, groups: int, label: str) -> "_Step | _Refusal":
-        """A functional norm's step from its bound arguments: eps a number, the affine
-        weight and bias operands (or None); ``label`` gets eps's repr."""
-        eps = _number(bound["eps"], "eps")
+        """A functional norm's step from its bound arguments: eps a number (or, for rms_norm,
+        None: the input dtype's epsilon), the affine weight and bias operands (or None);
+        ``label`` gets eps's repr."""
+        eps = None if bound["eps"] is None and name == "rms_norm" else _number(bound["eps"], "eps")
         if isinstance(eps, _Refusal):
             return eps
         affine = [None if a is None else self._operand(a) for a in (bound["weight"], bound["bias"])]
@@ -234,16 +246,17 @@ class _Analysis:
         return _Step("norm", label.format(repr(eps)), name=name, args=(groups, eps, *affine))
 
     def _norm_module(self, node: fx.Node, module: nn.Module, v) -> "_Step | _Refusal":
-        """An nn.GroupNorm or nn.LayerNorm called on the chain's value."""
-        if type(module) is nn.GroupNorm and (module.weight is None) != (module.bias is None):
+        """An nn.GroupNorm, nn.LayerNorm or nn.RMSNorm called on the chain's value."""
+        kind = type(module)
+        if kind is nn.GroupNorm and (module.weight is None) != (module.bias is None):
             return _Refusal("the GroupNorm has a weight but no bias (or the reverse)")
-        if type(module) is nn.LayerNorm and module.normalized_shape != self.meta[v].shape[-1:]:
-            return _Refusal(f"the LayerNorm normalises {module.normalized_shape}, not the "
+        if kind is not nn.GroupNorm and module.normalized_shape != self.meta[v].shape[-1:]:
+            return _Refusal(f"the {kind.__name__} normalises {module.normalized_shape}, not the "
                             "channels alone")  # fmt: skip
         for p in ("weight", "bias"):
             if f"{node.target}.{p}" in self.mutated:
                 return _Refusal(f"its {p} is modified in place in the forward")
-        name = "layer_norm" if type(module) is nn.LayerNorm else "group_norm"
+        name = {nn.LayerNorm: "layer_norm", nn.RMSNorm: "rms_norm"}.get(kind, "group_norm")
         return _Step("norm", node.target, name=name, module=module)
 
     def _match(self, node: fx.Node, v: fx.Node) -> "_Step | _Refusal":
@@ -253,7 +266,7 @@ class _Analysis:
                 return _Refusal("the module has forward hooks")
             if node.args != (v,) or node.kwargs:
                 return _Refusal("the module takes more than the chain's value")
-            if type(module) in (nn.GroupNorm, nn.LayerNorm):
+            if type(module) in (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm):
                 return self._norm_module(node, module, v)
             if type(module) not in MODULE_OPS:
                 return _Refusal("not in the epilogue grammar")
@@ -273,6 +286,8 @@ class _Analysis:
             return self._group_norm(node, v)
         if target is F.layer_norm:
             return self._layer_norm(node, v)
+        if target is F.rms_norm:
+            return self._rms_norm(node, v)
         if target in _ACTS:
             act = _ACTS[target]
             bound = self._bind(node, act.params, act.defaults, v)
@@ -305,7 +320,7 @@ class _Analysis:
         linear = self.meta[chain.linear]
         if end not in self.meta or self.meta[end].dtype != linear.dtype:
             return _Refusal(f"its result is not a {linear.dtype} tensor")
-        layer = step.name == "layer_norm"
+        layer, rms = step.name in ("layer_norm", "rms_norm"), step.name == "rms_norm"
         if len(linear.shape) > 2 and step.kind != "op" and not layer:
             # The leading dimensions are flattened into rows: only ops on the features keep
             # their meaning (a GroupNorm of (B, T, N) normalises dim 1; reductions take dim 1)
@@ -315,7 +330,7 @@ class _Analysis:
             if stage != "pre":
                 return _Refusal("a second norm" if chain.norm else "a norm after the reduction")
             if step.module is not None:
-                chain.norm = ChainNorm(module=step.module, layer=layer)
+                chain.norm = ChainNorm(module=step.module, layer=layer, rms=rms)
             else:
                 groups, eps, weight, bias = step.args
                 for a in (weight, bias):
@@ -323,7 +338,7 @@ class _Analysis:
                         return _Refusal(f"{a.target} is {self.meta[a].dtype}, not {linear.dtype}")
                 index = [None if a is None else chain.operand(a.target).index
                          for a in (weight, bias)]  # fmt: skip
-                chain.norm = ChainNorm(None, groups, eps, *index, layer=layer)
+                chain.norm = ChainNorm(None, groups, eps, *index, layer=layer, rms=rms)
             return "post"
         if step.kind == "reduce":
             if stage == "tail":

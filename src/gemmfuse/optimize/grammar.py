@@ -155,7 +155,7 @@ _REDUCTIONS = {
 _SIGMOIDS = (torch.sigmoid, F.sigmoid, "sigmoid")  # out-of-place forms (swish's sigmoid)
 _MULS = (operator.mul, torch.mul, torch.multiply, "mul", "multiply", operator.imul, "mul_",
          "multiply_")  # fmt: skip
-_FRESH_MODULES = {nn.Linear, nn.GroupNorm, nn.LayerNorm, *MODULE_OPS}
+_FRESH_MODULES = {nn.Linear, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, *MODULE_OPS}
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.setitem)  # fmt: skip
 
@@ -348,11 +348,12 @@ def _thread_inplace(gm: fx.GraphModule) -> None:
 
 @dataclass
 class _Step:
-    """One recognised node: a pointwise op, a GroupNorm or LayerNorm, or a reduction."""
+    """One recognised node: a pointwise op, a GroupNorm, LayerNorm or RMSNorm, or a
+    reduction."""
 
     kind: str  # "op", "norm" or "reduce"
     label: str
-    name: str = ""  # op: IR name; norm: "group_norm" or "layer_norm"
+    name: str = ""  # op: IR name; norm: "group_norm", "layer_norm" or "rms_norm"
     args: tuple = ()  # op: floats and get_attr nodes; norm (functional): G, eps, weight, bias
     module: nn.Module | None = None
     inplace: bool = False
