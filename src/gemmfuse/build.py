@@ -96,7 +96,10 @@ def load_extension(
     keep their hashes), so the sources are hashed with sha256 only once per process. ``label``
     (the chain structure, say) names what is built in the build's progress lines.
     """
-    cuda_flags = ("-O3", "-std=c++17", "-lineinfo", *arch_flags(device))
+    # -fno-gnu-unique: each chain's library keeps its templates' statics to itself (they share
+    # names across libraries; as GNU unique symbols the process would hold one copy of each)
+    cuda_flags = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler=-fno-gnu-unique",
+                  *arch_flags(device))  # fmt: skip
     key = (prefix, cpp_source, cuda_source, cuda_flags)
     module = _LOADED.get(key)
     if module is None:
@@ -139,7 +142,7 @@ def _build(name, build_dir, cpp_source, cuda_source, cuda_flags, label) -> None:
         "cpp_sources": [cpp_source],
         "cuda_sources": [cuda_source],
         "functions": EXTENSION_FUNCTIONS,
-        "extra_cflags": ["-O3", "-std=c++17"],
+        "extra_cflags": ["-O3", "-std=c++17", "-fno-gnu-unique"],
         "extra_cuda_cflags": list(cuda_flags),
         "build_directory": str(build_dir),
     }

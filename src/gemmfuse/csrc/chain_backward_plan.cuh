@@ -13,14 +13,20 @@ namespace gemmfuse {
 
 // Blocks of `kernel` with `bytes` of dynamic shared memory resident on the current GPU at once
 // (0: they do not fit), queried once per device (the attribute calls cost microseconds each).
+// Keyed by the kernel's own address: every chain's library instantiates these templates with a
+// struct of the same name (GeneratedEpilogue), and a template's static may be one object for the
+// whole process (GNU unique symbols; build.py compiles with -fno-gnu-unique as well). Keyed by
+// kind alone, a second chain's kernel found the first one's answer and never had its shared
+// memory limit raised: its launch failed with "invalid argument" (measured, H100, two chains
+// of 4096 channels in one process).
 template <class Kernel>
-int resident_blocks(Kernel kernel, int kernel_id, size_t bytes) {
+int resident_blocks(Kernel kernel, size_t bytes) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   static std::mutex lock;
-  static std::map<std::tuple<int, int, size_t>, int> known;  // (device, kernel, bytes) -> blocks
+  static std::map<std::tuple<int, const void*, size_t>, int> known;  // -> blocks
   std::lock_guard<std::mutex> guard(lock);
-  const auto key = std::make_tuple(device, kernel_id, bytes);
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), bytes);
   auto found = known.find(key);
   if (found == known.end()) {
     // Dynamic shared memory beyond the default 48 KB needs the kernel's limit raised (to what its
@@ -51,7 +57,7 @@ template <class Epi>
 BackwardPlan chain_backward_plan_for(int m, int n, int group_size) {
   if (backward_in_registers<Epi>(n, group_size)) {
     const int slabs = n / kWarpSlab;
-    const int resident = resident_blocks(chain_backward_warp_kernel<Epi>, 1, 0);
+    const int resident = resident_blocks(chain_backward_warp_kernel<Epi>, 0);
     if (resident < 1) return {slabs, 0, 0, 1};
     return {slabs, max(1, min(m, resident / slabs)), 0, 1};
   }
@@ -59,7 +65,7 @@ BackwardPlan chain_backward_plan_for(int m, int n, int group_size) {
   while (slabs > 1 && (n % slabs != 0 || (n / slabs) % group_size != 0)) --slabs;
   const size_t bytes = sizeof(float) * static_cast<size_t>(
       backward_smem(n / slabs, group_size, Epi::kNorm, Epi::kColumnSums).total);
-  const int resident = resident_blocks(chain_backward_kernel<Epi>, 0, bytes);
+  const int resident = resident_blocks(chain_backward_kernel<Epi>, bytes);
   if (resident < 1) return {slabs, 0, bytes, 0};
   return {slabs, max(1, min(m, resident / slabs)), bytes, 0};
 }
