@@ -13,7 +13,6 @@ divides by magnitudes in [0.5, 2]; without that, eager fp32 itself would not be 
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, replace
 
@@ -47,33 +46,21 @@ class OpSpec:
     args: tuple[ArgSpec, ...] = ()
 
 
-def _f(lo, hi=None):
-    return ArgSpec(False, lo, lo if hi is None else hi)
-
-
-def _p(lo, hi):
-    return ArgSpec(True, lo, hi)
-
-
 def _units() -> list[tuple[OpSpec, ...]]:
-    one = [
-        OpSpec("relu"), OpSpec("leaky_relu", (_f(0.01, 0.3),)), OpSpec("gelu"),
-        OpSpec("gelu_tanh"), OpSpec("silu"), OpSpec("swish"), OpSpec("mish"), OpSpec("tanh"),
-        OpSpec("sigmoid"),
-        OpSpec("hardtanh", (_f(-2, -0.5), _f(0.5, 2))), OpSpec("hardswish"),
-        OpSpec("hardsigmoid"), OpSpec("clamp", (_f(-1.5, -0.2), _f(0.2, 1.5))),
-        OpSpec("clamp", (_f(-0.5, 0.5), _f(math.inf))), OpSpec("softplus", (_f(0.5, 2), _f(5, 20))),
-        OpSpec("elu", (_f(0.5, 1.5),)), OpSpec("add_self"),
-    ]  # fmt: skip
-    for name, lo, hi in (("add", -1, 1), ("sub", -1, 1), ("rsub", -1, 1), ("mul", -2, 2)):
-        one += [OpSpec(name, (_f(lo, hi),)), OpSpec(name, (_p(lo, hi),))]
-    one += [OpSpec("div", (_f(0.5, 2),)), OpSpec("div", (_p(0.5, 2),))]
-    units = [(op,) for op in one]
+    """Every variant of every op with its argument ranges (pointwise.py's ``samples``), the
+    unary rows first, then the guarded pairs and triples of exp, log and rdiv."""
+    rows = sorted(POINTWISE.items(), key=lambda row: row[1].tensor_arg)  # stable: table order
+    units = [
+        (OpSpec(name, tuple(ArgSpec(*arg) for arg in sample)),)
+        for name, d in rows
+        for sample in d.samples
+    ]
+    positive = OpSpec("add", (ArgSpec(False, 0.5, 1),))
     units += [
         (OpSpec("tanh"), OpSpec("exp")),
         (OpSpec("sigmoid"), OpSpec("log")),
-        (OpSpec("sigmoid"), OpSpec("add", (_f(0.5, 1),)), OpSpec("rdiv", (_f(-2, 2),))),
-        (OpSpec("sigmoid"), OpSpec("add", (_f(0.5, 1),)), OpSpec("rdiv", (_p(-2, 2),))),
+        (OpSpec("sigmoid"), positive, OpSpec("rdiv", (ArgSpec(False, -2, 2),))),
+        (OpSpec("sigmoid"), positive, OpSpec("rdiv", (ArgSpec(True, -2, 2),))),
     ]
     return units
 
@@ -166,7 +153,7 @@ def random_chain(rng: random.Random, units: tuple[int, int] = (0, 3)) -> ChainSp
         scalar_units = [u for u in UNITS if not any(a.tensor for op in u for a in op.args)]
         tail = [rng.choice(scalar_units) for _ in range(rng.randint(0, 1))]
         if rng.random() < 0.5:
-            tail.append((OpSpec("add", (_p(-1, 1),)),))
+            tail.append((OpSpec("add", (ArgSpec(True, -1, 1),)),))
     return ChainSpec(
         pre=tuple(op for u in pre for op in u),
         norm=norm,

@@ -4,9 +4,10 @@ An :class:`Epilogue` is the chain applied to ``y = x @ W.T + b`` of shape (M, N)
 
     pre ops -> GroupNorm (optional) -> post ops -> reduction over channels (optional) -> tail ops
 
-Each pointwise op is defined once in ``POINTWISE`` with both meanings: the PyTorch function
-(reference.py evaluates chains with it) and the CUDA expression (``cuda_epilogue`` turns a chain
-into the ``GeneratedEpilogue`` struct the kernels are compiled with). An op's arguments are
+Each pointwise op is one row of ``POINTWISE`` (pointwise.py) with all its meanings: the
+PyTorch function (reference.py evaluates chains with it), the CUDA expression (``cuda_epilogue``
+turns a chain into the ``GeneratedEpilogue`` struct the kernels are compiled with) and the ways
+models write it. An op's arguments are
 Python floats (a LeakyReLU slope, a multiplier) or :class:`Param` references to tensors passed
 with the call (``fused_linear(..., params=...)``). Both are run-time kernel arguments, so one
 compiled kernel serves every value of a chain: the build cache is keyed by
@@ -31,13 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from gemmfuse.pointwise import POINTWISE
 
 MAX_SCALARS = 8  # kMaxParams in csrc/fused_args.h: float arguments per chain
 MAX_TENSORS = 8  # kMaxParams: per-channel tensor arguments per chain (pre and post)
-
-_INV_SQRT2 = "0.70710678118654752440f"
-_SQRT_2_OVER_PI = "0.79788456080286535588f"
 
 
 @dataclass(frozen=True)
@@ -64,147 +63,6 @@ def keeps_shape(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
         a in (1, b) for a, b in zip(reversed(shape), reversed(target), strict=False)
     )
 
-
-@dataclass(frozen=True)
-class PointwiseDef:
-    """One pointwise op: its argument count, its CUDA expression and its torch function.
-
-    In ``cuda``, ``{v}`` is the input value and ``{a0}``, ``{a1}``... its arguments. Expressions
-    follow PyTorch's float32 CUDA kernels (the same operations in the same order). ``cuda_scalar``,
-    when given, replaces ``cuda`` for a float argument where PyTorch computes differently
-    (``x / s`` multiplies by the float reciprocal of ``s``). ``tensor_arg`` says whether the
-    argument may be a :class:`Param` (the binary arithmetic ops).
-
-    ``grad`` is the CUDA expression of the gradient with respect to the input, PyTorch's formula
-    (``tools/autograd/derivatives.yaml`` and its CUDA backward kernels): ``{g}`` the incoming
-    gradient, ``{x}`` the op's input, ``{y}`` its output, ``{a0}``... its arguments;
-    ``grad_scalar`` replaces it for a float argument where PyTorch differentiates another
-    formula (``float / x`` is ``x.reciprocal() * float``). ``grad_arg`` is the gradient with
-    respect to a tensor argument, per element (csrc/chain_backward.cuh sums it over the rows).
-    """
-
-    n_args: int
-    cuda: str
-    torch: Callable[..., torch.Tensor]
-    tensor_arg: bool = False
-    cuda_scalar: str | None = None
-    grad: str = ""
-    grad_arg: str = ""
-    grad_scalar: str | None = None
-
-
-_CLAMP = "({v} != {v} ? {v} : fminf(fmaxf({v}, {a0}), {a1}))"  # hardtanh's and clamp's forward
-
-POINTWISE: dict[str, PointwiseDef] = {
-    # binary arithmetic with a float or a tensor operand
-    "add": PointwiseDef(1, "({v} + {a0})", lambda v, a: v + a, True, grad="{g}", grad_arg="{g}"),
-    "sub": PointwiseDef(1, "({v} - {a0})", lambda v, a: v - a, True, grad="{g}", grad_arg="(-{g})"),
-    "rsub": PointwiseDef(
-        1, "({a0} - {v})", lambda v, a: a - v, True, grad="(-{g})", grad_arg="{g}"
-    ),
-    "mul": PointwiseDef(
-        1, "({v} * {a0})", lambda v, a: v * a, True, grad="({g} * {a0})", grad_arg="({g} * {x})"
-    ),
-    "div": PointwiseDef(
-        1,
-        "({v} / {a0})",
-        lambda v, a: v / a,
-        True,
-        cuda_scalar="({v} * (1.f / {a0}))",
-        grad="({g} / {a0})",
-        grad_arg="(-{g} * {x} / ({a0} * {a0}))",
-    ),
-    # PyTorch computes float / tensor as tensor.reciprocal() * float
-    "rdiv": PointwiseDef(
-        1,
-        "({a0} / {v})",
-        lambda v, a: a / v,
-        True,
-        cuda_scalar="((1.f / {v}) * {a0})",
-        grad="(-{g} * {a0} / ({x} * {x}))",
-        grad_arg="({g} / {x})",
-        grad_scalar="(-({g} * {a0}) * ((1.f / {x}) * (1.f / {x})))",
-    ),
-    "add_self": PointwiseDef(0, "({v} + {v})", lambda v: v + v, grad="({g} + {g})"),
-    # activations
-    "relu": PointwiseDef(
-        0, "(({v} > 0.f || {v} != {v}) ? {v} : 0.f)", F.relu, grad="({y} <= 0.f ? 0.f : {g})"
-    ),
-    "leaky_relu": PointwiseDef(
-        1, "({v} > 0.f ? {v} : {v} * {a0})", F.leaky_relu, grad="({x} > 0.f ? {g} : {g} * {a0})"
-    ),
-    "gelu": PointwiseDef(
-        0,
-        f"({{v}} * 0.5f * (1.f + erff({{v}} * {_INV_SQRT2})))",
-        lambda v: F.gelu(v),
-        grad="({g} * gemmfuse::gelu_grad({x}))",
-    ),
-    "gelu_tanh": PointwiseDef(
-        0,
-        f"(0.5f * {{v}} * (1.f + tanhf({_SQRT_2_OVER_PI} * "
-        "({v} + 0.044715f * ({v} * {v} * {v})))))",
-        lambda v: F.gelu(v, approximate="tanh"),
-        grad="({g} * gemmfuse::gelu_tanh_grad({x}))",
-    ),
-    "silu": PointwiseDef(
-        0, "({v} / (1.f + expf(-{v})))", F.silu, grad="({g} * gemmfuse::silu_grad({x}))"
-    ),
-    # x * sigmoid(x) as written in a model: two PyTorch ops, the sigmoid rounded in between
-    "swish": PointwiseDef(
-        0,
-        "({v} * round_like_model(1.f / (1.f + expf(-{v})), p))",
-        lambda v: v * torch.sigmoid(v),
-        grad="gemmfuse::swish_grad({x}, {g}, p)",
-    ),
-    "mish": PointwiseDef(
-        0, "({v} * tanhf(log1pf(expf({v}))))", F.mish, grad="({g} * gemmfuse::mish_grad({x}))"
-    ),
-    "tanh": PointwiseDef(0, "tanhf({v})", torch.tanh, grad="({g} * (1.f - {y} * {y}))"),
-    "sigmoid": PointwiseDef(
-        0, "(1.f / (1.f + expf(-{v})))", torch.sigmoid, grad="({g} * (1.f - {y}) * {y})"
-    ),
-    # hardtanh and clamp are one op in PyTorch (NaN passes through); +-inf marks an open bound.
-    # Their gradients differ at the bounds: hardtanh's is 0 there, clamp's passes.
-    "hardtanh": PointwiseDef(
-        2,
-        _CLAMP,
-        F.hardtanh,
-        grad="(({x} <= {a0} || {x} >= {a1}) ? 0.f : {g})",
-    ),
-    "clamp": PointwiseDef(
-        2,
-        _CLAMP,
-        torch.clamp,
-        grad="(({x} >= {a0} && {x} <= {a1}) ? {g} : 0.f)",
-    ),
-    "hardswish": PointwiseDef(
-        0,
-        "({v} * fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))",
-        F.hardswish,
-        grad="({x} < -3.f ? 0.f : {x} <= 3.f ? {g} * ({x} / 3.f + 0.5f) : {g})",
-    ),
-    "hardsigmoid": PointwiseDef(
-        0,
-        "(fminf(fmaxf({v} + 3.f, 0.f), 6.f) * (1.f / 6.f))",
-        F.hardsigmoid,
-        grad="(({x} > -3.f && {x} < 3.f) ? {g} * (1.f / 6.f) : 0.f)",
-    ),
-    # softplus(beta, threshold): linear above threshold, as PyTorch
-    "softplus": PointwiseDef(
-        2,
-        "({v} * {a0} > {a1} ? {v} : log1pf(expf({v} * {a0})) / {a0})",
-        F.softplus,
-        grad="gemmfuse::softplus_grad({x}, {g}, {a0}, {a1})",
-    ),
-    "elu": PointwiseDef(
-        1,
-        "({v} <= 0.f ? expm1f({v}) * {a0} : {v})",
-        lambda v, a: F.elu(v, a),
-        grad="({x} <= 0.f ? {g} * {a0} * expf({x}) : {g})",
-    ),
-    "exp": PointwiseDef(0, "expf({v})", torch.exp, grad="({g} * {y})"),
-    "log": PointwiseDef(0, "logf({v})", torch.log, grad="({g} / {x})"),
-}
 
 # kReduce codes in csrc/tile_epilogue.cuh, and the PyTorch meaning of each (dim=1).
 REDUCTIONS = {"min": 1, "max": 2, "sum": 3, "mean": 4, "logsumexp": 5}

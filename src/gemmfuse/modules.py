@@ -43,26 +43,14 @@ from gemmfuse.epilogue import (
     keeps_shape,
 )
 from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear_with_path
+from gemmfuse.pointwise import POINTWISE
 from gemmfuse.reference import linear_epilogue
 
-_GELU = {"none": "gelu", "tanh": "gelu_tanh"}
-
 # The pointwise modules a chain may hold: class -> (op name, float arguments) of an instance,
-# read at each call. A name of None means the instance's settings are outside the grammar.
+# read at each call (pointwise.py's rows). A name of None means the instance's settings are
+# outside the grammar.
 MODULE_OPS: dict[type, Callable[[nn.Module], tuple[str | None, tuple[float, ...]]]] = {
-    nn.ReLU: lambda m: ("relu", ()),
-    nn.ReLU6: lambda m: ("hardtanh", (float(m.min_val), float(m.max_val))),
-    nn.Hardtanh: lambda m: ("hardtanh", (float(m.min_val), float(m.max_val))),
-    nn.LeakyReLU: lambda m: ("leaky_relu", (float(m.negative_slope),)),
-    nn.GELU: lambda m: (_GELU.get(m.approximate), ()),
-    nn.SiLU: lambda m: ("silu", ()),
-    nn.Mish: lambda m: ("mish", ()),
-    nn.Tanh: lambda m: ("tanh", ()),
-    nn.Sigmoid: lambda m: ("sigmoid", ()),
-    nn.Hardswish: lambda m: ("hardswish", ()),
-    nn.Hardsigmoid: lambda m: ("hardsigmoid", ()),
-    nn.Softplus: lambda m: ("softplus", (float(m.beta), float(m.threshold))),
-    nn.ELU: lambda m: ("elu", (float(m.alpha),)),
+    module_cls: read for op_row in POINTWISE.values() for module_cls, read in op_row.modules
 }
 
 _STAGES = ("pre", "post", "tail")

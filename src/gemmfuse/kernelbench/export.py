@@ -36,6 +36,7 @@ import gemmfuse.epilogue
 import gemmfuse.library
 import gemmfuse.modules
 import gemmfuse.ops
+import gemmfuse.pointwise
 import gemmfuse.reference
 import gemmfuse.sources
 from gemmfuse.kernel_files import read_csrc
@@ -44,8 +45,8 @@ from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.optimize import OptimizeReport, optimize
 
 # The export orders them by their imports, each after the modules it imports from.
-BUNDLED_MODULES = (gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build, gemmfuse.sources,
-                   gemmfuse.autograd, gemmfuse.ops, gemmfuse.library)  # fmt: skip
+BUNDLED_MODULES = (gemmfuse.pointwise, gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build,
+                   gemmfuse.sources, gemmfuse.autograd, gemmfuse.ops, gemmfuse.library)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")
              for name in ("grammar", "tracing", "analysis", "rewrite")]  # fmt: skip

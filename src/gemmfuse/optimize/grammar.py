@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from gemmfuse.epilogue import Reduction
 from gemmfuse.modules import MODULE_OPS
+from gemmfuse.pointwise import POINTWISE, Spelling
 
 
 @dataclass(frozen=True)
@@ -45,27 +46,6 @@ def _op(name: str, *args) -> "tuple[str, tuple[float, ...]] | _Refusal":
     return _first_refusal(args) or (name, args)
 
 
-def _clamp_bound(value, what: str, default: float) -> "float | _Refusal":
-    return default if value is None else _number(value, what)
-
-
-def _clamp(a):
-    if a.get("min") is None and a.get("max") is None:
-        return _Refusal("clamp without bounds")
-    return _op(
-        "clamp",
-        _clamp_bound(a.get("min"), "min", float("-inf")),
-        _clamp_bound(a.get("max"), "max", float("inf")),
-    )
-
-
-def _gelu(a):
-    name = {"none": "gelu", "tanh": "gelu_tanh"}.get(a["approximate"])
-    if name is None:
-        return _Refusal(f"gelu(approximate={a['approximate']!r}) is not in the grammar")
-    return name, ()
-
-
 @dataclass(frozen=True)
 class _Act:
     """A unary op: its parameters after the input, their defaults, and its IR form."""
@@ -75,68 +55,38 @@ class _Act:
     make: Callable[[dict], "tuple[str, tuple[float, ...]] | _Refusal"]  # bound arguments -> op
 
 
-def _fixed(name):
-    return lambda a: (name, ())
+def _act(name: str, spelling: Spelling) -> _Act:
+    """The matcher's form of one of pointwise.py's spellings of op ``name``: every argument a
+    number (a refusal names the first that is not)."""
+
+    def make(bound: dict):
+        if spelling.make is None:
+            return _op(name, *(_number(bound[p], p) for p in spelling.args))
+        made = spelling.make(bound)
+        if isinstance(made, str):
+            return _Refusal(made)
+        op, args = made
+        return _op(op, *(_number(a, f"{op}'s argument") for a in args))
+
+    return _Act(spelling.params, spelling.defaults, make)
 
 
-_ACT_GROUPS = [
-    ((torch.relu, F.relu, torch.relu_, F.relu_, "relu", "relu_"), ("inplace",), (False,),
-     _fixed("relu")),
-    ((F.leaky_relu, F.leaky_relu_), ("negative_slope", "inplace"), (0.01, False),
-     lambda a: _op("leaky_relu", _number(a["negative_slope"], "negative_slope"))),
-    ((F.gelu,), ("approximate",), ("none",), _gelu),
-    ((F.silu,), ("inplace",), (False,), _fixed("silu")),
-    ((F.mish,), ("inplace",), (False,), _fixed("mish")),
-    ((torch.tanh, F.tanh, torch.tanh_, "tanh", "tanh_"), (), (), _fixed("tanh")),
-    ((torch.sigmoid, F.sigmoid, torch.sigmoid_, "sigmoid", "sigmoid_"), (), (),
-     _fixed("sigmoid")),
-    ((F.hardtanh, F.hardtanh_), ("min_val", "max_val", "inplace"), (-1.0, 1.0, False),
-     lambda a: _op("hardtanh", _number(a["min_val"], "min_val"),
-                   _number(a["max_val"], "max_val"))),
-    ((F.relu6,), ("inplace",), (False,), lambda a: ("hardtanh", (0.0, 6.0))),
-    ((F.hardswish,), ("inplace",), (False,), _fixed("hardswish")),
-    ((F.hardsigmoid,), ("inplace",), (False,), _fixed("hardsigmoid")),
-    ((F.softplus,), ("beta", "threshold"), (1.0, 20.0),
-     lambda a: _op("softplus", _number(a["beta"], "beta"),
-                   _number(a["threshold"], "threshold"))),
-    ((F.elu, F.elu_), ("alpha", "inplace"), (1.0, False),
-     lambda a: _op("elu", _number(a["alpha"], "alpha"))),
-    ((torch.exp, torch.exp_, "exp", "exp_"), (), (), _fixed("exp")),
-    ((torch.log, torch.log_, "log", "log_"), (), (), _fixed("log")),
-    ((torch.clamp, torch.clip, torch.clamp_, torch.clip_, "clamp", "clamp_", "clip", "clip_"),
-     ("min", "max"), (None, None), _clamp),
-    ((torch.clamp_min, torch.clamp_min_, "clamp_min", "clamp_min_"), ("min",), (None,), _clamp),
-    ((torch.clamp_max, torch.clamp_max_, "clamp_max", "clamp_max_"), ("max",), (None,), _clamp),
-]  # fmt: skip
-_ACTS = {t: _Act(p, d, m) for targets, p, d, m in _ACT_GROUPS for t in targets}
+# Unary ops by call target, from pointwise.py's rows
+_ACTS = {
+    target: _act(op_name, spelling)
+    for op_name, op_def in POINTWISE.items()
+    if not op_def.tensor_arg
+    for spelling in op_def.spellings
+    for target in spelling.targets
+}
 
 # Binary arithmetic: target -> (op, its parameters after the input and the other operand).
 _BINARY = {
-    **dict.fromkeys((operator.add, torch.add, "add", "add_"), ("add", ("alpha",))),
-    **dict.fromkeys(
-        (operator.sub, torch.sub, torch.subtract, "sub", "sub_", "subtract", "subtract_"),
-        ("sub", ("alpha",)),
-    ),
-    torch.rsub: ("rsub", ("alpha",)),
-    **dict.fromkeys(
-        (operator.mul, torch.mul, torch.multiply, "mul", "mul_", "multiply", "multiply_"),
-        ("mul", ()),
-    ),
-    **dict.fromkeys(
-        (
-            operator.truediv,
-            torch.div,
-            torch.divide,
-            torch.true_divide,
-            "div",
-            "div_",
-            "divide",
-            "divide_",
-            "true_divide",
-            "true_divide_",
-        ),
-        ("div", ("rounding_mode",)),
-    ),  # fmt: skip
+    target: (op_name, spelling.params)
+    for op_name, op_def in POINTWISE.items()
+    if op_def.tensor_arg
+    for spelling in op_def.spellings
+    for target in spelling.targets
 }
 # The op when the chain's value is the second operand: o + v = v + o, o - v = rsub...
 _SWAPPED = {"add": "add", "mul": "mul", "sub": "rsub", "div": "rdiv", "rsub": "sub"}
