@@ -186,3 +186,14 @@ def test_group_norm_settings_outside_the_grammar_give_no_epilogue(setting, value
     norm = new.fc._norm.module
     setattr(norm, setting, value)
     assert new.fc.epilogue is None
+
+
+def test_a_weight_of_another_dtype_runs_the_original_chain():
+    """fused_linear's own rules (validation.py) decide: x and the weight must share a dtype."""
+    model, new, inputs = optimized("groupnorm_affine_post")
+    model.fc.weight.data = model.fc.weight.data.double()  # the models share the parameter
+    with pytest.raises(RuntimeError) as expected:
+        model(*inputs)
+    with pytest.raises(RuntimeError, match=re.escape(str(expected.value).splitlines()[0])):
+        new(*inputs)
+    assert new.fc.last_path == "fallback"

@@ -40,11 +40,11 @@ from gemmfuse.epilogue import (
     Pointwise,
     Reduction,
     epilogue_problem,
-    keeps_shape,
 )
 from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear_with_path
 from gemmfuse.pointwise import POINTWISE
 from gemmfuse.reference import linear_epilogue
+from gemmfuse.validation import argument_problem
 
 # The pointwise modules a chain may hold: class -> (op name, float arguments) of an instance,
 # read at each call (pointwise.py's rows). A name of None means the instance's settings are
@@ -230,8 +230,11 @@ class FusedLinear(nn.Module):
             tail=tuple(Pointwise(*op) for op in stages["tail"]),
         )
 
-    def _fused_problem(self, x, weight, bias, operands, norm, epilogue) -> str:
-        """Why the fused call cannot stand in for the chain now ("" when it can)."""
+    def _fused_problem(self, x, weight, bias, operands, norm, epilogue, gn_weight, gn_bias) -> str:
+        """Why the fused call cannot stand in for the chain now ("" when it can): what this
+        module's chain adds (its settings in the grammar, a row-wise chain for a higher input,
+        a row norm over the channels, operands of x's dtype), then ``fused_linear``'s own rules
+        (validation.py) on the call it would make."""
         if epilogue is None:
             return "the chain's current module settings are outside the epilogue grammar"
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
@@ -240,41 +243,23 @@ class FusedLinear(nn.Module):
         row_wise = epilogue.norm is None or epilogue.norm.layer  # each row on its own
         if x.dim() > 2 and (not row_wise or epilogue.reduce is not None):
             return f"the input {tuple(x.shape)} is not 2-D and the chain is not row-wise"
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            return "the weight is not a 2-D tensor"
-        m, k, n = x.shape[:-1].numel(), x.shape[-1], weight.shape[0]
-        like = (x.dtype, x.device)
-        if k != weight.shape[1] or (weight.dtype, weight.device) != like:
-            return "the input does not match the weight's size, dtype or device"
-        vectors = [bias] + ([norm[2], norm[3]] if norm is not None else [])
-        for t in vectors:
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor) or t.shape != (n,) or (t.dtype, t.device) != like:
-                return "a bias or GroupNorm vector does not match the weight"
-        if norm is not None and self._norm.layer:
-            problem = _layer_norm_problem(self._norm.module, n, norm)
+        if norm is not None and self._norm.layer and isinstance(weight, torch.Tensor):
+            problem = _layer_norm_problem(self._norm.module, weight.shape[0], norm)
             if problem:
                 return problem
-        elif norm is not None:
-            groups = norm[0]
-            if not isinstance(groups, int) or groups < 1 or n % groups or m * (n // groups) == 1:
-                return f"GroupNorm's num_groups={groups!r} does not fit {n} channels x {m} rows"
-            if (norm[2] is None) != (norm[3] is None):
-                return "the GroupNorm has a weight or a bias but not both"
         for i in epilogue.channel_params + epilogue.tail_params:
             t = operands[i]
             if not isinstance(t, torch.Tensor) or t.dtype != x.dtype:
                 return f"operand {self._operands[i][1]!r} is no longer a tensor of x's dtype"
-        for i in epilogue.channel_params:  # the IR's rule: pre/post operands keep (M, N)
-            if not keeps_shape(tuple(operands[i].shape), (m, n)):
-                return f"operand {self._operands[i][1]!r} no longer broadcasts to ({m}, {n})"
-        return ""
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        problem = argument_problem(rows, weight, bias, epilogue, gn_weight, gn_bias, operands)
+        return "" if problem is None else problem[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._linear()
         operands, norm, epilogue = self._state()
-        problem = self._fused_problem(x, weight, bias, operands, norm, epilogue)
+        gn_weight, gn_bias = _norm_vectors(norm)
+        problem = self._fused_problem(x, weight, bias, operands, norm, epilogue, gn_weight, gn_bias)
         if problem:
             if isinstance(x, torch.Tensor) and x.is_cuda:
                 warnings.warn(
@@ -284,7 +269,6 @@ class FusedLinear(nn.Module):
                 )
             self.last_path = "fallback"
             return self._fallback(x, weight, bias, *operands)
-        gn_weight, gn_bias = _norm_vectors(norm)
         # leading dimensions as rows (a pointwise chain); a 2-D x as it is (no view node for
         # autograd to record on every call)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -322,6 +306,6 @@ def _norm_vectors(norm: tuple | None) -> tuple:
     if norm is None:
         return None, None
     weight, bias = norm[2:]
-    if weight is not None and bias is None:
+    if isinstance(weight, torch.Tensor) and bias is None:
         bias = torch.zeros_like(weight)
     return weight, bias

@@ -48,9 +48,10 @@ import torch
 import torch.nn.functional as F
 
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
-from gemmfuse.epilogue import Epilogue, epilogue_spec, keeps_shape, per_channel
+from gemmfuse.epilogue import Epilogue, epilogue_spec, per_channel
 from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.sources import extension_for
+from gemmfuse.validation import validate
 
 K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
 TILE = 128  # kTile in csrc/tile_epilogue.cuh: groups that divide it are normalised in the tile
@@ -170,79 +171,6 @@ def cache_for_call(cache: SplitWeightCache | None) -> SplitWeightCache:
     if cache is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return SplitWeightCache()
     return cache
-
-
-def _check_vector(t: torch.Tensor | None, name: str, n: int, like: torch.Tensor) -> None:
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if t.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
-    if t.device != like.device or t.dtype != like.dtype:
-        raise ValueError(
-            f"{name} must be {like.dtype} on {like.device} like the weight, "
-            f"got {t.dtype} on {t.device}"
-        )
-
-
-def _check_params(params, epilogue: Epilogue) -> None:
-    if not isinstance(params, (tuple, list)):
-        raise TypeError(f"params must be a tuple or list of tensors, got {type(params).__name__}")
-    for i, t in enumerate(params):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"params[{i}] must be a torch.Tensor, got {type(t).__name__}")
-    used = epilogue.channel_params + epilogue.tail_params
-    if used and max(used) >= len(params):
-        raise ValueError(
-            f"the epilogue reads params[{max(used)}] but {len(params)} tensor(s) were given"
-        )
-
-
-def validate(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -> None:
-    """Raises TypeError/ValueError naming the bad argument; accepts everything PyTorch would."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError("weight must be a 2-D torch.Tensor of shape (out_features, in_features)")
-    if not isinstance(epilogue, Epilogue):
-        raise TypeError(f"epilogue must be a gemmfuse.Epilogue, got {type(epilogue).__name__}")
-    _check_params(params, epilogue)
-    n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must have shape (batch, {k}) to match weight, got {tuple(x.shape)}")
-    if x.device != weight.device or x.dtype != weight.dtype:
-        raise ValueError(
-            f"x ({x.dtype} on {x.device}) and weight ({weight.dtype} on {weight.device}) "
-            "must share dtype and device"
-        )
-    _check_vector(bias, "bias", n, weight)
-    for i in sorted(set(epilogue.channel_params)):
-        shape = tuple(params[i].shape)
-        if not keeps_shape(shape, (x.shape[0], n)):
-            raise ValueError(
-                f"params[{i}] of shape {shape} does not broadcast to the chain's "
-                f"({x.shape[0]}, {n}): the ops before the reduction keep the GEMM's shape"
-            )
-    norm = epilogue.norm
-    if norm is None:
-        if gn_weight is not None or gn_bias is not None:
-            raise ValueError("gn_weight/gn_bias given but the epilogue has no GroupNorm")
-        return
-    if n % norm.num_groups:
-        raise ValueError(f"num_groups={norm.num_groups} must divide out_features={n}")
-    if not norm.layer and x.shape[0] * (n // norm.num_groups) == 1:  # F.group_norm refuses it
-        raise ValueError(
-            f"GroupNorm needs more than 1 value per group, got x of shape {tuple(x.shape)} "
-            f"with {norm.num_groups} groups of {n} channels"
-        )
-    if norm.affine != (gn_weight is not None) or (gn_weight is None) != (gn_bias is None):
-        raise ValueError(
-            "gn_weight and gn_bias must both be given exactly when the GroupNorm is affine "
-            f"(affine={norm.affine})"
-        )
-    _check_vector(gn_weight, "gn_weight", n, weight)
-    _check_vector(gn_bias, "gn_bias", n, weight)
 
 
 def _channel_param_problem(epilogue: Epilogue, params, x, n: int) -> str:

@@ -39,6 +39,7 @@ import gemmfuse.ops
 import gemmfuse.pointwise
 import gemmfuse.reference
 import gemmfuse.sources
+import gemmfuse.validation
 from gemmfuse.kernel_files import read_csrc
 from gemmfuse.kernelbench.models import model_new_for
 from gemmfuse.kernelbench.registry import get_problem
@@ -46,7 +47,8 @@ from gemmfuse.optimize import OptimizeReport, optimize
 
 # The export orders them by their imports, each after the modules it imports from.
 BUNDLED_MODULES = (gemmfuse.pointwise, gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build,
-                   gemmfuse.sources, gemmfuse.autograd, gemmfuse.ops, gemmfuse.library)  # fmt: skip
+                   gemmfuse.sources, gemmfuse.validation, gemmfuse.autograd, gemmfuse.ops,
+                   gemmfuse.library)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")
              for name in ("grammar", "tracing", "analysis", "rewrite")]  # fmt: skip
