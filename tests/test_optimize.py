@@ -28,6 +28,10 @@ EXPECTED = {
         ("fc", True, "fc -> gelu -> x * 0.5",
          "stopped at softmax (torch.softmax): not in the epilogue grammar"),
     ],
+    "elementwise_min_parameter": [
+        ("linear", True, "linear -> minimum(x, constant) -> x - constant -> maximum(x, floor)",
+         "ends at the model's output"),
+    ],
     "gemm_groupnorm_min_bias": [
         ("gemm", True, "gemm -> group_norm -> min(dim=1, keepdim=True) -> x + bias",
          "ends at the model's output"),
@@ -444,7 +448,10 @@ def buffer(*shape):  # Chain registers plain tensors as buffers
          "fc -> max(dim=1, keepdim=True) -> sigmoid",
          "a reduction dropping the kept dimension after tail ops"),
         (lambda s, x: torch.max(x, 1)[1], {}, "fc", "its indices are used"),
-        (lambda s, x: torch.max(x, torch.zeros(1)), {}, "fc", "elementwise"),
+        # torch.max of two tensors is elementwise: the op maximum (fx keeps the zeros as a
+        # constant tensor attribute)
+        (lambda s, x: torch.max(x, torch.zeros(1)), {}, "fc -> maximum(x, _tensor_constant0)",
+         "ends at the model's output"),
         (lambda s, x: x.sum(0), {}, "fc", "dim=0, not the channels"),
         (lambda s, x: x.sum(), {}, "fc", "more than the channel dimension"),
         (lambda s, x: torch.add(x, 1.0, alpha=2), {}, "fc", "alpha= or rounding_mode="),

@@ -81,6 +81,8 @@ def independent_op(name, args):
         "rsub": lambda v: torch.rsub(v, a), "mul": lambda v: torch.mul(v, a),
         "div": lambda v: torch.div(v, a),
         "rdiv": lambda v: torch.div(a, v) if isinstance(a, torch.Tensor) else v.reciprocal() * a,
+        "minimum": lambda v: torch.min(v, a) if isinstance(a, torch.Tensor) else v.clamp(max=a),
+        "maximum": lambda v: torch.max(v, a) if isinstance(a, torch.Tensor) else v.clamp(min=a),
     }  # fmt: skip
     return ops[name]
 

@@ -299,6 +299,26 @@ POINTWISE: dict[str, PointwiseDef] = {
                             ("rounding_mode",)),),
         samples=_float_or_tensor(0.5, 2), usage="`div`",
     ),
+    # torch.minimum / torch.maximum (and torch.min / torch.max given a tensor, not a dim): NaN
+    # propagates from either side; at a tie the gradient is split evenly, as PyTorch's. A float
+    # argument means the same as a 0-dim tensor of it.
+    "minimum": PointwiseDef(
+        1, "({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fminf({v}, {a0}))",
+        lambda v, a: torch.minimum(v, torch.as_tensor(a, dtype=v.dtype, device=v.device)), True,
+        grad="({x} > {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
+        grad_arg="({a0} > {x} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
+        spellings=(Spelling((torch.minimum, "minimum")),),
+        samples=_float_or_tensor(-1, 1), usage="`minimum`",
+    ),
+    "maximum": PointwiseDef(
+        1, "({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fmaxf({v}, {a0}))",
+        lambda v, a: torch.maximum(v, torch.as_tensor(a, dtype=v.dtype, device=v.device)), True,
+        grad="({x} < {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
+        grad_arg="({a0} < {x} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
+        spellings=(Spelling((torch.maximum, "maximum")),),
+        samples=_float_or_tensor(-1, 1),
+        usage="`maximum` (`torch.minimum`/`maximum`, or `torch.min`/`max` given a tensor)",
+    ),
     # PyTorch computes float / tensor as tensor.reciprocal() * float
     "rdiv": PointwiseDef(
         1,

@@ -17,6 +17,7 @@ from gemmfuse.modules import MODULE_OPS, ChainNorm, ChainOp
 from gemmfuse.optimize.grammar import (
     _ACTS,
     _BINARY,
+    _ELEMENTWISE_EXTREMES,
     _FRESH_MODULES,
     _REDUCTIONS,
     _SWAPPED,
@@ -138,8 +139,10 @@ class _Analysis:
             return o
         return _number(o, "the operand")
 
-    def _binary(self, node: fx.Node, v) -> "_Step | _Refusal":
-        op, extra = _BINARY[node.target]
+    def _binary(self, node: fx.Node, v, op: str = "") -> "_Step | _Refusal":
+        """A binary op of the chain's value and an operand (``op``: the IR op where the
+        target alone does not say, torch.min of two tensors)."""
+        op, extra = (op, ()) if op else _BINARY[node.target]
         names = ("input", "other", *extra)
         if len(node.args) > len(names):
             return _Refusal("more arguments than the grammar's form of this op")
@@ -176,8 +179,11 @@ class _Analysis:
     def _reduction(self, node: fx.Node, v) -> "_Step | _Refusal":
         op, returns_tuple = _REDUCTIONS[node.target]
         names = ("dim", "keepdim") + (("dtype",) if op in ("sum", "mean") else ())
-        if returns_tuple and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
-            return _Refusal(f"{op} with a tensor operand is elementwise, not in the grammar")
+        if returns_tuple and (
+            isinstance(node.kwargs.get("other"), fx.Node)
+            or (len(node.args) > 1 and isinstance(node.args[1], fx.Node))
+        ):
+            return self._binary(node, v, _ELEMENTWISE_EXTREMES[op])  # torch.min(x, t)
         bound = self._bind(node, names, (None, False, None)[: len(names)], v)
         if isinstance(bound, _Refusal):
             return bound

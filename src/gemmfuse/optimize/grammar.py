@@ -89,7 +89,10 @@ _BINARY = {
     for target in spelling.targets
 }
 # The op when the chain's value is the second operand: o + v = v + o, o - v = rsub...
-_SWAPPED = {"add": "add", "mul": "mul", "sub": "rsub", "div": "rdiv", "rsub": "sub"}
+_SWAPPED = {"add": "add", "mul": "mul", "sub": "rsub", "div": "rdiv", "rsub": "sub",
+            "minimum": "minimum", "maximum": "maximum"}  # fmt: skip
+# torch.min / torch.max given a tensor (not a dim): elementwise
+_ELEMENTWISE_EXTREMES = {"min": "minimum", "max": "maximum"}
 _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
 # Reductions: target -> (IR op, whether it returns (values, indices) when given a dim).
@@ -319,4 +322,6 @@ def _op_label(name: str, args: tuple) -> str:
         return f"x {_SYMBOL[name]} {shown[0]}"
     if name in ("rsub", "rdiv"):
         return f"{shown[0]} {_SYMBOL[name[1:]]} x"
+    if name in ("minimum", "maximum"):
+        return f"{name}(x, {shown[0]})"
     return f"{name}({', '.join(shown)})" if shown else name
