@@ -30,6 +30,7 @@ modules): ``gemmfuse export`` inlines it into standalone files.
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -107,20 +108,29 @@ class ChainNorm:
                 "RMSNorm), both False with a GroupNorm"
             )
 
-    def current(self, operands: Sequence, dtype: torch.dtype) -> tuple:
-        """(num_groups, eps, weight, bias) as the model would use them now, on a ``dtype``
-        input (an RMSNorm's eps=None is that dtype's machine epsilon, as in F.rms_norm)."""
+    def current(self, operands: Sequence, dtype: torch.dtype) -> "NormValues":
+        """The norm's values as the model would use them now, on a ``dtype`` input (an
+        RMSNorm's eps=None is that dtype's machine epsilon, as in F.rms_norm)."""
         m = self.module
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-            norm = 1, m.eps, m.weight, getattr(m, "bias", None)
+            norm = NormValues(1, m.eps, m.weight, getattr(m, "bias", None))
         elif m is not None:
-            norm = m.num_groups, m.eps, m.weight, m.bias
+            norm = NormValues(m.num_groups, m.eps, m.weight, m.bias)
         else:
             pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
-            norm = (self.num_groups, self.eps, *pick)
-        if norm[1] is None and self.rms:
-            return norm[0], torch.finfo(dtype).eps, *norm[2:]
+            norm = NormValues(self.num_groups, self.eps, *pick)
+        if norm.eps is None and self.rms:
+            return norm._replace(eps=torch.finfo(dtype).eps)
         return norm
+
+
+class NormValues(NamedTuple):
+    """A chain norm's settings and affine tensors at one call (``ChainNorm.current``)."""
+
+    num_groups: int
+    eps: float | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
 
 
 class FusedLinear(nn.Module):
@@ -202,7 +212,7 @@ class FusedLinear(nn.Module):
         norm = None if self._norm is None else self._norm.current(operands, dtype)
         key = (
             tuple(op.current() for op in self._ops),
-            None if norm is None else (norm[0], norm[1], norm[2] is not None),
+            None if norm is None else (norm.num_groups, norm.eps, norm.weight is not None),
         )
         epilogue = self._epilogues.get(key, _MISSING)
         if epilogue is _MISSING:
@@ -288,24 +298,24 @@ class FusedLinear(nn.Module):
         return linear_epilogue(x, *self._linear(), epilogue, gn_weight, gn_bias, params=operands)
 
 
-def _layer_norm_problem(module: nn.LayerNorm | nn.RMSNorm | None, n: int, norm: tuple) -> str:
+def _layer_norm_problem(module: nn.LayerNorm | nn.RMSNorm | None, n: int, norm: NormValues) -> str:
     """Why a LayerNorm's or RMSNorm's current settings do not fit the fused call ("" when they
     do)."""
     name = type(module).__name__ if module is not None else "norm"
     if module is not None and tuple(module.normalized_shape) != (n,):
         return f"the {name} normalises {tuple(module.normalized_shape)}, not the {n} channels"
-    if norm[2] is None and norm[3] is not None:
+    if norm.weight is None and norm.bias is not None:
         return f"the {name} has a bias but no weight"
     return ""
 
 
-def _norm_vectors(norm: tuple | None) -> tuple:
+def _norm_vectors(norm: NormValues | None) -> tuple:
     """(weight, bias) of the norm as the kernels take them: a LayerNorm with a weight and no
     bias (``bias=False``), or an RMSNorm's weight, gets zeros, adding nothing (x * w + 0 is
     x * w)."""
     if norm is None:
         return None, None
-    weight, bias = norm[2:]
+    weight, bias = norm.weight, norm.bias
     if isinstance(weight, torch.Tensor) and bias is None:
         bias = torch.zeros_like(weight)
     return weight, bias

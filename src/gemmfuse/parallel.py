@@ -147,7 +147,7 @@ class ColumnParallelFusedLinear(nn.Module):
             else _local(t)
             for i, t in enumerate(operands)
         ]  # fmt: skip
-        gn = (None, None) if norm is None else (_local(norm[2]), _local(norm[3]))
+        gn = (None, None) if norm is None else (_local(norm.weight), _local(norm.bias))
         if x.requires_grad and grad_on:
             x = _CopyToRanks.apply(x, group)
         out = fused_linear_with_path(
