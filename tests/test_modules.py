@@ -197,3 +197,16 @@ def test_a_weight_of_another_dtype_runs_the_original_chain():
     with pytest.raises(RuntimeError, match=re.escape(str(expected.value).splitlines()[0])):
         new(*inputs)
     assert new.fc.last_path == "fallback"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_rms_norm_eps_none_is_resolved_as_pytorch_does(dtype):
+    """F.rms_norm's eps=None is float32's epsilon for a bfloat16 input (the dtype it computes
+    in), float64's for float64: on rows of small values the two choices differ visibly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.RMSNorm(32)).to(dtype)
+    x = (0.01 * torch.randn(8, 16)).to(dtype)
+    new, report = gemmfuse.optimize(model, (x,))
+    assert report.fused
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)

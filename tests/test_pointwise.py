@@ -30,7 +30,12 @@ def test_every_row_is_documented_and_drawn():
 
 def test_spellings_reach_the_matcher():
     """Every spelling's targets are in optimize's tables with the row's op, every module class
-    in MODULE_OPS."""
+    in MODULE_OPS; no target or module class is claimed by two rows."""
+    rows_of = {}  # (F.relu_ is torch.relu_: one row may list a target twice)
+    for name, d in POINTWISE.items():
+        for t in [t for sp in d.spellings for t in sp.targets] + [c for c, _ in d.modules]:
+            rows_of.setdefault(t, set()).add(name)
+    assert all(len(rows) == 1 for rows in rows_of.values()), rows_of
     for name, d in POINTWISE.items():
         for spelling in d.spellings:
             table = _BINARY if d.tensor_arg else _ACTS

@@ -123,8 +123,9 @@ class GroupNormSpec:
     ``rms=True`` (with ``layer=True``) is an RMSNorm over the channels (``F.rms_norm`` of the
     last dimension): each row divided by its root mean square, ``sqrt(mean(u**2) + eps)``, with
     no mean subtracted; the affine vectors as for a LayerNorm (an ``nn.RMSNorm`` has a weight
-    alone: give it a zero bias). ``eps`` is a number here; PyTorch's ``eps=None`` (the input
-    dtype's machine epsilon) is resolved by the caller.
+    alone: give it a zero bias). ``eps`` is a number here; PyTorch's ``eps=None`` (the machine
+    epsilon of the dtype F.rms_norm computes in: float64's for float64 inputs, float32's for
+    the rest) is resolved by the caller.
     """
 
     num_groups: int

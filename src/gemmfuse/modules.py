@@ -110,7 +110,9 @@ class ChainNorm:
 
     def current(self, operands: Sequence, dtype: torch.dtype) -> "NormValues":
         """The norm's values as the model would use them now, on a ``dtype`` input (an
-        RMSNorm's eps=None is that dtype's machine epsilon, as in F.rms_norm)."""
+        RMSNorm's eps=None is the machine epsilon of the dtype it computes in, as F.rms_norm
+        resolves it: float64's for float64, float32's otherwise, bfloat16 and float16
+        included)."""
         m = self.module
         if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
             norm = NormValues(1, m.eps, m.weight, getattr(m, "bias", None))
@@ -120,7 +122,8 @@ class ChainNorm:
             pick = (None if i is None else operands[i] for i in (self.weight, self.bias))
             norm = NormValues(self.num_groups, self.eps, *pick)
         if norm.eps is None and self.rms:
-            return norm._replace(eps=torch.finfo(dtype).eps)
+            computes_in = torch.float64 if dtype == torch.float64 else torch.float32
+            return norm._replace(eps=torch.finfo(computes_in).eps)
         return norm
 
 

@@ -107,6 +107,11 @@ def _clamp_bounds(a: dict) -> "tuple[str, tuple] | str":
     return "clamp", (-math.inf if lo is None else lo, math.inf if hi is None else hi)
 
 
+def _rounded_scalar(expression: str) -> str:
+    """``expression`` with its float argument rounded as the model's dtype rounds it."""
+    return expression.replace("{a0}", "round_like_model({a0}, p)")
+
+
 def _float_arg(lo: float, hi: float) -> tuple:
     """A random chain's float argument drawn in [lo, hi]."""
     return ((False, lo, hi),)
@@ -301,19 +306,23 @@ POINTWISE: dict[str, PointwiseDef] = {
     ),
     # torch.minimum / torch.maximum (and torch.min / torch.max given a tensor, not a dim): NaN
     # propagates from either side; at a tie the gradient is split evenly, as PyTorch's. A float
-    # argument means the same as a 0-dim tensor of it.
+    # argument means a 0-dim tensor of it in the input's dtype (rounded so in a bf16 model).
     "minimum": PointwiseDef(
         1, "({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fminf({v}, {a0}))",
         lambda v, a: torch.minimum(v, torch.as_tensor(a, dtype=v.dtype, device=v.device)), True,
+        cuda_scalar=_rounded_scalar("({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fminf({v}, {a0}))"),
         grad="({x} > {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
         grad_arg="({a0} > {x} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
+        grad_scalar=_rounded_scalar("({x} > {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})"),
         spellings=(Spelling((torch.minimum, "minimum")),),
         samples=_float_or_tensor(-1, 1), usage="`minimum`",
     ),
     "maximum": PointwiseDef(
         1, "({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fmaxf({v}, {a0}))",
         lambda v, a: torch.maximum(v, torch.as_tensor(a, dtype=v.dtype, device=v.device)), True,
+        cuda_scalar=_rounded_scalar("({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fmaxf({v}, {a0}))"),
         grad="({x} < {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
+        grad_scalar=_rounded_scalar("({x} < {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})"),
         grad_arg="({a0} < {x} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
         spellings=(Spelling((torch.maximum, "maximum")),),
         samples=_float_or_tensor(-1, 1),
