@@ -26,7 +26,8 @@ EXPECTED = {
     ],
     "batched_linear_gelu": [
         ("fc", True, "fc -> gelu -> x * 0.5",
-         "stopped at softmax (torch.softmax): not in the epilogue grammar"),
+         "stopped at softmax (torch.softmax): not in the epilogue grammar "
+         "[line 16: `return torch.softmax(x, dim=-1)`]"),
     ],
     "elementwise_min_parameter": [
         ("linear", True, "linear -> minimum(x, constant) -> x - constant -> maximum(x, floor)",
@@ -63,15 +64,19 @@ EXPECTED = {
     ],
     "mixed_blocks": [
         ("fc1", True, "fc1 -> relu",
-         "stopped at softmax (torch.softmax): not in the epilogue grammar"),
+         "stopped at softmax (torch.softmax): not in the epilogue grammar "
+         "[line 30: `a = torch.softmax(torch.relu(self.fc1(x)), dim=1)`]"),
         ("fc2", True, "fc2",
-         "stopped at squeeze (Tensor.squeeze): not in the epilogue grammar"),
-        ("fc3", True, "fc3 -> x * sigmoid(x)", "stopped after mul: its result is used 2 times"),
+         "stopped at squeeze (Tensor.squeeze): not in the epilogue grammar "
+         "[line 31: `b = self.fc2(x.unsqueeze(1)).squeeze(1)`]"),
+        ("fc3", True, "fc3 -> x * sigmoid(x)", "stopped after mul: its result is used 2 times "
+         "[line 33: `c = c * torch.sigmoid(c)  # swish: fused`]"),
         ("block.fc", True, "block.fc -> block.norm -> tanh",
-         "stopped at linear (F.linear): not in the epilogue grammar"),
+         "stopped at linear (F.linear): not in the epilogue grammar "
+         "[line 35: `d = F.linear(self.block(x), self.proj)`]"),
         ("linear", True, "F.linear(proj)", "stopped at add_2 (operator.add): operand add_1 is "
          "computed in the forward (fused operands are numbers, parameters, buffers and "
-         "tensor attributes)"),
+         "tensor attributes) [line 36: `return a + b + c + d`]"),
     ],
     "per_channel_operands": [
         ("fc", True, "fc -> x * scale -> x + shift -> offset - x -> tanh -> exp -> gn -> sigmoid "
@@ -94,7 +99,8 @@ EXPECTED = {
     ],
     "reductions": [
         (f"fcs.{i}", True, f"fcs.{i} -> {chain}",
-         f"stopped at reshape{f'_{i}' if i else ''} (Tensor.reshape): not in the epilogue grammar")
+         f"stopped at reshape{f'_{i}' if i else ''} (Tensor.reshape): not in the epilogue grammar "
+         "[line 28: `return torch.cat([o.reshape(-1) for o in outs])`]")
         for i, chain in enumerate([
             "min(dim=1)", "min(dim=1, keepdim=True)", "max(dim=1)", "max(dim=1, keepdim=True)",
             "gn -> sum(dim=1)", "sum(dim=1, keepdim=True)", "mean(dim=1)",
@@ -103,8 +109,10 @@ EXPECTED = {
         ])
     ],
     "shared_linear": [
-        ("fc", True, "fc -> relu", "stopped at fc (nn.Linear): not in the epilogue grammar"),
-        ("fc_1", True, "fc", "stopped at softmax (torch.softmax): not in the epilogue grammar"),
+        ("fc", True, "fc -> relu", "stopped at fc (nn.Linear): not in the epilogue grammar "
+         "[line 14: `return torch.softmax(self.fc(torch.relu(self.fc(x))), dim=-1)`]"),
+        ("fc_1", True, "fc", "stopped at softmax (torch.softmax): not in the epilogue grammar "
+         "[line 14: `return torch.softmax(self.fc(torch.relu(self.fc(x))), dim=-1)`]"),
     ],
     "reductions_of_one": [
         ("linear", True, "linear -> sum(dim=1, keepdim=True) -> max(dim=1, keepdim=True) -> "
@@ -724,8 +732,8 @@ def test_a_linear_on_a_3d_input_takes_pointwise_ops_and_stops_at_a_groupnorm():
     new, report = optimize(model, (x,))
     (entry,) = report.linears
     assert entry.fused and entry.chain == ("fc", "relu", "x * 2.0")
-    assert entry.stopped == (
-        "stopped at norm (nn.GroupNorm): GroupNorm after a Linear on a 3-D input"
+    assert entry.stopped.startswith(
+        "stopped at norm (nn.GroupNorm): GroupNorm after a Linear on a 3-D input [line "
     )
     with torch.no_grad():
         torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)

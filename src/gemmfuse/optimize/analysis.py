@@ -36,7 +36,7 @@ from gemmfuse.optimize.grammar import (
     _swish,
     _target_name,
 )
-from gemmfuse.optimize.tracing import _Meta
+from gemmfuse.optimize.tracing import _Meta, _source
 
 
 @dataclass
@@ -131,8 +131,8 @@ class _Analysis:
         if isinstance(o, fx.Node):
             if o.op != "get_attr" or o not in self.meta:
                 return _Refusal(
-                    f"operand {o.name} is computed in the forward (fused operands are "
-                    "numbers, parameters, buffers and tensor attributes)"
+                    f"operand {o.name} is computed in the forward (fused operands are numbers, "
+                    f"parameters, buffers and tensor attributes){_source(o)}"
                 )
             if o.target in self.mutated:
                 return _Refusal(f"operand {o.target} is modified in place in the forward")
@@ -412,8 +412,9 @@ class _Analysis:
             if len(users) == 2:
                 pair = _swish(self.gm, v)
                 if isinstance(pair, _Refusal):
-                    chain.stopped = f"stopped after {v.name}: its result is used 2 times "
-                    chain.stopped += f"({pair})"
+                    chain.stopped = (
+                        f"stopped after {v.name}: its result is used 2 times ({pair}){_source(v)}"
+                    )
                     break
                 if pair is not None:
                     s, m = pair
@@ -426,7 +427,9 @@ class _Analysis:
                     v = m
                     continue
             if len(users) != 1:
-                chain.stopped = f"stopped after {v.name}: its result is used {len(users)} times"
+                chain.stopped = (
+                    f"stopped after {v.name}: its result is used {len(users)} times{_source(v)}"
+                )
                 break
             u = users[0]
             if u.op == "output":
@@ -440,7 +443,9 @@ class _Analysis:
                 refusal = _first_refusal((stage,))
             if refusal is not None:
                 where = u.target if u.op == "call_module" else u.name  # a path, or fx's name
-                chain.stopped = f"stopped at {where} ({self._describe(u)}): {refusal}"
+                at = _source(u)  # where the node is (unless the refusal ends saying so)
+                at = "" if str(refusal).endswith(at) else at
+                chain.stopped = f"stopped at {where} ({self._describe(u)}): {refusal}{at}"
                 break
             chain.nodes += [u] if end is u else [u, end]
             chain.labels.append(step.label)

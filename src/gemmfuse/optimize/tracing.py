@@ -7,6 +7,7 @@ counter) writes the copies and the model is not stepped twice.
 """
 
 import copy
+import re
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ def _trace(model: nn.Module, forward) -> fx.GraphModule:
     view.__dict__.update(model.__dict__)
     tracer = fx.Tracer()
     tracer.proxy_buffer_attributes = True  # record the forward's writes to buffers
+    tracer.record_stack_traces = True  # the report names nodes by their source line (_source)
     # Writes to other tensors (plain attributes) would run once, at trace time, unrecorded.
     plain = {
         f"{path}.{k}".lstrip("."): t
@@ -43,6 +45,18 @@ def _trace(model: nn.Module, forward) -> fx.GraphModule:
             "recording; register them as buffers"
         )
     return _OptimizedModule(view, graph, f"Optimized{type(model).__name__}")
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n\s+(.+)')
+
+
+def _source(node: fx.Node) -> str:
+    """`` [line N: `code`]`` of the model's line that made ``node`` (its stack trace's first
+    frame outside torch and gemmfuse), or "" where the trace recorded none."""
+    for path, line, code in _FRAME.findall(node.stack_trace or ""):
+        if not any(part in path for part in ("/torch/", "/gemmfuse/")):
+            return f" [line {line}: `{code.strip()}`]"
+    return ""
 
 
 class _OptimizedModule(fx.GraphModule):
