@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return _warmup(p, args.target, args.jobs)
     if args.iters < 30 or args.seeds < 1:
         parser().error("--iters must be >= 30 and --seeds >= 1")
-    from gemmfuse.bench import main as bench_main
+    from gemmfuse.bench_cli import main as bench_main
 
     return bench_main(
         args.problems, args.json, args.seeds, args.iters, not args.no_compile,
