@@ -208,10 +208,12 @@ class FusedLinear(nn.Module):
         """The chain with the current settings (None when they are outside the grammar)."""
         return self._state()[2]
 
-    def _state(self):
-        """(operands, GroupNorm values or None, epilogue or None) as of now."""
+    def _state(self, weight=None):
+        """(operands, GroupNorm values or None, epilogue or None) as of now; ``weight``: the
+        Linear's, where the caller has it already (its dtype resolves an RMSNorm's eps=None)."""
         operands = [getattr(owner, name) for owner, name in self._operands]
-        dtype = getattr(self._linear()[0], "dtype", torch.float32)
+        weight = self._linear()[0] if weight is None else weight
+        dtype = getattr(weight, "dtype", torch.float32)
         norm = None if self._norm is None else self._norm.current(operands, dtype)
         key = (
             tuple(op.current() for op in self._ops),
@@ -270,7 +272,7 @@ class FusedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._linear()
-        operands, norm, epilogue = self._state()
+        operands, norm, epilogue = self._state(weight)
         gn_weight, gn_bias = _norm_vectors(norm)
         problem = self._fused_problem(x, weight, bias, operands, norm, epilogue, gn_weight, gn_bias)
         if problem:

@@ -107,6 +107,17 @@ def _clamp_bounds(a: dict) -> "tuple[str, tuple] | str":
     return "clamp", (-math.inf if lo is None else lo, math.inf if hi is None else hi)
 
 
+def _extreme(fn: str) -> str:
+    """minimum's or maximum's forward (``fn``: fminf or fmaxf): NaN from either side."""
+    return f"({{v}} != {{v}} ? {{v}} : {{a0}} != {{a0}} ? {{a0}} : {fn}({{v}}, {{a0}}))"
+
+
+def _extreme_grad(loses: str) -> str:
+    """Its gradient to the input: 0 where the input ``loses`` against the argument (``>`` for
+    minimum), half at a tie, all of it otherwise (a NaN input included), as PyTorch's."""
+    return f"({{x}} {loses} {{a0}} ? 0.f : {{x}} == {{a0}} ? {{g}} * 0.5f : {{g}})"
+
+
 def _rounded_scalar(expression: str) -> str:
     """``expression`` with its float argument rounded as the model's dtype rounds it."""
     return expression.replace("{a0}", "round_like_model({a0}, p)")
@@ -308,22 +319,22 @@ POINTWISE: dict[str, PointwiseDef] = {
     # propagates from either side; at a tie the gradient is split evenly, as PyTorch's. A float
     # argument means a 0-dim tensor of it in the input's dtype (rounded so in a bf16 model).
     "minimum": PointwiseDef(
-        1, "({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fminf({v}, {a0}))",
+        1, _extreme("fminf"),
         lambda v, a: torch.minimum(v, torch.as_tensor(a, dtype=v.dtype, device=v.device)), True,
-        cuda_scalar=_rounded_scalar("({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fminf({v}, {a0}))"),
-        grad="({x} > {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
+        cuda_scalar=_rounded_scalar(_extreme("fminf")),
+        grad=_extreme_grad(">"),
         grad_arg="({a0} > {x} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
-        grad_scalar=_rounded_scalar("({x} > {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})"),
+        grad_scalar=_rounded_scalar(_extreme_grad(">")),
         spellings=(Spelling((torch.minimum, "minimum")),),
         samples=_float_or_tensor(-1, 1), usage="`minimum`",
     ),
     "maximum": PointwiseDef(
-        1, "({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fmaxf({v}, {a0}))",
+        1, _extreme("fmaxf"),
         lambda v, a: torch.maximum(v, torch.as_tensor(a, dtype=v.dtype, device=v.device)), True,
-        cuda_scalar=_rounded_scalar("({v} != {v} ? {v} : {a0} != {a0} ? {a0} : fmaxf({v}, {a0}))"),
-        grad="({x} < {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
-        grad_scalar=_rounded_scalar("({x} < {a0} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})"),
+        cuda_scalar=_rounded_scalar(_extreme("fmaxf")),
+        grad=_extreme_grad("<"),
         grad_arg="({a0} < {x} ? 0.f : {x} == {a0} ? {g} * 0.5f : {g})",
+        grad_scalar=_rounded_scalar(_extreme_grad("<")),
         spellings=(Spelling((torch.maximum, "maximum")),),
         samples=_float_or_tensor(-1, 1),
         usage="`maximum` (`torch.minimum`/`maximum`, or `torch.min`/`max` given a tensor)",

@@ -216,27 +216,32 @@ class _Analysis:
 
     def _layer_norm(self, node: fx.Node, v) -> "_Step | _Refusal":
         names = ("normalized_shape", "weight", "bias", "eps")
-        bound = self._bind(node, names, (None, None, None, 1e-5), v, tensors=("weight", "bias"))
+        bound = self._row_norm_bound(node, v, names, (None, None, None, 1e-5), "layer_norm")
         if isinstance(bound, _Refusal):
             return bound
-        shape = bound["normalized_shape"]
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if shape != self.meta[v].shape[-1:]:
-            return _Refusal(f"layer_norm over {shape}, not the channels alone")
         if bound["weight"] is None and bound["bias"] is not None:
             return _Refusal("layer_norm with a bias but no weight")
         return self._norm_step(bound, "layer_norm", 1, "layer_norm(eps={})")
 
     def _rms_norm(self, node: fx.Node, v) -> "_Step | _Refusal":
-        names = ("normalized_shape", "weight", "eps")
-        bound = self._bind(node, names, (None, None, None), v, tensors=("weight",))
+        names = ("normalized_shape", "weight", "eps")  # eps None: the dtype's, resolved per call
+        bound = self._row_norm_bound(node, v, names, (None, None, None), "rms_norm")
+        if isinstance(bound, _Refusal):
+            return bound
+        return self._norm_step({**bound, "bias": None}, "rms_norm", 1, "rms_norm(eps={})")
+
+    def _row_norm_bound(self, node, v, names, defaults, what: str) -> "dict | _Refusal":
+        """F.layer_norm's or F.rms_norm's arguments bound, refused unless the norm is over the
+        channels alone."""
+        tensors = tuple(n for n in names if n in ("weight", "bias"))
+        bound = self._bind(node, names, defaults, v, tensors=tensors)
         if isinstance(bound, _Refusal):
             return bound
         shape = bound["normalized_shape"]
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if shape != self.meta[v].shape[-1:]:
-            return _Refusal(f"rms_norm over {shape}, not the channels alone")
-        return self._norm_step({**bound, "bias": None}, "rms_norm", 1, "rms_norm(eps={})")
+            return _Refusal(f"{what} over {shape}, not the channels alone")
+        return bound
 
     def _norm_step(self, bound: dict, name: str, groups: int, label: str) -> "_Step | _Refusal":
         """A functional norm's step from its bound arguments: eps a number (or, for rms_norm,
