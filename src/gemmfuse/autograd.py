@@ -27,11 +27,10 @@ This module imports only torch and the standard library (plus the package's own 
 modules): ``gemmfuse export`` inlines it into standalone files.
 """
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,8 +42,7 @@ SPLIT_ALIGN = 64  # the split operands' K padding (the Hopper kernel's k-tile)
 SPLIT_COLS_MAX = 65535 * 32  # split_cols' grid bound on the columns it transposes
 
 
-@dataclass(frozen=True)
-class FusedCall:
+class FusedCall(NamedTuple):
     """A fused call apart from its tensors: what the forward launches and how the backward
     multiplies.
 
@@ -54,7 +52,7 @@ class FusedCall:
     launch code, ``split`` three products or one) rather than PyTorch's; ``weight_cache`` keeps
     the weight's transposed split between calls. ``chain_kernel`` False keeps the chain's
     backward in PyTorch (a call whose forward ran the PyTorch path: its tensor arguments need
-    not be per channel).
+    not be per channel). A named tuple: made on every recorded call, it is built in one step.
     """
 
     epilogue: Epilogue
@@ -66,10 +64,10 @@ class FusedCall:
     split: bool = True
     chain_kernel: bool = True
 
-    @functools.cached_property
+    @property
     def chain(self) -> Epilogue:
         """The epilogue without its tail ops: what the function's output holds."""
-        return dataclasses.replace(self.epilogue, tail=())
+        return self.epilogue.untailed
 
 
 class FusedLinearFunction(torch.autograd.Function):

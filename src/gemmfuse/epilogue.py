@@ -202,6 +202,12 @@ class Epilogue:
         return self._tail_params
 
     @functools.cached_property
+    def untailed(self) -> "Epilogue":
+        """This chain without its tail ops (what the fused kernels compute): ``self`` where
+        there are none. Made once per chain object: a backward reads it on every call."""
+        return dataclasses.replace(self, tail=()) if self.tail else self
+
+    @functools.cached_property
     def structure(self) -> "Epilogue":
         """This chain with every run-time value zeroed: what a compiled kernel depends on.
 

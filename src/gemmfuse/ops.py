@@ -303,11 +303,15 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
 
 def _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue: Epilogue) -> bool:
     """Whether autograd records this call through the chain up to its tail ops."""
+    # Runs on every call before the launch: plain tests, no containers built.
     if not torch.is_grad_enabled():
         return False
-    chain_params = [params[i] for i in set(epilogue.channel_params)]
-    tensors = (x, weight, bias, gn_weight, gn_bias, *chain_params)
-    return any(t is not None and t.requires_grad for t in tensors)
+    if x.requires_grad or weight.requires_grad:
+        return True
+    for t in (bias, gn_weight, gn_bias):
+        if t is not None and t.requires_grad:
+            return True
+    return any(params[i].requires_grad for i in epilogue.channel_params)
 
 
 def backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision) -> FusedCall:
