@@ -2,7 +2,7 @@
 (gloo, CPU) and tests/gpu/test_parallel.py (NCCL, one GPU per rank).
 
 ``run_cases(rank, world, port, backend, out_path)`` is the spawned function: it runs every
-case on every rank and each rank writes {case: "" or what failed} as JSON to
+case (or those in ``names``) on every rank and each rank writes {case: "" or what failed} as JSON to
 ``out_path.<rank>`` (:func:`read_results` merges them), so one spawn (a few seconds of process
 start-up) serves every test.
 """
@@ -203,7 +203,7 @@ def case_fsdp2(mesh, device, kernel, size):
 CASES = {name[5:]: f for name, f in globals().items() if name.startswith("case_")}
 
 
-def run_cases(rank, world, port, backend, out_path, kernel="auto", size=None):
+def run_cases(rank, world, port, backend, out_path, kernel="auto", size=None, names=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -212,6 +212,8 @@ def run_cases(rank, world, port, backend, out_path, kernel="auto", size=None):
     mesh = init_device_mesh(device.type, (world,))
     results = {}
     for name, case in CASES.items():
+        if names is not None and name not in names:
+            continue
         try:
             case(mesh, device, kernel, size)
             results[name] = ""
@@ -222,11 +224,12 @@ def run_cases(rank, world, port, backend, out_path, kernel="auto", size=None):
     dist.destroy_process_group()
 
 
-def read_results(out_path, world: int) -> dict[str, str]:
-    """{case: "" where every rank passed, else each failing rank's traceback}."""
+def read_results(out_path, world: int, names=None) -> dict[str, str]:
+    """{case: "" where every rank passed, else each failing rank's traceback}, for the cases
+    ``names`` (every case by default)."""
     per_rank = []
     for rank in range(world):
         with open(f"{out_path}.{rank}") as f:
             per_rank.append(json.load(f))
     return {n: "".join(f"[rank {r}] {res[n]}" for r, res in enumerate(per_rank) if res[n])
-            for n in CASES}  # fmt: skip
+            for n in (CASES if names is None else names)}  # fmt: skip

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -149,3 +153,30 @@ def test_only_per_channel_params_of_x_dtype_reach_the_kernel(shape, dtype, fits)
     epi = Epilogue(pre=(Pointwise("add", (Param(0),)),))
     problem = _channel_param_problem(epi, (torch.ones(shape, dtype=dtype),), x, 16)
     assert (problem == "") == fits, problem
+
+
+FSDP_PROBE = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from gemmfuse.ops import SplitWeightCache, cache_for_call, fsdp_in_use
+
+cache = SplitWeightCache()
+assert not fsdp_in_use() and cache_for_call(cache) is cache
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = fully_shard(nn.Linear(8, 8), mesh=init_device_mesh("cpu", (1,)))
+assert fsdp_in_use(), "fully_shard went unseen"
+assert cache_for_call(cache) is not cache, "the cache was kept under FSDP2"
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_no_weight_cache_under_fsdp2():
+    """FSDP2 refills unsharded weights in place with no version bump (ops.fsdp_in_use): calls made
+    while it manages modules get a fresh cache. In a subprocess: the process group and FSDP2's
+    module registry are process-wide. (GPU: tests/gpu/test_data_parallel_one_gpu.py trains.)"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", FSDP_PROBE], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

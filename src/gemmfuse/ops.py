@@ -40,6 +40,7 @@ modules): ``gemmfuse export`` inlines it into standalone files.
 
 import functools
 import itertools
+import sys
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -165,12 +166,30 @@ class SplitWeightCache:
 
 def cache_for_call(cache: SplitWeightCache | None) -> SplitWeightCache:
     """The cache a call uses: ``cache``, or a new one (the split made in the call) where there is
-    none or a CUDA graph is being captured. A graph captured with the cache's split would replay
-    on that split after the weight changed in place; captured with a new one, the split is part
-    of the graph and redone at each replay."""
-    if cache is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    none, a CUDA graph is being captured, or FSDP2 manages modules (:func:`fsdp_in_use`). A graph
+    captured with the cache's split would replay on that split after the weight changed in
+    place; captured with a new one, the split is part of the graph and redone at each replay."""
+    if cache is None or fsdp_in_use():
+        return SplitWeightCache()
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return SplitWeightCache()
     return cache
+
+
+def fsdp_in_use() -> bool:
+    """Whether a composable ``torch.distributed`` API (FSDP2's ``fully_shard``, among others)
+    manages modules in this process.
+
+    FSDP2 refills a module's unsharded parameters before each use in the same storage, from the
+    second step on at the same address, without bumping their version counters (measured with
+    torch 2.13, one rank: version 0 and one data pointer across SGD steps that changed every
+    value), so no key the weight cache can read sees the new values. While FSDP2 is in use each
+    call splits its weight afresh: training loses nothing by it (an optimizer step changes the
+    weights between any two steps' calls), a forward repeated on unchanged weights pays the
+    split (docs/PERFORMANCE.md's "weights changed" column).
+    """
+    state = sys.modules.get("torch.distributed._composable_state")
+    return state is not None and len(getattr(state, "_module_state_mapping", ())) > 0
 
 
 def _channel_param_problem(epilogue: Epilogue, params, x, n: int) -> str:
