@@ -130,8 +130,8 @@ class SplitWeightCache:
     def _lookup(self, t: torch.Tensor, slot, make):
         """``make()``, made once per version of ``t`` for this slot."""
         storage = t.untyped_storage()
-        # data_ptr: a storage freed and re-allocated in place (FSDP2's unsharded parameters)
-        # usually moves; the version counter alone misses writes FSDP2 hides from it.
+        # data_ptr: a storage freed and re-allocated (resize_) keeps its object but may move.
+        # FSDP2's refills keep address and version alike: cache_for_call keeps no cache then.
         key = (t._version, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
                t.dtype, t.device)  # fmt: skip
         hit = self._entries.get(slot)
