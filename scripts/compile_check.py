@@ -1,9 +1,9 @@
 """Compile every CUDA source with nvcc, no GPU needed (CI runs this).
 
 Each ``.cu`` file in csrc/ is compiled as it stands, with the generated epilogue header of every
-kernel structure the shipped problems use and of two chains holding every pointwise op (one
-without a reduction, one with logsumexp, the reduction with the most code), for sm_90a and the
-portable sm_80 target.
+kernel structure the shipped problems use, of chains holding every pointwise op (the last with
+logsumexp, the reduction with the most code) and of the chains that read values again
+(gemmfuse.chains.value_chains), for sm_90a and the portable sm_80 target.
 Usage: python scripts/compile_check.py [--jobs N]
 """
 
@@ -16,6 +16,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gemmfuse.chains import value_chains
 from gemmfuse.epilogue import (
     POINTWISE,
     Epilogue,
@@ -57,6 +58,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
     chains = [s for p in PROBLEMS.values() for s in p.structures] + every_op_chains()
+    chains += value_chains()  # values read again: registers and gathered gradients
     structures = {repr(s.structure): s.structure for s in chains}
     work = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,8 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gemmfuse import POINTWISE, REDUCTIONS, Epilogue, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse import (
+    POINTWISE,
+    REDUCTIONS,
+    Epilogue,
+    GroupNormSpec,
+    Param,
+    Pointwise,
+    Reduction,
+    Value,
+)
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, chain_backward
+from gemmfuse.chains import value_chains
 from gemmfuse.ops import SplitWeightCache
 from gemmfuse.reference import apply_epilogue, apply_pointwise, linear_epilogue
 
@@ -55,10 +65,13 @@ def tensors(epilogue: Epilogue, n_params: int, seed: int):
     return [draw(M, K), draw(N, K, scale=0.5), draw(N), *gn, *params]
 
 
-def check(epilogue: Epilogue, n_params: int = 0, seed: int = 0):
+def check(epilogue: Epilogue, n_params: int = 0, seed: int = 0, numeric: bool = True):
+    """gradcheck (where ``numeric``: a chain with a detached read has gradients that are not
+    its derivative, by design), and the gradients of autograd through the reference."""
     inputs = tensors(epilogue, n_params, seed)
     f = fused(epilogue)
-    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-6)
+    if numeric:
+        assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-6)
     # and the same gradients as autograd through the reference
     x, w, b, gw, gb, *params = inputs
     grad = torch.randn_like(f(*inputs))
@@ -82,6 +95,27 @@ def op(name: str, arg=None) -> Pointwise:
 # Ops whose input must stay away from zero or the negatives: fed a positive value.
 POSITIVE = (Pointwise("sigmoid"), Pointwise("add", (0.5,)))
 NEEDS_POSITIVE = {"log", "rdiv", "div"}
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_values_read_again(index):
+    """Chains reading values again (gemmfuse.chains.value_chains): a read's gradient joins the
+    value's, a detached read's does not (gradcheck, and autograd through the reference)."""
+    epilogue = value_chains(num_groups=4)[index]
+    check(epilogue, n_params=len(epilogue.channel_params), seed=index, numeric=False)
+    attached = Epilogue(*(_attached(getattr(epilogue, s)) for s in ("pre", "norm", "post")),
+                        epilogue.reduce)  # fmt: skip
+    check(attached, n_params=len(epilogue.channel_params), seed=index)
+
+
+def _attached(ops):
+    """ops with every Value read keeping its gradient (a GroupNorm passes through)."""
+    if not isinstance(ops, tuple):
+        return ops
+    return tuple(
+        Pointwise(op.name, tuple(Value(a.index) if isinstance(a, Value) else a for a in op.args))
+        for op in ops
+    )
 
 
 @pytest.mark.parametrize("name", sorted(POINTWISE))

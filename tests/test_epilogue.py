@@ -1,6 +1,6 @@
 import pytest
 
-from gemmfuse.chains import chain_pool
+from gemmfuse.chains import chain_pool, value_chains
 from gemmfuse.epilogue import (
     POINTWISE,
     REDUCTIONS,
@@ -9,8 +9,10 @@ from gemmfuse.epilogue import (
     Param,
     Pointwise,
     Reduction,
+    Value,
     cuda_epilogue,
     epilogue_from_spec,
+    epilogue_problem,
     epilogue_spec,
 )
 
@@ -120,8 +122,21 @@ def test_structure_leaves_out_values_param_indices_and_tail():
     [
         (lambda: Pointwise("relu", (Param(0),)), "takes 0 argument"),
         (lambda: Pointwise("leaky_relu", (Param(0),)), "float arguments only"),
-        (lambda: Pointwise("add", ("1",)), "floats or Param"),
-        (lambda: Pointwise("add", (True,)), "floats or Param"),
+        (lambda: Pointwise("add", ("1",)), "floats, Param or Value"),
+        (lambda: Pointwise("add", (True,)), "floats, Param or Value"),
+        (lambda: Pointwise("leaky_relu", (Value(0),)), "float arguments only"),
+        (lambda: Value(-1), "Value index"),
+        (lambda: Value(0, detach=1), "detach must be a bool"),
+        (
+            lambda: Epilogue(pre=(Pointwise("add", (Value(1),)),)),
+            r"pre op 1 \(add\) reads Value\(1\)",
+        ),
+        (
+            lambda: Epilogue(
+                norm=GroupNormSpec(2), post=(Pointwise("relu"), Pointwise("mul", (Value(2),)))
+            ),
+            r"post op 2 \(mul\) reads Value\(2\); an op at position 2 reads values 0 to 1",
+        ),
         (lambda: Param(-1), "Param index"),
         (lambda: Epilogue(tail=(Pointwise("relu"),)), "tail ops need a reduction"),
         (lambda: Epilogue(pre=(Pointwise("add", (Param(0),)),) * 9), "at most 8 tensor"),
@@ -152,6 +167,8 @@ def test_chain_pool_covers_the_grammar():
             tail=(Pointwise("add", (Param(0),)), Pointwise("clamp", (-1.0, float("inf")))),
         ),
         Epilogue(norm=GroupNormSpec(1, 1.1920928955078125e-07, layer=True, rms=True)),
+        *value_chains(),
+        Epilogue(reduce=Reduction("max"), tail=(Pointwise("mish"), Pointwise("mul", (Value(0),)))),
     ],
 )
 def test_spec_round_trips(epilogue):
@@ -162,3 +179,37 @@ def test_spec_round_trips(epilogue):
     assert epilogue_spec(Epilogue(norm=GroupNormSpec(3, 0.1 + 0.2))) != epilogue_spec(
         Epilogue(norm=GroupNormSpec(3, 0.3))
     )
+
+
+def test_values_are_structure():
+    """A Value argument is part of what a kernel is compiled for (its index and whether it is
+    detached); the floats around it are not."""
+    a, b = value_chains()[:2]
+    assert a.structure.pre[2].args == (Value(0),)
+    assert b.structure.pre[1].args == (Value(0, detach=True),)
+    same = Epilogue(
+        pre=(Pointwise("sigmoid"), Pointwise("mul", (7.0,)), Pointwise("add", (Value(0),)))
+    )
+    assert same.structure == a.structure
+    other = Epilogue(
+        pre=(Pointwise("sigmoid"), Pointwise("mul", (2.0,)), Pointwise("add", (Value(1),)))
+    )
+    assert other.structure != a.structure
+    assert a.scalars == (2.0,) and a.channel_params == ()
+
+
+def test_epilogue_problem_checks_values_without_raising():
+    assert epilogue_problem(pre=(("sigmoid", ()), ("add", (Value(0),)))) == ""
+    assert "reads Value(2)" in epilogue_problem(pre=(("sigmoid", ()), ("add", (Value(2),))))
+
+
+def test_generated_code_keeps_values_in_registers():
+    """Without Value arguments a stretch is generated as before (one running v); with them each
+    value has its register, and the backward gathers a value's later reads in d<index>."""
+    plain = cuda_epilogue(Epilogue(pre=(Pointwise("sigmoid"), Pointwise("mul", (2.0,)))))
+    assert "    v = round_like_model(" in plain and "float d0" not in plain
+    code = cuda_epilogue(value_chains()[0].structure)
+    assert "const float v3 = round_like_model((v2 + v0), p);" in code and "v = v3;" in code
+    assert "float d0 = 0.f;" in code and "d0 += d;" in code and "d += d0;" in code
+    detached = cuda_epilogue(value_chains()[1].structure)
+    assert "float d0" not in detached  # the detached read sends no gradient back

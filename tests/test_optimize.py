@@ -58,6 +58,16 @@ EXPECTED = {
         ("matmul", True, "x @ weight.T -> x / 2.0 -> sum(dim=1, keepdim=True) -> x * 1.5",
          "ends at the model's output"),
     ],
+    "values_around_norm": [
+        ("fc", True, "fc -> sigmoid -> x + fc -> norm -> tanh -> x * scale -> x + norm -> "
+         "x * detach -> logsumexp(dim=1, keepdim=True) -> mish -> x * logsumexp",
+         "ends at the model's output"),
+    ],
+    "values_read_again": [
+        ("fc1", True, "fc1 -> sigmoid -> x * 2.0 -> x + fc1",
+         "stopped at fc2 (nn.Linear): not in the epilogue grammar [line 19: `y = self.fc2(x)`]"),
+        ("fc2", True, "fc2 -> x * 2.0 -> x + detach", "ends at the model's output"),
+    ],
     "max_values_tail": [
         ("fc", True, "fc -> relu -> max(dim=1) -> x * 2.0 -> sigmoid -> x - shift",
          "ends at the model's output"),
@@ -69,8 +79,10 @@ EXPECTED = {
         ("fc2", True, "fc2",
          "stopped at squeeze (Tensor.squeeze): not in the epilogue grammar "
          "[line 31: `b = self.fc2(x.unsqueeze(1)).squeeze(1)`]"),
-        ("fc3", True, "fc3 -> x * sigmoid(x)", "stopped after mul: its result is used 2 times "
-         "[line 33: `c = c * torch.sigmoid(c)  # swish: fused`]"),
+        ("fc3", True, "fc3 -> x * sigmoid(x)", "stopped after mul: mul is also read by sub, "
+         "which the chain does not reach (stopped at mean (Tensor.mean): mul is read again "
+         "after it [line 34: `c = c - c.mean(dim=1, keepdim=True)  # c used twice: the chain "
+         "stops before`])"),
         ("block.fc", True, "block.fc -> block.norm -> tanh",
          "stopped at linear (F.linear): not in the epilogue grammar "
          "[line 35: `d = F.linear(self.block(x), self.proj)`]"),
@@ -211,15 +223,23 @@ def test_in_place_updates_to_the_models_parameters_reach_the_optimized_model():
         torch.testing.assert_close(after, model(*inputs), rtol=0, atol=0)
 
 
-def test_gradients_reach_the_models_parameters():
-    _, model, inputs = build("groupnorm_wide_functional")
+@pytest.mark.parametrize(
+    "name", ["groupnorm_wide_functional", "values_read_again", "values_around_norm"]
+)
+def test_gradients_reach_the_models_parameters(name):
+    """The optimized model's gradients are the model's: its parameters' and the input's, values
+    read again and detached reads included."""
+    _, model, inputs = build(name)
+    x = inputs[0].requires_grad_()
     new, _ = optimize(model, inputs)
-    new(*inputs).square().sum().backward()
+    new(x).square().sum().backward()
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    got_x, x.grad = x.grad.clone(), None
     model.zero_grad()
-    model(*inputs).square().sum().backward()
+    model(x).square().sum().backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(got[k], p.grad, msg=k)
+    torch.testing.assert_close(got_x, x.grad)
 
 
 def test_to_moves_parameters_and_buffers_of_both_views():
@@ -442,10 +462,12 @@ def buffer(*shape):  # Chain registers plain tensors as buffers
     [
         (lambda s, x: torch.softmax(x, 1), {}, "fc", "stopped at softmax (torch.softmax): "
          "not in the epilogue grammar"),
-        (lambda s, x: x * x, {}, "fc", "x * x is not in the grammar (x + x is)"),
-        (lambda s, x: x * s.g(x), {"g": nn.Identity()}, "fc", "stopped after fc: its result "
-         "is used 2 times"),
-        (lambda s, x: x + 2 * x.mean(), {}, "fc", "used 2 times"),
+        (lambda s, x: x.mul_(x), {}, "fc", "x *= x in place is not in the grammar"),
+        (lambda s, x: x * s.g(x), {"g": nn.Identity()}, "fc", "stopped after fc: fc is also "
+         "read by mul, which the chain does not reach (stopped at g (nn.Identity): not in the "
+         "epilogue grammar"),
+        (lambda s, x: x + 2 * x.mean(), {}, "fc", "fc is also read by add, which the chain "
+         "does not reach (stopped at mean (Tensor.mean): it reduces over more than"),
         (lambda s, x: torch.relu(x) + s.b * 2.0, {"b": p(16)}, "fc -> relu", "stopped at add "
          "(operator.add): operand mul is computed in the forward"),
         (lambda s, x: s.g2(s.g1(x)), {"g1": nn.GroupNorm(4, 16), "g2": nn.GroupNorm(2, 16)},
@@ -534,20 +556,37 @@ def _swish_into_x(s, x):
 
 
 @pytest.mark.parametrize(
-    "body, why",
+    "body, chain",
     [
-        (_swish_shared, "the sigmoid's result is used 2 times"),
-        (_swish_into_x, "mul_ multiplies in place into x (swish is out of place)"),
-        (lambda s, x: x * torch.sigmoid(x) * x, "used 3 times"),
-        (lambda s, x: torch.sigmoid(x) + x, "used 2 times"),
-        (lambda s, x: torch.mul(x, torch.sigmoid(x), out=torch.empty(6, 16)),
-         "does not multiply x by its sigmoid alone"),
+        (_swish_shared, ("fc", "sigmoid", "x * fc", "x + sigmoid")),
+        (lambda s, x: x * torch.sigmoid(x) * x, ("fc", "sigmoid", "x * fc", "x * fc")),
+        (lambda s, x: torch.sigmoid(x) + x, ("fc", "sigmoid", "x + fc")),
+        (lambda s, x: x * x, ("fc", "x * x")),
+        (lambda s, x: torch.tanh(x) * x.detach() - x.clone(), ("fc", "tanh", "x * detach",
+                                                                  "x - clone")),
     ],
 )  # fmt: skip
-def test_x_times_sigmoid_that_is_not_swish_stops_the_chain_saying_why(body, why):
+def test_values_read_again_join_the_chain(body, chain):
+    """x * sigmoid(x) that is not swish, x * x, a detach or clone read later: the chain reads
+    the earlier value again (a Value argument) and goes to the model's output; ``stops``
+    checks the result equal to the model's."""
+    entry = stops(body)
+    assert entry.fused and entry.chain == chain
+    assert entry.stopped == "ends at the model's output"
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        (_swish_into_x, "mul_ (Tensor.mul_): it writes its result into its other operand"),
+        (lambda s, x: torch.mul(x, torch.sigmoid(x), out=torch.empty(6, 16)),
+         "argument out= is not in the grammar's form of this op"),
+    ],
+)  # fmt: skip
+def test_a_value_read_again_by_an_op_outside_the_grammar_ends_the_chain_before_it(body, why):
     entry = stops(body)
     assert entry.fused and entry.chain == ("fc",)
-    assert entry.stopped.startswith("stopped after fc: its result is used ")
+    assert entry.stopped.startswith("stopped after fc: fc is also read by ")
     assert why in entry.stopped
 
 

@@ -12,6 +12,7 @@ from gemmfuse.epilogue import (
     Param,
     Pointwise,
     Reduction,
+    Value,
 )
 from gemmfuse.modules import FusedLinear
 from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear, fused_linear_with_path
@@ -42,6 +43,7 @@ __all__ = [
     "Pointwise",
     "Reduction",
     "SplitWeightCache",
+    "Value",
     "fused_linear",
     "fused_linear_with_path",
     "optimize",

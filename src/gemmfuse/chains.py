@@ -29,6 +29,7 @@ from gemmfuse.epilogue import (
     Param,
     Pointwise,
     Reduction,
+    Value,
 )
 from gemmfuse.reference import apply_epilogue, linear_epilogue
 
@@ -187,6 +188,26 @@ def chain_pool(size: int = 2, seed: int = 0) -> list[ChainSpec]:
         missing -= covers(spec)
         pool.append(spec)
     return pool
+
+
+def value_chains(num_groups: int = 4) -> list[Epilogue]:
+    """Chains that read values again (:class:`gemmfuse.Value`), as the GPU tests and the
+    hand-written model values_read_again.py / values_around_norm.py build them: #70's
+    ``sigmoid(x) * s + x``; #40's ``x * s + x.detach()``; and ``sigmoid(x) + x`` -> GroupNorm
+    -> ``t = tanh(x); (t * params[0] + x) * t.detach()`` -> logsumexp, values read on both
+    sides of the norm, one of them detached."""
+    return [
+        Epilogue(pre=(Pointwise("sigmoid"), Pointwise("mul", (2.0,)),
+                      Pointwise("add", (Value(0),)))),
+        Epilogue(pre=(Pointwise("mul", (0.5,)), Pointwise("add", (Value(0, detach=True),)))),
+        Epilogue(
+            pre=(Pointwise("sigmoid"), Pointwise("add", (Value(0),))),
+            norm=GroupNormSpec(num_groups, 1e-5, True),
+            post=(Pointwise("tanh"), Pointwise("mul", (Param(0),)), Pointwise("add", (Value(0),)),
+                  Pointwise("mul", (Value(1, detach=True),))),
+            reduce=Reduction("logsumexp", keepdim=True),
+        ),
+    ]  # fmt: skip
 
 
 def layer_norm_chain(affine: bool, rms: bool = False) -> Epilogue:

@@ -11,7 +11,10 @@ models write it. An op's arguments are
 Python floats (a LeakyReLU slope, a multiplier) or :class:`Param` references to tensors passed
 with the call (``fused_linear(..., params=...)``). Both are run-time kernel arguments, so one
 compiled kernel serves every value of a chain: the build cache is keyed by
-``Epilogue.structure``, which zeroes the floats.
+``Epilogue.structure``, which zeroes the floats. A binary op's argument may also be a
+:class:`Value`, an earlier value of the same stretch of the chain (``x * sigmoid(x)`` written
+as ``sigmoid`` then ``mul`` by the stretch's input): the chain is then a graph whose values
+the kernels keep in registers, and the structure keeps the references.
 
 In ``pre`` and ``post`` a tensor operand is per channel: it must broadcast against (M, N) along
 the channels only (shape (), (1,), (N,), (1, N)); the kernel reads it at the output column.
@@ -50,6 +53,26 @@ class Param:
             raise ValueError(f"Param index must be an int >= 0, got {self.index!r}")
 
 
+@dataclass(frozen=True)
+class Value:
+    """An earlier value of the same stretch of the chain as an op's tensor argument.
+
+    The stretches are ``pre`` (value 0 the GEMM result), ``post`` (value 0 the normalised
+    result) and ``tail`` (value 0 the reduction's result); value ``i`` is the result of the
+    stretch's ``i``-th op, so an op at position ``k`` (from 1) may read values 0 to ``k - 1``.
+    ``detach``: the value enters without its gradient (a model's ``.detach()``).
+    """
+
+    index: int
+    detach: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
+            raise ValueError(f"Value index must be an int >= 0, got {self.index!r}")
+        if not isinstance(self.detach, bool):
+            raise ValueError(f"Value detach must be a bool, got {self.detach!r}")
+
+
 def per_channel(shape: tuple[int, ...], n: int) -> bool:
     """Whether a tensor argument of this shape is one the kernels read per channel: it
     broadcasts against (M, n) along the channels only, (), (1,), (n,) or (1, n)."""
@@ -77,10 +100,11 @@ REDUCTION_FNS: dict[str, Callable[..., torch.Tensor]] = {
 
 @dataclass(frozen=True)
 class Pointwise:
-    """One pointwise op of ``POINTWISE`` with its arguments (floats or :class:`Param`)."""
+    """One pointwise op of ``POINTWISE`` with its arguments (floats, :class:`Param` or
+    :class:`Value`)."""
 
     name: str
-    args: tuple[float | Param, ...] = ()
+    args: tuple[float | Param | Value, ...] = ()
 
     def __post_init__(self):
         if self.name not in POINTWISE:
@@ -93,17 +117,18 @@ class Pointwise:
                 f"pointwise op {self.name!r} takes {d.n_args} argument(s), got {self.args!r}"
             )
         for a in self.args:
-            if isinstance(a, Param):
+            if isinstance(a, (Param, Value)):
                 if not d.tensor_arg:
                     raise ValueError(f"pointwise op {self.name!r} takes float arguments only")
             elif not isinstance(a, (int, float)) or isinstance(a, bool):
                 raise ValueError(
-                    f"pointwise op {self.name!r}: arguments must be floats or Param, got {a!r}"
+                    f"pointwise op {self.name!r}: arguments must be floats, Param or Value, "
+                    f"got {a!r}"
                 )
 
     @property
     def scalars(self) -> tuple[float, ...]:
-        return tuple(float(a) for a in self.args if not isinstance(a, Param))
+        return tuple(float(a) for a in self.args if not isinstance(a, (Param, Value)))
 
     @property
     def params(self) -> tuple[int, ...]:
@@ -172,6 +197,10 @@ class Epilogue:
             raise ValueError("tail ops need a reduction; put ops without one in `pre`/`post`")
         # Plain attributes set once, not cached_property: torch.compile traces a chain built
         # inside forward (a ModelNew's), and cannot trace a cached_property's lock (Python 3.11).
+        for stretch, ops in (("pre", self.pre), ("post", self.post), ("tail", self.tail)):
+            problem = _values_problem(stretch, ops)
+            if problem:
+                raise ValueError(problem)
         chain = self.pre + self.post
         object.__setattr__(self, "_scalars", tuple(s for op in chain for s in op.scalars))
         object.__setattr__(self, "_channel_params", tuple(i for op in chain for i in op.params))
@@ -218,7 +247,11 @@ class Epilogue:
         def strip(ops):
             return tuple(
                 Pointwise(
-                    op.name, tuple(Param(0) if isinstance(a, Param) else 0.0 for a in op.args)
+                    op.name,
+                    tuple(
+                        a if isinstance(a, Value) else Param(0) if isinstance(a, Param) else 0.0
+                        for a in op.args
+                    ),
                 )
                 for op in ops
             )
@@ -239,12 +272,17 @@ def _number_spec(a) -> str:
     return repr(float(a))
 
 
+def _arg_spec(a) -> str:
+    if isinstance(a, Param):
+        return f'{{"param": {a.index}}}'
+    if isinstance(a, Value):
+        return f'{{"value": {a.index}, "detach": {"true" if a.detach else "false"}}}'
+    return _number_spec(a)
+
+
 def _ops_spec(ops: tuple[Pointwise, ...]) -> str:
     return "[" + ", ".join(
-        f'["{op.name}", [' + ", ".join(
-            f'{{"param": {a.index}}}' if isinstance(a, Param) else _number_spec(a) for a in op.args
-        ) + "]]"
-        for op in ops
+        f'["{op.name}", [' + ", ".join(_arg_spec(a) for a in op.args) + "]]" for op in ops
     ) + "]"  # fmt: skip
 
 
@@ -269,11 +307,14 @@ def epilogue_spec(epilogue: "Epilogue", tail: bool = True) -> str:
     )
 
 
+def _arg_from_spec(a):
+    if isinstance(a, dict) and "value" in a:
+        return Value(a["value"], a["detach"])
+    return Param(a["param"]) if isinstance(a, dict) else a
+
+
 def _ops_from_spec(spec: list) -> tuple[Pointwise, ...]:
-    return tuple(
-        Pointwise(name, tuple(Param(a["param"]) if isinstance(a, dict) else a for a in args))
-        for name, args in spec
-    )
+    return tuple(Pointwise(name, tuple(_arg_from_spec(a) for a in args)) for name, args in spec)
 
 
 @functools.cache
@@ -302,10 +343,14 @@ def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
         if not isinstance(args, tuple) or len(args) != d.n_args:
             return f"pointwise op {name!r} takes {d.n_args} argument(s), got {args!r}"
         for a in args:
-            if isinstance(a, Param) and not d.tensor_arg:
+            if isinstance(a, (Param, Value)) and not d.tensor_arg:
                 return f"pointwise op {name!r} takes float arguments only"
-            if not isinstance(a, (int, float, Param)) or isinstance(a, bool):
-                return f"pointwise op {name!r}: arguments must be floats or Param, got {a!r}"
+            if not isinstance(a, (int, float, Param, Value)) or isinstance(a, bool):
+                return f"pointwise op {name!r}: arguments must be floats, Param or Value, got {a!r}"
+    for stretch, ops in (("pre", pre), ("post", post), ("tail", tail)):
+        problem = _values_problem(stretch, [Pointwise(name, args) for name, args in ops])
+        if problem:
+            return problem
     if norm is not None:
         groups, eps = norm[0], norm[1]
         if not isinstance(groups, int) or groups < 1:
@@ -316,11 +361,24 @@ def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
         return "post ops need a GroupNorm"
     if reduce is None and tail:
         return "tail ops need a reduction"
-    args = [a for _, op_args in (*pre, *post) for a in op_args]
+    args = [a for _, op_args in (*pre, *post) for a in op_args if not isinstance(a, Value)]
     if sum(not isinstance(a, Param) for a in args) > MAX_SCALARS:
         return f"an epilogue takes at most {MAX_SCALARS} float arguments before its reduction"
     if sum(isinstance(a, Param) for a in args) > MAX_TENSORS:
         return f"an epilogue takes at most {MAX_TENSORS} tensor arguments before its reduction"
+    return ""
+
+
+def _values_problem(stretch: str, ops) -> str:
+    """Why a stretch's :class:`Value` arguments are out of range ("" when none is): the op at
+    position k (from 1) reads values 0 to k - 1."""
+    for k, op in enumerate(ops, start=1):
+        for a in op.args:
+            if isinstance(a, Value) and a.index >= k:
+                return (
+                    f"{stretch} op {k} ({op.name}) reads Value({a.index}); an op at position {k} "
+                    f"reads values 0 to {k - 1} of its stretch"
+                )
     return ""
 
 
@@ -335,11 +393,14 @@ class _CodeCursor:
 
 def _op_code(op: Pointwise, at: _CodeCursor) -> tuple[str, str, str, int | None]:
     """(forward, gradient, argument-gradient templates, the tensor argument's vec index) of one
-    op, its arguments bound to where the kernel reads them; the cursor moves past them."""
+    op, its arguments bound to where the kernel reads them; the cursor moves past them. A
+    :class:`Value` argument reads the register ``v<index>`` of the stretch's values."""
     d = POINTWISE[op.name]
     names, fwd, grad, vec = {}, d.cuda, d.grad, None
     for i, a in enumerate(op.args):
-        if isinstance(a, Param):
+        if isinstance(a, Value):
+            names[f"a{i}"] = f"v{a.index}"
+        elif isinstance(a, Param):
             names[f"a{i}"] = f"__ldg(p.vec[{at.vec}] + col)"
             vec = at.vec
             at.vec += 1
@@ -351,8 +412,20 @@ def _op_code(op: Pointwise, at: _CodeCursor) -> tuple[str, str, str, int | None]
     return fwd.format(v="{v}", **names), grad.format(**bind), d.grad_arg.format(**bind), vec
 
 
+def _value_args(op: Pointwise) -> list[Value]:
+    return [a for a in op.args if isinstance(a, Value)]
+
+
 def _forward_body(ops: tuple[Pointwise, ...], at: _CodeCursor) -> list[str]:
-    return [f"    v = round_like_model({_op_code(op, at)[0].format(v='v')}, p);" for op in ops]
+    """The stretch's ops on v in turn; where one reads an earlier value, each value in its own
+    register (v0 the input, v<k> the k-th op's result)."""
+    if not any(_value_args(op) for op in ops):
+        return [f"    v = round_like_model({_op_code(op, at)[0].format(v='v')}, p);" for op in ops]
+    lines = ["    const float v0 = v;"]
+    for k, op in enumerate(ops, start=1):
+        fwd = _op_code(op, at)[0].format(v=f"v{k - 1}")
+        lines.append(f"    const float v{k} = round_like_model({fwd}, p);")
+    return [*lines, f"    v = v{len(ops)};"]
 
 
 def _backward_body(
@@ -360,17 +433,25 @@ def _backward_body(
 ) -> list[str]:
     """Recomputes each op's input v{i} from v, then takes d back through the ops, last first;
     a tensor argument's gradient is added to its column sum, slot ``param_slot`` + its index
-    (compensated: the errors follow the ``sums`` slots)."""
+    (compensated: the errors follow the ``sums`` slots). A value read again later gathers
+    those reads' gradients in d<index>, added to d when the walk back reaches it."""
     codes = [_op_code(op, at) for op in ops]
     lines = ["    const float v0 = v;"] if codes else []
     for i, (fwd, *_) in enumerate(codes):
         lines.append(f"    const float v{i + 1} = round_like_model({fwd.format(v=f'v{i}')}, p);")
+    read = sorted({a.index for op in ops for a in _value_args(op) if not a.detach})
+    lines += [f"    float d{j} = 0.f;" for j in read]
     for i in reversed(range(len(codes))):
         _, grad, grad_arg, vec = codes[i]
         lines.append(f"    {{  // {ops[i].name}")
+        if i + 1 in read:
+            lines.append(f"      d += d{i + 1};")
         lines.append(f"      const float x = v{i}, y = v{i + 1};")
         lines.append("      (void)x;")
         lines.append("      (void)y;")
+        for a in _value_args(ops[i]):
+            if not a.detach:
+                lines.append(f"      d{a.index} += {grad_arg};")
         if vec is not None:
             lines.append(
                 f"      gemmfuse::column_add(acc, {param_slot + vec} * acc_stride + acc_col, "
@@ -379,6 +460,8 @@ def _backward_body(
         if grad != "d":
             lines.append(f"      d = {grad};")
         lines.append("    }")
+    if 0 in read:
+        lines.append("    d += d0;")
     return lines
 
 

@@ -9,16 +9,28 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from gemmfuse.epilogue import POINTWISE, REDUCTION_FNS, Epilogue, Param, Pointwise
+from gemmfuse.epilogue import POINTWISE, REDUCTION_FNS, Epilogue, Param, Pointwise, Value
 
 
 def apply_pointwise(
     v: torch.Tensor, ops: tuple[Pointwise, ...], params: Sequence[torch.Tensor] = ()
 ) -> torch.Tensor:
+    """A stretch of ops on ``v`` in turn; a :class:`Value` argument reads the stretch's earlier
+    value (0: ``v`` itself), detached where it says."""
+    values = [v]
     for op in ops:
-        args = (params[a.index] if isinstance(a, Param) else a for a in op.args)
+        args = (_argument(a, params, values) for a in op.args)
         v = POINTWISE[op.name].torch(v, *args)
+        values.append(v)
     return v
+
+
+def _argument(a, params, values):
+    if isinstance(a, Param):
+        return params[a.index]
+    if isinstance(a, Value):
+        return values[a.index].detach() if a.detach else values[a.index]
+    return a
 
 
 def apply_epilogue(

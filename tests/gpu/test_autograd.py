@@ -56,7 +56,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from model_files import build
 
+from gemmfuse import FusedLinear, optimize
 from gemmfuse.chains import chain_pool, layer_norm_chain, linear_data
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.kernelbench.export import standalone_source
@@ -442,3 +444,28 @@ def test_kernelbench_loader_with_autograd_on_takes_the_fused_path(number, tmp_pa
     torch.testing.assert_close(out.detach(), expect, atol=1e-4, rtol=1e-4)
     timing = time_cuda_events(new, (x,), trials=10)  # its timing step, as KernelBench calls it
     assert new.last_path == "fused" and 0 < timing["mean"] < float("inf")
+
+
+@pytest.mark.parametrize("name", ["values_read_again", "values_around_norm"])
+def test_values_read_again_model_gradients(name):
+    """An optimized model whose chains read values again (one detached), fused kernel forced:
+    every parameter's and the input's gradient allclose to the eager model's (fp32)."""
+    _, model, inputs = build(name, device=CUDA)
+    kernel = "hopper" if torch.cuda.get_device_capability() == (9, 0) else "portable"
+    new, report = optimize(model, inputs, kernel=kernel)
+    assert all(r.verified for r in report.fused)
+    x = inputs[0].requires_grad_()
+    grad_out = None
+    grads = []
+    for m in (new, model):
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        out = m(x)
+        grad_out = torch.randn_like(out) if grad_out is None else grad_out
+        out.backward(grad_out)
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in model.parameters())])
+    assert all(isinstance(f, FusedLinear) and f.last_path == "fused"
+               for f in new.modules() if isinstance(f, FusedLinear))  # fmt: skip
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

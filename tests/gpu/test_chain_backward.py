@@ -30,7 +30,7 @@ from gemmfuse.autograd import (
     chain_backward,
     kernel_plan,
 )
-from gemmfuse.chains import chain_pool, layer_norm_chain
+from gemmfuse.chains import chain_pool, layer_norm_chain, value_chains
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
 from gemmfuse.reference import apply_epilogue
@@ -248,3 +248,21 @@ def test_slabs_too_wide_fall_back_to_pytorch():
     assert not _kernel_backward_fits(chain_62(1), z, z)
     assert _kernel_backward_fits(chain_62(16), z, z)
     assert kernel_plan(chain_62(16).structure, 2, 1 << 16, 1 << 12, CUDA)[::2] == [16, 0]
+
+
+@pytest.mark.parametrize("index", range(len(value_chains())))
+def test_values_read_again(index):
+    """Chains that read values again (chains.value_chains): the backward kernel gathers a
+    value's later reads in a register and adds them where the walk back reaches it; a
+    detached read sends nothing back."""
+    for m, n, groups, seed in ((7, 48, 3, index), (130, 600, 6, 100 + index)):
+        chain = value_chains(groups)[index]
+        gen = torch.Generator().manual_seed(seed)
+        z = (torch.randn(m, n, generator=gen) * 0.5).to(CUDA)
+        affine = chain.norm is not None and chain.norm.affine
+        gn = [(1 + 0.1 * torch.randn(n, generator=gen)).to(CUDA) if affine else None,
+              (0.1 * torch.randn(n, generator=gen)).to(CUDA) if affine else None]  # fmt: skip
+        params = [(0.5 + torch.rand(n, generator=gen)).to(CUDA) for _ in chain.channel_params]
+        out_shape = (m, n) if chain.reduce is None else (m, 1)
+        grad = torch.randn(out_shape, generator=gen).to(CUDA)
+        check(chain, z, grad, [*gn, *params], f"value chain {index} m={m} n={n}")

@@ -23,7 +23,13 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gemmfuse.chains import chain_pool, chain_references, layer_norm_chain, linear_data
+from gemmfuse.chains import (
+    chain_pool,
+    chain_references,
+    layer_norm_chain,
+    linear_data,
+    value_chains,
+)
 from gemmfuse.ops import fused_linear_with_path, fused_pays
 from helpers import float64_bar, max_abs_err, poison_allocator
 
@@ -120,3 +126,27 @@ def test_layer_norm_at_full_width(affine, m, rms):
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
     floor = max_abs_err(ops_alone, exact)
     assert max_abs_err(got, exact) <= float64_bar(max_abs_err(eager, exact), floor, exact)
+
+
+@pytest.mark.parametrize("index", range(len(value_chains())))
+@pytest.mark.parametrize("kernel", [*fused_kernels(), "auto"])
+@pytest.mark.parametrize("m, k, groups", [(5, 300, 2), (130, 1024, 3), (64, 8192, 16)])
+def test_value_chain_matches_pytorch(index, kernel, m, k, groups):
+    """Chains that read values again (chains.value_chains) on every path: allclose to eager,
+    and within the float64 bar where gemmfuse's own dispatch (auto) runs them."""
+    n = 128 * groups if k < 8192 else 8192
+    epilogue = value_chains(groups)[index]
+    gen = torch.Generator().manual_seed(10 * index + m)
+    x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, k, n))
+    gn = (gn_w, gn_b) if epilogue.norm is not None else (None, None)
+    params = [(0.5 + torch.rand(n, generator=gen)).to(CUDA) for _ in epilogue.channel_params]
+    with torch.no_grad():
+        eager, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
+        poison_allocator(4 * max(eager.numel(), m * n), CUDA)
+        got, path = fused_linear_with_path(x, w, b, epilogue, *gn, params=params, kernel=kernel)
+    assert path == ("fused" if kernel != "auto" or fused_pays(m, n, k) else "epilogue")
+    assert got.shape == eager.shape and not (got.isnan() & ~eager.isnan()).any()
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+    if kernel == "auto":
+        floor = max_abs_err(ops_alone, exact)
+        assert max_abs_err(got, exact) <= float64_bar(max_abs_err(eager, exact), floor, exact)

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS, Param, Reduction, per_channel
+from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS, Param, Reduction, Value, per_channel
 from gemmfuse.modules import MODULE_OPS, ChainNorm, ChainOp
 from gemmfuse.optimize.grammar import (
     _ACTS,
@@ -22,6 +22,7 @@ from gemmfuse.optimize.grammar import (
     _REDUCTIONS,
     _SWAPPED,
     _SYMBOL,
+    _alias_of,
     _first_refusal,
     _has_hooks,
     _input,
@@ -62,11 +63,59 @@ class _Chain:
         return Param(self.operands.index(target))
 
 
+@dataclass
+class _Stretch:
+    """The values of the chain's current stretch (pre, post or tail) that a later op may read
+    again (:class:`gemmfuse.Value`): each node's value, and the nodes still to read one.
+
+    ``values`` maps a chain node (or a ``detach``/``clone`` of one) to its Value; ``pending``
+    maps a node to its users that have not joined the chain yet. The chain may end only where
+    nothing is pending: its nodes other than the last are then used by the chain alone.
+    """
+
+    values: dict[fx.Node, Value] = field(default_factory=dict)
+    pending: dict[fx.Node, set[fx.Node]] = field(default_factory=dict)
+
+    def joined(self, nodes: list[fx.Node]) -> None:
+        """Marks ``nodes``' reads of pending values as done."""
+        for n in nodes:
+            for i in n.all_input_nodes:
+                if n in self.pending.get(i, ()):
+                    self.pending[i].discard(n)
+                    if not self.pending[i]:
+                        del self.pending[i]
+
+
+@dataclass
+class _Saved:
+    """A chain as it stood where nothing was pending: where it ends if it stops later."""
+
+    nodes: list
+    ops: list
+    operands: list
+    labels: list
+    norm: object
+    reduce: object
+    stage: str
+    v: fx.Node
+
+    @classmethod
+    def of(cls, chain: _Chain, stage: str, v: fx.Node) -> "_Saved":
+        return cls(list(chain.nodes), list(chain.ops), list(chain.operands), list(chain.labels),
+                   chain.norm, chain.reduce, stage, v)  # fmt: skip
+
+    def restore(self, chain: _Chain) -> None:
+        chain.nodes, chain.ops, chain.operands = self.nodes, self.ops, self.operands
+        chain.labels, chain.norm, chain.reduce = self.labels, self.norm, self.reduce
+
+
 class _Analysis:
     def __init__(self, gm: fx.GraphModule, meta: dict[fx.Node, _Meta]):
         self.gm = gm
         self.meta = meta
         self.mutated = self._mutated_attributes()
+        self.stretch = _Stretch()  # of the chain being followed
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}.__getitem__
 
     def _fresh(self, node: fx.Node) -> bool:
         """Whether node's result is a new tensor (an out-of-place op of the grammar)."""
@@ -159,9 +208,12 @@ class _Analysis:
         inplace = _is_inplace(node, self.gm)
         a, b = args
         if a is v and b is v:
-            if op != "add":
-                return _Refusal(f"x {_SYMBOL.get(op, op)} x is not in the grammar (x + x is)")
-            return _Step("op", "x + x", name="add_self", inplace=inplace)
+            if op == "add":
+                return _Step("op", "x + x", name="add_self", inplace=inplace)
+            if inplace:
+                return _Refusal(f"x {_SYMBOL.get(op, op)}= x in place is not in the grammar")
+            value = self.stretch.values[v]  # x op x: the op reading its own input again
+            return _Step("op", f"x {_SYMBOL.get(op, op)} x", name=op, args=(value,))
         if a is v:
             name, other = op, b
         elif b is v:
@@ -170,6 +222,11 @@ class _Analysis:
             name, other = _SWAPPED[op], a
         else:
             return _Refusal("the chain's value is not one of its operands")
+        if isinstance(other, fx.Node) and other in self.stretch.values:
+            if inplace:
+                return _Refusal("an in-place op on a value the chain reads twice")
+            value = self.stretch.values[other]
+            return _Step("op", _op_label(name, (other,)), name=name, args=(value,))
         operand = self._operand(other)
         if isinstance(operand, _Refusal):
             return operand
@@ -362,10 +419,10 @@ class _Analysis:
                     f"it changes the shape {linear.shape} to {self.meta[end].shape} "
                     "before the reduction"
                 )
-            scalars = sum(len(op.current()[1]) - self._tensors(op) for op in chain.ops)
+            scalars = sum(self._floats(op.current()[1]) for op in chain.ops)
             tensors = sum(self._tensors(op) for op in chain.ops)
             new_tensors = sum(isinstance(a, fx.Node) for a in step.args)
-            if scalars + len(step.args) - new_tensors > MAX_SCALARS:
+            if scalars + self._floats(step.args) > MAX_SCALARS:
                 return _Refusal(f"the kernel takes at most {MAX_SCALARS} float arguments")
             if tensors + new_tensors > MAX_TENSORS:
                 return _Refusal(f"the kernel takes at most {MAX_TENSORS} tensor arguments")
@@ -409,19 +466,24 @@ class _Analysis:
     def _tensors(op: ChainOp) -> int:
         return sum(isinstance(a, Param) for a in op.current()[1])
 
+    @staticmethod
+    def _floats(args) -> int:
+        return sum(not isinstance(a, (Param, Value, fx.Node)) for a in args)
+
     def chain(self, linear: fx.Node, path: str, label: str) -> _Chain:
+        """The chain after ``linear``: node by node while each joins the grammar. A value may
+        be read again further on (a :class:`gemmfuse.Value` argument, in registers); the chain
+        ends at the last node where every value it holds is read by the chain alone."""
         chain = _Chain(linear, path, _linear_input(linear, self.gm), labels=[label])
         stage, v = "pre", linear
+        self.stretch = _Stretch({linear: Value(0)})
+        self.order = {n: i for i, n in enumerate(self.gm.graph.nodes)}.__getitem__
+        saved = _Saved.of(chain, stage, v)
         while True:
-            users = list(v.users)
-            if len(users) == 2:
-                pair = _swish(self.gm, v)
-                if isinstance(pair, _Refusal):
-                    chain.stopped = (
-                        f"stopped after {v.name}: its result is used 2 times ({pair}){_source(v)}"
-                    )
-                    break
-                if pair is not None:
+            users = self._users(chain, v)
+            if len(users) == 2 and not self.stretch.pending:
+                pair = _swish(self.gm, v)  # a refusal: not swish, but maybe values read again
+                if isinstance(pair, tuple):
                     s, m = pair
                     stage = self._accept(chain, _Step("op", "x * sigmoid(x)", "swish"), m, stage)
                     if isinstance(stage, _Refusal):
@@ -429,33 +491,100 @@ class _Analysis:
                         break
                     chain.nodes += [s, m]
                     chain.labels.append("x * sigmoid(x)")
-                    v = m
+                    v = self._joined(chain, (stage, stage), [s, m], m)
+                    saved = _Saved.of(chain, stage, v) if not self.stretch.pending else saved
                     continue
-            if len(users) != 1:
-                chain.stopped = (
-                    f"stopped after {v.name}: its result is used {len(users)} times{_source(v)}"
-                )
+            if not users:
+                chain.stopped = f"stopped after {v.name}: its result is not used{_source(v)}"
                 break
-            u = users[0]
+            u = users[0]  # the first in the graph; the others must read v again further on
+            if len(users) > 1:
+                self.stretch.pending[v] = set(users[1:])
             if u.op == "output":
                 chain.stopped = "ends at the model's output"
                 break
-            step = self._match(u, v)
-            end = u if isinstance(step, _Refusal) or not step.selects else self._select(u)
-            refusal = _first_refusal((step, end))
-            if refusal is None:
-                stage = self._accept(chain, step, end, stage)
-                refusal = _first_refusal((stage,))
-            if refusal is not None:
+            refusal = self._extend(chain, u, v, stage)
+            if isinstance(refusal, _Refusal):
                 where = u.target if u.op == "call_module" else u.name  # a path, or fx's name
                 at = _source(u)  # where the node is (unless the refusal ends saying so)
                 at = "" if str(refusal).endswith(at) else at
                 chain.stopped = f"stopped at {where} ({self._describe(u)}): {refusal}{at}"
                 break
-            chain.nodes += [u] if end is u else [u, end]
-            chain.labels.append(step.label)
-            v = end
+            stage, v = refusal
+            if not self.stretch.pending:
+                saved = _Saved.of(chain, stage, v)
+        if self.stretch.pending:
+            chain.stopped = self._unread(chain, saved)
         return chain
+
+    def _extend(self, chain: _Chain, u: fx.Node, v: fx.Node, stage: str):
+        """Adds ``u`` (the next node on the chain's value ``v``) to the chain: (the stage after
+        it, the chain's new value), or a :class:`_Refusal` leaving the chain as it was."""
+        step = self._match(u, v)
+        end = u if isinstance(step, _Refusal) or not step.selects else self._select(u)
+        refusal = _first_refusal((step, end))
+        ends_stretch = refusal is None and (
+            step.kind == "norm" or (step.kind == "reduce" and stage != "tail")
+        )
+        if ends_stretch and self.stretch.pending:
+            # the kernels keep a stretch's values up to its norm or reduction, not past it
+            pending = sorted(n.name for n in self.stretch.pending)
+            refusal = _Refusal(f"{', '.join(pending)} is read again after it")
+        if refusal is None and step.inplace and self.stretch.pending:
+            refusal = _Refusal("an in-place op while a value is still to be read again")
+        if refusal is None:
+            after = self._accept(chain, step, end, stage)
+            refusal = _first_refusal((after,))
+        if refusal is not None:
+            return refusal
+        nodes = [u] if end is u else [u, end]
+        chain.nodes += nodes
+        chain.labels.append(step.label)
+        return after, self._joined(chain, (stage, after), nodes, end)
+
+    def _joined(self, chain: _Chain, stages, nodes: list[fx.Node], end: fx.Node) -> fx.Node:
+        """Records ``nodes`` (ending at ``end``) as joined: their reads are done, and ``end``
+        holds the stretch's latest value (value 0 of a new stretch where ``stages``, before and
+        after, differ: after a norm or the reduction)."""
+        before, after = stages
+        self.stretch.joined(nodes)
+        if after != before:
+            self.stretch = _Stretch({end: Value(0)})
+        else:  # an op's result, or (a reduction over a kept dimension) the value unchanged
+            self.stretch.values[end] = Value(sum(op.stage == after for op in chain.ops))
+        return end
+
+    def _users(self, chain: _Chain, v: fx.Node) -> list[fx.Node]:
+        """v's users in graph order, apart from ``detach()`` / ``clone()`` copies of it: those
+        join the chain as values to read again."""
+        users = []
+        for u in sorted(v.users, key=self.order):
+            detach = _alias_of(u, v)
+            if detach is None or v not in self.stretch.values:
+                users.append(u)
+            else:
+                self._copy(chain, u, v, detach)
+        return users
+
+    def _copy(self, chain: _Chain, u: fx.Node, v: fx.Node, detach: bool) -> None:
+        """Adds ``u``, a detach or clone of the chain value ``v``, as a value of the stretch
+        (detached if either is); its users wait to read it, copies of it joining in turn."""
+        base = self.stretch.values[v]
+        self.stretch.values[u] = Value(base.index, base.detach or detach)
+        chain.nodes.append(u)
+        readers = set(self._users(chain, u))
+        if readers:
+            self.stretch.pending[u] = readers
+
+    def _unread(self, chain: _Chain, saved: _Saved) -> str:
+        """The chain cut back to ``saved``: the stop message saying why."""
+        pending = sorted({n.name for n in self.stretch.pending})
+        readers = sorted({u.name for us in self.stretch.pending.values() for u in us})
+        saved.restore(chain)
+        return (
+            f"stopped after {saved.v.name}: {', '.join(pending)} is also read by "
+            f"{', '.join(readers)}, which the chain does not reach ({chain.stopped})"
+        )
 
     def _describe(self, node: fx.Node) -> str:
         if node.op == "call_module":

@@ -186,14 +186,28 @@ def _swish(gm: fx.GraphModule, v: fx.Node) -> "tuple[fx.Node, fx.Node] | _Refusa
     return s, m
 
 
-def _next_in_chain(gm: fx.GraphModule, v: fx.Node) -> "fx.Node | None":
-    """The node a chain at v may extend to, by the graph's shape alone (v's only user, or the
-    multiplication of a swish); None where a chain must stop."""
-    users = list(v.users)
-    if len(users) == 1:
-        return None if users[0].op == "output" else users[0]
-    pair = _swish(gm, v)
-    return pair[1] if isinstance(pair, tuple) else None
+def _next_in_chain(gm: fx.GraphModule, v: fx.Node, order) -> "fx.Node | None":
+    """The node a chain at v may extend to, by the graph's shape alone: v's first user in the
+    graph (``order``: a node's position) apart from detach/clone copies of v, as the analysis
+    takes it (the multiplication of a swish is reached through its sigmoid); None where a
+    chain must stop."""
+    users = [u for u in v.users if _alias_of(u, v) is None]
+    if not users:
+        return None
+    first = min(users, key=order)
+    return None if first.op == "output" else first
+
+
+def _alias_of(node: fx.Node, v: fx.Node) -> "bool | None":
+    """For ``v.detach()`` / ``v.clone()`` (and torch.detach/torch.clone) of v: whether it drops
+    v's gradient (detach) or keeps it (clone); None for any other node."""
+    if node.args[:1] != (v,) or len(node.args) != 1 or node.kwargs:
+        return None
+    if node.op == "call_method" and node.target in ("detach", "clone"):
+        return node.target == "detach"
+    if node.op == "call_function" and node.target in (torch.detach, torch.clone):
+        return node.target is torch.detach
+    return None
 
 
 def _input(node: fx.Node):
@@ -315,7 +329,10 @@ class _Step:
 
 
 def _op_label(name: str, args: tuple) -> str:
-    shown = [a.target if isinstance(a, fx.Node) else repr(a) for a in args]
+    shown = [
+        (a.target if a.op == "get_attr" else a.name) if isinstance(a, fx.Node) else repr(a)
+        for a in args
+    ]
     if name == "add_self":
         return "x + x"
     if name in _SYMBOL:

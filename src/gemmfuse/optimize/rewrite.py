@@ -200,6 +200,7 @@ def optimize(
         or _spelled_linear(n, gm) is not None
     ]  # fmt: skip
     keep = set()
+    order = {n: i for i, n in enumerate(graph.nodes)}.__getitem__
     for node in linears:  # the inputs, and every node a chain can end at
         x = _linear_input(node, gm)
         if isinstance(x, fx.Node):
@@ -207,7 +208,7 @@ def optimize(
         v = node
         while v is not None:
             keep.add(v)
-            v = _next_in_chain(gm, v)
+            v = _next_in_chain(gm, v, order)
     # The example run must leave the model as it was: a forward that writes its buffers
     # (BatchNorm's running statistics in training mode, a counter) would otherwise take the
     # step twice when the caller then runs the result, so it runs on copies of them (see
