@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import gemmfuse
-from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction, optimize
+from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction, Value, optimize
 from gemmfuse.epilogue import epilogue_spec
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import SplitWeightCache, cache_for_call
@@ -35,6 +35,17 @@ CHAINS = {
     "logsumexp": Epilogue(
         pre=(Pointwise("tanh"),), norm=GroupNormSpec(1), reduce=Reduction("logsumexp")
     ),
+    "values_read_again": Epilogue(  # chains.value_chains' third, its reads all attached
+        pre=(Pointwise("sigmoid"), Pointwise("add", (Value(0),))),
+        norm=GroupNormSpec(2),
+        post=(
+            Pointwise("tanh"),
+            Pointwise("mul", (Param(0),)),
+            Pointwise("add", (Value(0),)),
+            Pointwise("mul", (Value(1),)),
+        ),
+        reduce=Reduction("logsumexp", keepdim=True),
+    ),  # fmt: skip
 }
 PARAM_SHAPES = {"min_keepdim_tail": [(2, 1, 1)]}  # a tail operand broadcasts as PyTorch does
 

@@ -213,7 +213,8 @@ class _Analysis:
             if inplace:
                 return _Refusal(f"x {_SYMBOL.get(op, op)}= x in place is not in the grammar")
             value = self.stretch.values[v]  # x op x: the op reading its own input again
-            return _Step("op", f"x {_SYMBOL.get(op, op)} x", name=op, args=(value,))
+            label = f"x {_SYMBOL[op]} x" if op in _SYMBOL else f"{op}(x, x)"
+            return _Step("op", label, name=op, args=(value,))
         if a is v:
             name, other = op, b
         elif b is v:
