@@ -24,7 +24,7 @@ from gemmfuse import (
     Value,
 )
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, chain_backward
-from gemmfuse.chains import value_chains
+from gemmfuse.chains import value_chain_pool, value_chains
 from gemmfuse.ops import SplitWeightCache
 from gemmfuse.reference import apply_epilogue, apply_pointwise, linear_epilogue
 
@@ -106,6 +106,17 @@ def test_values_read_again(index):
     attached = Epilogue(*(_attached(getattr(epilogue, s)) for s in ("pre", "norm", "post")),
                         epilogue.reduce)  # fmt: skip
     check(attached, n_params=len(epilogue.channel_params), seed=index)
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_value_pool_chains(index):
+    """The GPU tests' drawn graphs (chains.value_chain_pool) on the CPU: the gradients of
+    autograd through the reference."""
+    spec = value_chain_pool()[index]
+    gen = torch.Generator().manual_seed(index)
+    epilogue, params = spec.instantiate(gen, N, 2 if spec.norm else 1)
+    epilogue = dataclasses.replace(epilogue, tail=())
+    check(epilogue, n_params=len(params), seed=index, numeric=False)
 
 
 def _attached(ops):

@@ -39,6 +39,8 @@ class ArgSpec:
     tensor: bool  # a Param (per channel before the reduction, broadcast after it) or a float
     lo: float
     hi: float
+    value: int | None = None  # else: the stretch's value of that index (a Value), not drawn
+    detach: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ class ChainSpec:
             for op in specs:
                 args = []
                 for a in op.args:
-                    if a.tensor:
+                    if a.value is not None:
+                        args.append(Value(a.value, a.detach))
+                    elif a.tensor:
                         choices = [(1, 3, 1, 1), (1,), (3, 1, 1)] if tail else [(n,), (1, n), (1,)]
                         shape = choices[int(torch.randint(len(choices), (), generator=gen))]
                         params.append(uniform(a.lo, a.hi, shape).float())
@@ -120,7 +124,7 @@ class ChainSpec:
 
     def describe(self) -> str:
         def names(ops):
-            return [op.name + ("[t]" if any(a.tensor for a in op.args) else "") for op in ops]
+            return [op.name + "".join(_marks(a) for a in op.args) for op in ops]
 
         parts = names(self.pre)
         if self.norm:
@@ -130,6 +134,47 @@ class ChainSpec:
             parts.append(f"{self.reduce}{'[keepdim]' if self.keepdim else ''}")
         parts += names(self.tail)
         return " -> ".join(["linear", *parts])
+
+
+def _marks(a: ArgSpec) -> str:
+    """describe's note of an argument: [t] a tensor, [v1] value 1, [v1 detached]."""
+    if a.value is not None:
+        return f"[v{a.value}{' detached' if a.detach else ''}]"
+    return "[t]" if a.tensor else ""
+
+
+# The binary ops whose float argument a value may replace: values of any sign and size are safe
+# operands for them (div, rdiv and the log/exp units keep their guarded arguments).
+_VALUE_OPS = ("add", "sub", "rsub", "mul", "minimum", "maximum")
+
+
+def _read_values(rng: random.Random, ops: tuple[OpSpec, ...]) -> tuple[OpSpec, ...]:
+    """``ops`` with about half of the _VALUE_OPS' float arguments replaced by a read of an
+    earlier value of the stretch (a third of them detached); not the positive constant that
+    keeps an rdiv's divisor away from zero."""
+    out = []
+    for k, op in enumerate(ops, start=1):
+        guards = k < len(ops) and ops[k].name == "rdiv"  # the positive constant before an rdiv
+        if (op.name in _VALUE_OPS and op.args and not op.args[0].tensor and not guards
+                and rng.random() < 0.5):  # fmt: skip
+            op = OpSpec(op.name, (ArgSpec(False, 0.0, 0.0, rng.randint(0, k - 1),
+                                          rng.random() < 1 / 3),))  # fmt: skip
+        out.append(op)
+    return tuple(out)
+
+
+def value_chain_pool(size: int = 3, seed: int = 1) -> list[ChainSpec]:
+    """``size`` random chains each reading at least one value again, before or after a norm:
+    the GPU tests' pool of drawn graphs (kept apart from :func:`chain_pool`, whose kernels a
+    change would all rebuild)."""
+    rng = random.Random(seed)
+    pool: list[ChainSpec] = []
+    while len(pool) < size:
+        spec = random_chain(rng, (2, 4))
+        spec = replace(spec, pre=_read_values(rng, spec.pre), post=_read_values(rng, spec.post))
+        if any(a.value is not None for op in spec.pre + spec.post for a in op.args):
+            pool.append(spec)
+    return pool
 
 
 def _fits(pre, post) -> bool:

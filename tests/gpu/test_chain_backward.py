@@ -30,7 +30,7 @@ from gemmfuse.autograd import (
     chain_backward,
     kernel_plan,
 )
-from gemmfuse.chains import chain_pool, layer_norm_chain, value_chains
+from gemmfuse.chains import chain_pool, layer_norm_chain, value_chain_pool, value_chains
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
 from gemmfuse.reference import apply_epilogue
@@ -39,6 +39,7 @@ from helpers import max_abs_err, off_allclose, rel_err
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 POOL = chain_pool()
+VALUE_POOL = value_chain_pool()
 EPS = torch.finfo(torch.float32).eps
 
 
@@ -266,3 +267,13 @@ def test_values_read_again(index):
         out_shape = (m, n) if chain.reduce is None else (m, 1)
         grad = torch.randn(out_shape, generator=gen).to(CUDA)
         check(chain, z, grad, [*gn, *params], f"value chain {index} m={m} n={n}")
+
+
+@pytest.mark.parametrize("index", range(len(VALUE_POOL)))
+def test_every_value_pool_chain(index):
+    """Drawn graphs (chains.value_chain_pool), as test_every_pool_chain."""
+    spec = VALUE_POOL[index]
+    for m, n, groups, seed in ((7, 48, 3, index), (130, 600, 6, 100 + index)):
+        groups = groups if spec.norm else 1
+        chain, z, grad, tensors = draw(spec, m, n, groups, seed)
+        check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n}")

@@ -28,6 +28,7 @@ from gemmfuse.chains import (
     chain_references,
     layer_norm_chain,
     linear_data,
+    value_chain_pool,
     value_chains,
 )
 from gemmfuse.ops import fused_linear_with_path, fused_pays
@@ -36,6 +37,7 @@ from helpers import float64_bar, max_abs_err, poison_allocator
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 POOL = chain_pool()
+VALUE_POOL = value_chain_pool()
 
 
 def fused_kernels() -> list[str]:
@@ -150,3 +152,34 @@ def test_value_chain_matches_pytorch(index, kernel, m, k, groups):
     if kernel == "auto":
         floor = max_abs_err(ops_alone, exact)
         assert max_abs_err(got, exact) <= float64_bar(max_abs_err(eager, exact), floor, exact)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    index=st.integers(0, len(VALUE_POOL) - 1),
+    m=st.sampled_from([1, 5, 130, 300]),
+    k=st.sampled_from([64, 300, 1024, 2048]),
+    group_size=st.sampled_from([16, 48, 128, 200, 640]),
+    groups=st.integers(1, 3),
+    seed=st.integers(0, 2**31 - 1),
+    kernel=st.sampled_from([*fused_kernels(), "auto"]),
+)  # fmt: skip
+def test_random_value_chain_matches_pytorch(index, m, k, group_size, groups, seed, kernel):
+    """Drawn graphs (chains.value_chain_pool: values read again, some detached), as
+    test_random_chain_matches_pytorch draws chains, to the same bar."""
+    spec = VALUE_POOL[index]
+    epilogue, eager, exact, got, path, floor = run_chain(
+        spec, m, k, group_size, groups, 1e-5, seed, kernel
+    )
+    label = f"{spec.describe()} | {epilogue} | kernel={kernel}"
+    auto_path = "fused" if fused_pays(m, group_size * groups, k) else "epilogue"
+    assert path == (auto_path if kernel == "auto" else "fused"), label
+    assert got.shape == eager.shape and not (got.isnan() & ~eager.isnan()).any(), label
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4, msg=lambda s: f"{label}\n{s}")
+    if kernel == "auto":
+        err, bar = max_abs_err(got, exact), float64_bar(max_abs_err(eager, exact), floor, exact)
+        assert err <= bar, f"{label}: error vs float64 {err:.3e} above the bar {bar:.3e}"
