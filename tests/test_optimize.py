@@ -60,13 +60,13 @@ EXPECTED = {
     ],
     "values_around_norm": [
         ("fc", True, "fc -> sigmoid -> x + fc -> norm -> tanh -> x * scale -> x + norm -> "
-         "x * detach -> logsumexp(dim=1, keepdim=True) -> mish -> x * logsumexp",
+         "x * tanh.detach() -> logsumexp(dim=1, keepdim=True) -> mish -> x * logsumexp",
          "ends at the model's output"),
     ],
     "values_read_again": [
         ("fc1", True, "fc1 -> sigmoid -> x * 2.0 -> x + fc1",
          "stopped at fc2 (nn.Linear): not in the epilogue grammar [line 19: `y = self.fc2(x)`]"),
-        ("fc2", True, "fc2 -> x * 2.0 -> x + detach", "ends at the model's output"),
+        ("fc2", True, "fc2 -> x * 2.0 -> x + fc2.clone().detach()", "ends at the model's output"),
     ],
     "max_values_tail": [
         ("fc", True, "fc -> relu -> max(dim=1) -> x * 2.0 -> sigmoid -> x - shift",
@@ -562,8 +562,8 @@ def _swish_into_x(s, x):
         (lambda s, x: x * torch.sigmoid(x) * x, ("fc", "sigmoid", "x * fc", "x * fc")),
         (lambda s, x: torch.sigmoid(x) + x, ("fc", "sigmoid", "x + fc")),
         (lambda s, x: x * x, ("fc", "x * x")),
-        (lambda s, x: torch.tanh(x) * x.detach() - x.clone(), ("fc", "tanh", "x * detach",
-                                                                  "x - clone")),
+        (lambda s, x: torch.tanh(x) * x.detach() - x.clone(), ("fc", "tanh", "x * fc.detach()",
+                                                                  "x - fc.clone()")),
     ],
 )  # fmt: skip
 def test_values_read_again_join_the_chain(body, chain):

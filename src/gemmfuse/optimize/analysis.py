@@ -74,6 +74,7 @@ class _Stretch:
     """
 
     values: dict[fx.Node, Value] = field(default_factory=dict)
+    names: dict[fx.Node, str] = field(default_factory=dict)  # how the report names each
     pending: dict[fx.Node, set[fx.Node]] = field(default_factory=dict)
 
     def joined(self, nodes: list[fx.Node]) -> None:
@@ -226,8 +227,8 @@ class _Analysis:
         if isinstance(other, fx.Node) and other in self.stretch.values:
             if inplace:
                 return _Refusal("an in-place op on a value the chain reads twice")
-            value = self.stretch.values[other]
-            return _Step("op", _op_label(name, (other,)), name=name, args=(value,))
+            value, shown = self.stretch.values[other], self.stretch.names.get(other, other.name)
+            return _Step("op", _op_label(name, (shown,)), name=name, args=(value,))
         operand = self._operand(other)
         if isinstance(operand, _Refusal):
             return operand
@@ -553,6 +554,7 @@ class _Analysis:
             self.stretch = _Stretch({end: Value(0)})
         else:  # an op's result, or (a reduction over a kept dimension) the value unchanged
             self.stretch.values[end] = Value(sum(op.stage == after for op in chain.ops))
+        self.stretch.names[end] = nodes[0].name  # torch.max's node, not its [0] / .values
         return end
 
     def _users(self, chain: _Chain, v: fx.Node) -> list[fx.Node]:
@@ -572,6 +574,8 @@ class _Analysis:
         (detached if either is); its users wait to read it, copies of it joining in turn."""
         base = self.stretch.values[v]
         self.stretch.values[u] = Value(base.index, base.detach or detach)
+        base_name = self.stretch.names.get(v, v.name)
+        self.stretch.names[u] = f"{base_name}.{'detach' if detach else 'clone'}()"
         chain.nodes.append(u)
         readers = set(self._users(chain, u))
         if readers:

@@ -330,9 +330,11 @@ class _Step:
 
 def _op_label(name: str, args: tuple) -> str:
     shown = [
-        (a.target if a.op == "get_attr" else a.name) if isinstance(a, fx.Node) else repr(a)
+        a if isinstance(a, str)  # a name given by the caller
+        else (a.target if a.op == "get_attr" else a.name) if isinstance(a, fx.Node)
+        else repr(a)
         for a in args
-    ]
+    ]  # fmt: skip
     if name == "add_self":
         return "x + x"
     if name in _SYMBOL:
