@@ -118,8 +118,16 @@ def test_cache_tokens():
     cache = SplitWeightCache()
     assert SplitWeightCache.for_token(cache.token) is cache
     assert SplitWeightCache.for_token(-1) is not SplitWeightCache.for_token(-1)
+    SplitWeightCache._adopted.clear()  # process-wide: start the count from none
     unknown = 10**9 + cache.token  # a token of another process: adopted, then kept
     assert SplitWeightCache.for_token(unknown) is SplitWeightCache.for_token(unknown)
+    first = SplitWeightCache.for_token(unknown)
+    for i in range(1, SplitWeightCache._MAX_ADOPTED):  # up to the bound: all kept
+        SplitWeightCache.for_token(unknown + i)
+    assert SplitWeightCache.for_token(unknown) is first
+    SplitWeightCache.for_token(unknown + SplitWeightCache._MAX_ADOPTED)  # the oldest goes
+    assert len(SplitWeightCache._adopted) <= SplitWeightCache._MAX_ADOPTED
+    assert SplitWeightCache.for_token(unknown) is not first
 
 
 def test_cache_for_call():

@@ -105,7 +105,10 @@ class SplitWeightCache:
     # Every live cache by its token: the torch.library ops (library.py) take a token, as a
     # compiled graph or an exported program holds ints, not Python objects.
     _live = weakref.WeakValueDictionary()
-    _adopted = {}  # tokens that no live cache holds (a program exported by another process)
+    # Tokens that no live cache holds (a program exported by another process), the oldest
+    # dropped beyond _MAX_ADOPTED: a dropped token's next call splits its weight afresh.
+    _adopted = {}
+    _MAX_ADOPTED = 64
     _tokens = itertools.count()
 
     def __init__(self):
@@ -115,13 +118,18 @@ class SplitWeightCache:
 
     @classmethod
     def for_token(cls, token: int) -> "SplitWeightCache":
-        """The cache of ``token``: a new one for -1 (no cache), and one kept for good for a
-        token no live cache holds (a program exported by another process)."""
+        """The cache of ``token``: a new one for -1 (no cache), and one kept (the last
+        ``_MAX_ADOPTED`` of them) for a token no live cache holds (a program exported by another
+        process)."""
         if token < 0:
             return cls()
         cache = cls._live.get(token)
         if cache is None:
-            cache = cls._adopted.setdefault(token, cls())
+            cache = cls._adopted.get(token)
+        if cache is None:
+            if len(cls._adopted) >= cls._MAX_ADOPTED:
+                del cls._adopted[next(iter(cls._adopted))]
+            cache = cls._adopted[token] = cls()
         return cache
 
     def clear(self) -> None:
