@@ -106,7 +106,7 @@ against the float64 reference of the fp32 model, allclose against eager in the s
 
 #62's chain (GroupNorm, LeakyReLU, x + x) at M x N=K with the given group size, inputs
 `torch.rand`. "gemmfuse" is `kernel="auto"`, the shipped dispatch: the fused kernel where
-`ops.fused_pays` holds (M*N*K >= 1e8, M >= 16, K >= 1024), the epilogue path (PyTorch's fp32
+`dispatch.fused_pays` holds (M*N*K >= 1e8, M >= 16, K >= 1024), the epilogue path (PyTorch's fp32
 GEMM, then the whole chain in one tile kernel) elsewhere. The last two columns force each of the
 two on the same row, which is how the thresholds were chosen. Every timed window opens before
 the Python dispatch, so host cost counts. A row's four calls are timed interleaved (each

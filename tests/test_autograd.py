@@ -25,8 +25,8 @@ from gemmfuse import (
 )
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, chain_backward
 from gemmfuse.chains import value_chain_pool, value_chains
-from gemmfuse.ops import SplitWeightCache
 from gemmfuse.reference import apply_epilogue, apply_pointwise, linear_epilogue
+from gemmfuse.weight_cache import SplitWeightCache
 
 M, K, N = 3, 5, 8
 

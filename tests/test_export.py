@@ -277,7 +277,8 @@ INPUTS = (
             PREAMBLE + "TILE = 3\n\n\nclass Model(nn.Module):\n    def __init__(self):\n"
             "        super().__init__()\n        self.fc = nn.Linear(8, 8)\n\n"
             "    def forward(self, x):\n        return self.fc(x)\n\n\n" + INPUTS,
-            "top-level names bound twice in the export's one namespace: 'TILE' (gemmfuse.ops and",
+            "top-level names bound twice in the export's one namespace: 'TILE' "
+            "(gemmfuse.dispatch and",
         ),
     ],
 )

@@ -14,8 +14,8 @@ import gemmfuse
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction, Value, optimize
 from gemmfuse.epilogue import epilogue_spec
 from gemmfuse.kernelbench.registry import get_problem
-from gemmfuse.ops import SplitWeightCache, cache_for_call
 from gemmfuse.reference import linear_epilogue
+from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
 
 M, K, N = 6, 5, 8
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, fused_linear, fused_linear_with_path
-from gemmfuse.ops import SplitWeightCache, _channel_param_problem, select_path
+from gemmfuse.dispatch import _channel_param_problem, select_path
+from gemmfuse.weight_cache import SplitWeightCache
 
 EPI = Epilogue(norm=GroupNormSpec(4))
 
@@ -159,7 +160,7 @@ FSDP_PROBE = """
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from gemmfuse.ops import SplitWeightCache, cache_for_call, fsdp_in_use
+from gemmfuse.weight_cache import SplitWeightCache, cache_for_call, fsdp_in_use
 
 cache = SplitWeightCache()
 assert not fsdp_in_use() and cache_for_call(cache) is cache
@@ -173,7 +174,7 @@ print("ok")
 
 
 def test_no_weight_cache_under_fsdp2():
-    """FSDP2 refills unsharded weights in place with no version bump (ops.fsdp_in_use): calls made
+    """FSDP2 refills unsharded weights in place with no version bump (fsdp_in_use): calls made
     while it manages modules get a fresh cache. In a subprocess: the process group and FSDP2's
     module registry are process-wide. (GPU: tests/gpu/test_data_parallel_one_gpu.py trains.)"""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

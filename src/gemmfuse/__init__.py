@@ -4,6 +4,7 @@ import torch
 
 import gemmfuse.library  # noqa: F401  (registers the gemmfuse:: torch.library ops)
 from gemmfuse.build import BuildError
+from gemmfuse.dispatch import FallbackWarning
 from gemmfuse.epilogue import (
     POINTWISE,
     REDUCTIONS,
@@ -15,8 +16,9 @@ from gemmfuse.epilogue import (
     Value,
 )
 from gemmfuse.modules import FusedLinear
-from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear, fused_linear_with_path
+from gemmfuse.ops import fused_linear, fused_linear_with_path
 from gemmfuse.optimize import OptimizeReport, optimize
+from gemmfuse.weight_cache import SplitWeightCache
 
 __version__ = "0.1.0"
 

@@ -316,8 +316,9 @@ CHAIN_GROUPS = (1, 16, 512)  # one group and 16 (both wider than a tile), 512 (1
 def run_chains(iters: int) -> list[dict]:
     """Every chain of ``gemmfuse.chains.chain_pool`` at M=1024, K=N=8192 against eager fp32."""
     from gemmfuse.chains import chain_pool, chain_references, linear_data
-    from gemmfuse.ops import SplitWeightCache, fused_linear_with_path
+    from gemmfuse.ops import fused_linear_with_path
     from gemmfuse.reference import linear_epilogue
+    from gemmfuse.weight_cache import SplitWeightCache
 
     device = torch.device("cuda")
     m, k, n = CHAIN_SHAPE

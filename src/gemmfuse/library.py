@@ -8,7 +8,7 @@ in eager mode it keeps calling the extension directly, without the dispatcher's 
 cache) -> Tensor``
     The chain up to its tail ops, as ``fused_linear`` computes it without autograd. ``chain`` is
     ``epilogue.epilogue_spec`` of the chain (no tail ops), ``cache`` a
-    :class:`~gemmfuse.ops.SplitWeightCache` token (-1: none).
+    :class:`~gemmfuse.weight_cache.SplitWeightCache` token (-1: none).
 ``gemmfuse::fused_linear_saving_z(...) -> (Tensor out, Tensor z)``
     The same, also returning the GEMM result ``z = x @ W.T + b`` that the backward starts from;
     its autograd formula is ``gemmfuse::fused_linear_backward``.
@@ -23,7 +23,7 @@ fused kernel, the epilogue path, PyTorch) from its inputs as it always does. The
 the recorded graph and run them as eager calls, with the weight-split cache. Where a CUDA graph
 is captured around them by hand (``torch.cuda.graph``), the weight's split is made inside the
 graph, not taken from the cache, so a replay after the weight changed splits the new weight
-(``ops.cache_for_call``, as for eager calls).
+(``weight_cache.cache_for_call``, as for eager calls).
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files, where it registers the ops once
@@ -36,17 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from gemmfuse.autograd import fused_backward
+from gemmfuse.dispatch import select_path, take_path
 from gemmfuse.epilogue import Epilogue, epilogue_from_spec
-from gemmfuse.ops import (
-    SplitWeightCache,
-    backward_plan,
-    cache_for_call,
-    fused_linear_with_path,
-    launch_path,
-    select_path,
-    take_path,
-)
+from gemmfuse.ops import backward_plan, fused_linear_with_path, launch_path
 from gemmfuse.reference import apply_epilogue
+from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
 
 _FORWARD_ARGS = (
     "Tensor x, Tensor weight, Tensor? bias, Tensor? gn_weight, Tensor? gn_bias, Tensor[] params, "

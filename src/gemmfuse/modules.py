@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from gemmfuse.dispatch import FallbackWarning
 from gemmfuse.epilogue import (
     Epilogue,
     GroupNormSpec,
@@ -42,10 +43,11 @@ from gemmfuse.epilogue import (
     Reduction,
     epilogue_problem,
 )
-from gemmfuse.ops import FallbackWarning, SplitWeightCache, fused_linear_with_path
+from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.pointwise import POINTWISE
 from gemmfuse.reference import linear_epilogue
 from gemmfuse.validation import argument_problem
+from gemmfuse.weight_cache import SplitWeightCache
 
 # The pointwise modules a chain may hold: class -> (op name, float arguments) of an instance,
 # read at each call (pointwise.py's rows). A name of None means the instance's settings are

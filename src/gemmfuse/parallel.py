@@ -40,8 +40,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from gemmfuse.epilogue import Epilogue, per_channel
 from gemmfuse.modules import FusedLinear
-from gemmfuse.ops import SplitWeightCache, fused_linear_with_path
+from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.reference import apply_pointwise
+from gemmfuse.weight_cache import SplitWeightCache
 
 # How the W ranks' partial reductions (stacked on dim 0) combine into the whole row's.
 _COMBINE = {

@@ -5,7 +5,7 @@ every op and reduction covered); hypothesis draws everything else on every run: 
 argument values and tensors, shapes, group sizes that fit a tile and group sizes that straddle
 tiles (the cross-tile statistics path), the data, and the kernel: both fused kernels forced,
 and kernel="auto", which at these sizes takes the fused kernel or the epilogue path (PyTorch's
-GEMM followed by the chain in one kernel) as ops.fused_pays says.
+GEMM followed by the chain in one kernel) as dispatch.fused_pays says.
 
 Bar (issue 4): allclose(eager fp32, atol=rtol=1e-4), no NaN where eager has a number, the
 exact shape, on every drawn case; and max abs error against float64 within helpers.float64_bar
@@ -31,7 +31,8 @@ from gemmfuse.chains import (
     value_chain_pool,
     value_chains,
 )
-from gemmfuse.ops import fused_linear_with_path, fused_pays
+from gemmfuse.dispatch import fused_pays
+from gemmfuse.ops import fused_linear_with_path
 from helpers import float64_bar, max_abs_err, poison_allocator
 
 pytestmark = pytest.mark.gpu

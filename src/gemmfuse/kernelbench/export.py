@@ -47,8 +47,8 @@ from gemmfuse.optimize import OptimizeReport, optimize
 
 # The export orders them by their imports, each after the modules it imports from.
 BUNDLED_MODULES = (gemmfuse.pointwise, gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build,
-                   gemmfuse.sources, gemmfuse.validation, gemmfuse.autograd, gemmfuse.ops,
-                   gemmfuse.library)  # fmt: skip
+                   gemmfuse.sources, gemmfuse.validation, gemmfuse.autograd, gemmfuse.dispatch,
+                   gemmfuse.weight_cache, gemmfuse.ops, gemmfuse.library)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")
              for name in ("grammar", "tracing", "analysis", "rewrite")]  # fmt: skip

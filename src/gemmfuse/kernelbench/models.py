@@ -18,8 +18,9 @@ import torch.nn as nn
 
 from gemmfuse.epilogue import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.modules import FusedLinear
-from gemmfuse.ops import SplitWeightCache, fused_linear_with_path
+from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.optimize import optimize
+from gemmfuse.weight_cache import SplitWeightCache
 
 
 @functools.lru_cache(maxsize=64)

@@ -11,8 +11,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gemmfuse.dispatch import KERNELS, PRECISIONS
 from gemmfuse.modules import FusedLinear
-from gemmfuse.ops import KERNELS, PRECISIONS
 from gemmfuse.optimize.analysis import _Analysis, _Chain
 from gemmfuse.optimize.grammar import (
     _attribute,

@@ -1,0 +1,126 @@
+"""The weight-split cache: a weight's fp16 hi/lo split (and float32 copies of per-channel
+vectors) made once per version of the weight, and which cache a call may use.
+
+This module imports only torch and the standard library: ``gemmfuse export`` inlines it into
+standalone files.
+"""
+
+import itertools
+import sys
+import weakref
+
+import torch
+
+
+class SplitWeightCache:
+    """The fp16 hi/lo split of a weight, computed once and recomputed when the weight changes.
+
+    A change is any of: another tensor or storage (``.to()``, ``load_state_dict`` with
+    ``assign=True``, ``param.data = ...``), or an in-place write through the parameter itself
+    (optimizer steps, ``load_state_dict``), which bumps its version counter. The cache holds the
+    storage it was built from, so that address cannot be reused by a new weight unnoticed.
+    Writes through ``param.data`` bypass the version counter: call :meth:`clear` after them.
+    Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel; as
+    much again once a backward has run (the transposed split its input gradient reads).
+
+    It also keeps, by the same rules, dense float32 copies of the per-channel vectors the
+    kernels read (:meth:`float32`) where they are not already (a bfloat16 model's bias and
+    GroupNorm affine): 4 bytes per channel and vector, one copy per vector slot.
+    """
+
+    # Every live cache by its token: the torch.library ops (library.py) take a token, as a
+    # compiled graph or an exported program holds ints, not Python objects.
+    _live = weakref.WeakValueDictionary()
+    # Tokens that no live cache holds (a program exported by another process), the oldest
+    # dropped beyond _MAX_ADOPTED: a dropped token's next call splits its weight afresh.
+    _adopted = {}
+    _MAX_ADOPTED = 64
+    _tokens = itertools.count()
+
+    def __init__(self):
+        self.token = next(self._tokens)
+        self._live[self.token] = self
+        self.clear()
+
+    @classmethod
+    def for_token(cls, token: int) -> "SplitWeightCache":
+        """The cache of ``token``: a new one for -1 (no cache), and one kept (the last
+        ``_MAX_ADOPTED`` of them) for a token no live cache holds (a program exported by another
+        process)."""
+        if token < 0:
+            return cls()
+        cache = cls._live.get(token)
+        if cache is None:
+            cache = cls._adopted.get(token)
+        if cache is None:
+            if len(cls._adopted) >= cls._MAX_ADOPTED:
+                del cls._adopted[next(iter(cls._adopted))]
+            cache = cls._adopted[token] = cls()
+        return cache
+
+    def clear(self) -> None:
+        self._entries = {}
+
+    def _lookup(self, t: torch.Tensor, slot, make):
+        """``make()``, made once per version of ``t`` for this slot."""
+        storage = t.untyped_storage()
+        # data_ptr: a storage freed and re-allocated (resize_) keeps its object but may move.
+        # FSDP2's refills keep address and version alike: cache_for_call keeps no cache then.
+        key = (t._version, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+               t.dtype, t.device)  # fmt: skip
+        hit = self._entries.get(slot)
+        if hit is None or hit[0] is not storage or hit[1] != key:
+            hit = (storage, key, make())
+            self._entries[slot] = hit
+        return hit[2]
+
+    def float32(self, t: torch.Tensor | None, slot: str) -> torch.Tensor | None:
+        """``t`` as a contiguous float32 tensor, converted once per version of ``t``; ``slot``
+        names its role ("bias", ...), so a new tensor in a slot replaces the old copy."""
+        if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+            return t
+        return self._lookup(t, slot, lambda: t.detach().to(torch.float32).contiguous())
+
+    def get(self, ext, weight: torch.Tensor, k_padded: int):
+        """The weight's rows split: (hi, lo) [N, k_padded] and scales [N] (the forward's B)."""
+        return self._split(weight, ("rows", k_padded), ext.split_rows)
+
+    def transposed(self, ext, weight: torch.Tensor, n_padded: int):
+        """The weight's columns split: (hi, lo) [K, n_padded] and scales [K] (dx's B)."""
+        return self._split(weight, ("cols", n_padded), ext.split_cols)
+
+    def _split(self, weight: torch.Tensor, slot: tuple[str, int], split):
+        """``split(weight, padded)`` (an extension's split_rows or split_cols), on a unit-stride
+        copy where the rows are strided, made once per version of the weight."""
+        w = weight.detach()
+        return self._lookup(
+            weight, slot, lambda: split(w if w.stride(1) == 1 else w.contiguous(), slot[1])
+        )
+
+
+def cache_for_call(cache: SplitWeightCache | None) -> SplitWeightCache:
+    """The cache a call uses: ``cache``, or a new one (the split made in the call) where there is
+    none, a CUDA graph is being captured, or FSDP2 manages modules (:func:`fsdp_in_use`). A graph
+    captured with the cache's split would replay on that split after the weight changed in
+    place; captured with a new one, the split is part of the graph and redone at each replay."""
+    if cache is None or fsdp_in_use():
+        return SplitWeightCache()
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return SplitWeightCache()
+    return cache
+
+
+def fsdp_in_use() -> bool:
+    """Whether a composable ``torch.distributed`` API (FSDP2's ``fully_shard``, among others)
+    manages modules in this process.
+
+    FSDP2 refills a module's unsharded parameters before each use in the same storage, from the
+    second step on at the same address, without bumping their version counters (measured with
+    torch 2.13, one rank: version 0 and one data pointer across SGD steps that changed every
+    value), so no key the weight cache can read sees the new values. While FSDP2 is in use each
+    call splits its weight afresh: training loses nothing by it (an optimizer step changes the
+    weights between any two steps' calls), a forward repeated on unchanged weights pays the
+    split (docs/PERFORMANCE.md's "weights changed" column).
+    """
+    state = sys.modules.get("torch.distributed._composable_state")
+    return state is not None and len(getattr(state, "_module_state_mapping", ())) > 0
