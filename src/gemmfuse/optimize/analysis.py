@@ -97,13 +97,12 @@ class _Saved:
     labels: list
     norm: object
     reduce: object
-    stage: str
-    v: fx.Node
+    v: fx.Node  # the chain's value there
 
     @classmethod
-    def of(cls, chain: _Chain, stage: str, v: fx.Node) -> "_Saved":
+    def of(cls, chain: _Chain, v: fx.Node) -> "_Saved":
         return cls(list(chain.nodes), list(chain.ops), list(chain.operands), list(chain.labels),
-                   chain.norm, chain.reduce, stage, v)  # fmt: skip
+                   chain.norm, chain.reduce, v)  # fmt: skip
 
     def restore(self, chain: _Chain) -> None:
         chain.nodes, chain.ops, chain.operands = self.nodes, self.ops, self.operands
@@ -116,6 +115,7 @@ class _Analysis:
         self.meta = meta
         self.mutated = self._mutated_attributes()
         self.stretch = _Stretch()  # of the chain being followed
+        # A node's place in the graph (the graph is not rewritten while chains are found)
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}.__getitem__
 
     def _fresh(self, node: fx.Node) -> bool:
@@ -479,45 +479,48 @@ class _Analysis:
         chain = _Chain(linear, path, _linear_input(linear, self.gm), labels=[label])
         stage, v = "pre", linear
         self.stretch = _Stretch({linear: Value(0)})
-        self.order = {n: i for i, n in enumerate(self.gm.graph.nodes)}.__getitem__
-        saved = _Saved.of(chain, stage, v)
+        saved = _Saved.of(chain, v)
         while True:
             users = self._users(chain, v)
-            if len(users) == 2 and not self.stretch.pending:
-                pair = _swish(self.gm, v)  # a refusal: not swish, but maybe values read again
-                if isinstance(pair, tuple):
-                    s, m = pair
-                    stage = self._accept(chain, _Step("op", "x * sigmoid(x)", "swish"), m, stage)
-                    if isinstance(stage, _Refusal):
-                        chain.stopped = f"stopped at {m.name} (x * sigmoid(x)): {stage}"
-                        break
-                    chain.nodes += [s, m]
-                    chain.labels.append("x * sigmoid(x)")
-                    v = self._joined(chain, (stage, stage), [s, m], m)
-                    saved = _Saved.of(chain, stage, v) if not self.stretch.pending else saved
-                    continue
-            if not users:
-                chain.stopped = f"stopped after {v.name}: its result is not used{_source(v)}"
-                break
-            u = users[0]  # the first in the graph; the others must read v again further on
-            if len(users) > 1:
-                self.stretch.pending[v] = set(users[1:])
-            if u.op == "output":
-                chain.stopped = "ends at the model's output"
-                break
-            refusal = self._extend(chain, u, v, stage)
-            if isinstance(refusal, _Refusal):
-                where = u.target if u.op == "call_module" else u.name  # a path, or fx's name
-                at = _source(u)  # where the node is (unless the refusal ends saying so)
-                at = "" if str(refusal).endswith(at) else at
-                chain.stopped = f"stopped at {where} ({self._describe(u)}): {refusal}{at}"
-                break
-            stage, v = refusal
+            # _swish's refusal: not swish, but maybe values read again further on
+            pair = _swish(self.gm, v) if len(users) == 2 and not self.stretch.pending else None
+            if isinstance(pair, tuple):
+                extended = self._extend_swish(chain, *pair, stage)
+                if isinstance(extended, _Refusal):
+                    chain.stopped = f"stopped at {pair[1].name} (x * sigmoid(x)): {extended}"
+                    break
+            else:
+                if not users:
+                    chain.stopped = f"stopped after {v.name}: its result is not used{_source(v)}"
+                    break
+                u = users[0]  # the first in the graph; the others must read v again further on
+                if len(users) > 1:
+                    self.stretch.pending[v] = set(users[1:])
+                if u.op == "output":
+                    chain.stopped = "ends at the model's output"
+                    break
+                extended = self._extend(chain, u, v, stage)
+                if isinstance(extended, _Refusal):
+                    where = u.target if u.op == "call_module" else u.name  # a path, or fx's name
+                    at = _source(u)  # where the node is (unless the refusal ends saying so)
+                    at = "" if str(extended).endswith(at) else at
+                    chain.stopped = f"stopped at {where} ({self._describe(u)}): {extended}{at}"
+                    break
+            stage, v = extended
             if not self.stretch.pending:
-                saved = _Saved.of(chain, stage, v)
+                saved = _Saved.of(chain, v)
         if self.stretch.pending:
             chain.stopped = self._unread(chain, saved)
         return chain
+
+    def _extend_swish(self, chain: _Chain, s: fx.Node, m: fx.Node, stage: str):
+        """Adds ``s = sigmoid(x)``, ``m = x * s`` as the one op swish: as :meth:`_extend`."""
+        after = self._accept(chain, _Step("op", "x * sigmoid(x)", "swish"), m, stage)
+        if isinstance(after, _Refusal):
+            return after
+        chain.nodes += [s, m]
+        chain.labels.append("x * sigmoid(x)")
+        return after, self._joined(chain, (stage, after), [s, m], m)
 
     def _extend(self, chain: _Chain, u: fx.Node, v: fx.Node, stage: str):
         """Adds ``u`` (the next node on the chain's value ``v``) to the chain: (the stage after
