@@ -152,6 +152,28 @@ def case_refuses_a_cut_group(mesh, device, kernel, size):
     assert not any(isinstance(p, DTensor) for p in optimized.parameters())
 
 
+class PooledChain(nn.Module):
+    """Linear -> an average pooling over the channels (folded into the weights) -> tanh."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.fc, self.pool = nn.Linear(k, n), nn.AvgPool1d(2)
+
+    def forward(self, x):
+        return torch.tanh(self.pool(self.fc(x).unsqueeze(1)).squeeze(1))
+
+
+def case_refuses_a_pooled_linear(mesh, device, kernel, size):
+    model, optimized, x = _models(lambda: PooledChain(64, 64), device, kernel)
+    try:
+        gemmfuse.parallelize(optimized, mesh)
+    except ValueError as e:
+        assert "channel pooling" in str(e) and "fc" in str(e), e
+    else:
+        raise AssertionError("a pooled Linear was split")
+    assert not any(isinstance(p, DTensor) for p in optimized.parameters())
+
+
 def _train(model, wrap, x_full, rank, world, steps=20):
     """Losses of ``steps`` SGD steps of ``wrap(model)``, each rank on its rows of x."""
     wrapped = wrap(model)

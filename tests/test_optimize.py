@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model_files import FIT, UNFIT, build
+from model_files import FIT, UNFIT, assert_computes_the_model, build
 from torch.fx.proxy import TraceError
 
 from gemmfuse import POINTWISE, REDUCTIONS, FusedLinear, OptimizeReport, optimize
@@ -23,6 +23,20 @@ EXPECTED = {
     "activations_no_norm": [
         ("fc", True, "fc -> relu -> x * 0.5 -> gelu -> gelu_tanh -> x * sigmoid(x) -> tanh "
          "-> sigmoid -> x - 0.25", "ends at the model's output"),
+    ],
+    "avg_pool_over_channels": [
+        ("fc1", True, "fc1 -> avg_pool1d(4) over the channels (folded into the weights) -> gelu "
+         "-> x * 2.0 -> max(dim=1)", "stopped at add (operator.add): operand sum_1 is computed "
+         "in the forward (fused operands are numbers, parameters, buffers and tensor "
+         "attributes) [line 24: `b = torch.tanh(b).sum(dim=1)`] "
+         "[line 26: `return a + b + c.sum(dim=1)`]"),
+        ("fc2", True, "fc2 -> avg_pool1d(3) over the channels (folded into the weights) -> tanh "
+         "-> sum(dim=1)", "stopped at add (operator.add): operand getattr_1 is computed in the "
+         "forward (fused operands are numbers, parameters, buffers and tensor attributes) "
+         "[line 26: `return a + b + c.sum(dim=1)`]"),
+        ("fc3", True, "fc3", "stopped at max_pool (channel pooling): a max pooling "
+         "(nn.MaxPool1d) is not in the grammar; an average pooling folds into the Linear's "
+         "weights [line 25: `c = self.max_pool(self.fc3(x).unsqueeze(1)).squeeze(1)`]"),
     ],
     "batched_linear_gelu": [
         ("fc", True, "fc -> gelu -> x * 0.5",
@@ -149,10 +163,10 @@ def test_every_model_file_has_expectations():
 def test_optimized_model_computes_what_the_model_computes(name):
     _, model, inputs = build(name)
     new, _ = optimize(model, inputs)
+    fewer_rows = [t[:5] for t in inputs]  # another batch size than the example's
     with torch.no_grad():
-        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
-        fewer_rows = [t[:5] for t in inputs]  # another batch size than the example's
-        torch.testing.assert_close(new(*fewer_rows), model(*fewer_rows), rtol=0, atol=0)
+        for batch in (inputs, fewer_rows):
+            assert_computes_the_model(name, model, new(*batch), batch)
 
 
 @pytest.mark.parametrize("name", FIT + UNFIT)
@@ -224,7 +238,13 @@ def test_in_place_updates_to_the_models_parameters_reach_the_optimized_model():
 
 
 @pytest.mark.parametrize(
-    "name", ["groupnorm_wide_functional", "values_read_again", "values_around_norm"]
+    "name",
+    [
+        "groupnorm_wide_functional",
+        "values_read_again",
+        "values_around_norm",
+        "avg_pool_over_channels",
+    ],
 )
 def test_gradients_reach_the_models_parameters(name):
     """The optimized model's gradients are the model's: its parameters' and the input's, values

@@ -45,6 +45,7 @@ from gemmfuse.epilogue import (
 )
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.pointwise import POINTWISE
+from gemmfuse.pooling import ChannelPool, pooled_linear
 from gemmfuse.reference import linear_epilogue
 from gemmfuse.validation import argument_problem
 from gemmfuse.weight_cache import SplitWeightCache
@@ -148,6 +149,8 @@ class FusedLinear(nn.Module):
         ops, norm, reduce: the chain: pointwise :class:`ChainOp` s (stages in order), an optional
             :class:`ChainNorm`, an optional :class:`gemmfuse.Reduction` over channels.
         operands: (module, attribute name) of each tensor operand, the ``Param`` indices' order.
+        pool: an average pooling over the Linear's output channels right after it, folded into
+            its weight and bias (pooling.py); the chain then acts on the pooled channels.
         fallback: the original chain, called as ``fallback(x, weight, bias, *operands)``.
         labels: the chain in model terms, for ``repr`` and reports.
         kernel, precision: as in ``fused_linear``; attributes, changeable later.
@@ -163,6 +166,7 @@ class FusedLinear(nn.Module):
         norm: ChainNorm | None = None,
         reduce: Reduction | None = None,
         operands: Sequence[tuple[nn.Module, str]] = (),
+        pool: ChannelPool | None = None,
         fallback: Callable[..., torch.Tensor],
         labels: Sequence[str] = (),
         kernel: str = "auto",
@@ -176,7 +180,13 @@ class FusedLinear(nn.Module):
         elif weight is None:
             raise TypeError("linear=None needs weight=(module, attribute name)")
         self._tensor_refs = (weight, bias)
+        self.pool = pool
         self.out_features, self.in_features = self._linear()[0].shape
+        if pool is not None:
+            window = pool.current(self.out_features)
+            if window is None:
+                raise ValueError("pool's settings do not fold into the Linear (see pooling.py)")
+            self.out_features //= window
         self._ops = tuple(ops)
         self._norm = norm
         self._reduce = reduce
@@ -197,6 +207,16 @@ class FusedLinear(nn.Module):
         if weight is None:
             return self.weight, self.bias
         return getattr(*weight), None if bias is None else getattr(*bias)
+
+    def _folded(self, weight, bias):
+        """(weight, bias) as the fused call takes them: the Linear's, with the pooling folded
+        in; or, a string, why the pooling's current settings no longer fold."""
+        if self.pool is None:
+            return weight, bias
+        window = self.pool.current(weight.shape[0])
+        if window is None:
+            return "the AvgPool1d's current settings do not fold into the Linear"
+        return pooled_linear(weight, bias, window, self.weight_split)
 
     def extra_repr(self) -> str:
         return (
@@ -276,7 +296,12 @@ class FusedLinear(nn.Module):
         weight, bias = self._linear()
         operands, norm, epilogue = self._state(weight)
         gn_weight, gn_bias = _norm_vectors(norm)
-        problem = self._fused_problem(x, weight, bias, operands, norm, epilogue, gn_weight, gn_bias)
+        folded = self._folded(weight, bias)
+        problem = (
+            folded
+            if isinstance(folded, str)
+            else self._fused_problem(x, *folded, operands, norm, epilogue, gn_weight, gn_bias)
+        )
         if problem:
             if isinstance(x, torch.Tensor) and x.is_cuda:
                 warnings.warn(
@@ -290,7 +315,7 @@ class FusedLinear(nn.Module):
         # autograd to record on every call)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         out, self.last_path = fused_linear_with_path(
-            rows, weight, bias, epilogue, gn_weight, gn_bias, params=operands,
+            rows, *folded, epilogue, gn_weight, gn_bias, params=operands,
             weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
         )  # fmt: skip
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
@@ -301,8 +326,11 @@ class FusedLinear(nn.Module):
         operands, norm, epilogue = self._state()
         if epilogue is None:
             raise ValueError("the chain's current module settings are outside the grammar")
+        folded = self._folded(*self._linear())
+        if isinstance(folded, str):
+            raise ValueError(folded)
         gn_weight, gn_bias = _norm_vectors(norm)
-        return linear_epilogue(x, *self._linear(), epilogue, gn_weight, gn_bias, params=operands)
+        return linear_epilogue(x, *folded, epilogue, gn_weight, gn_bias, params=operands)
 
 
 def _layer_norm_problem(module: nn.LayerNorm | nn.RMSNorm | None, n: int, norm: NormValues) -> str:

@@ -177,6 +177,11 @@ def _splittable_epilogue(fused: FusedLinear, world: int) -> Epilogue:
     epilogue = fused.epilogue
     if epilogue is None:
         raise ValueError("the chain's current module settings are outside the epilogue grammar")
+    if fused.pool is not None:
+        raise ValueError(
+            "a channel pooling is folded into this Linear's weights (pooling.py): parallelize "
+            "does not split a pooled Linear yet"
+        )
     n = fused.out_features
     if n % world:
         raise ValueError(f"out_features={n} does not split evenly over {world} ranks")

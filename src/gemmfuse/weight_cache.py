@@ -20,6 +20,8 @@ class SplitWeightCache:
     (optimizer steps, ``load_state_dict``), which bumps its version counter. The cache holds the
     storage it was built from, so that address cannot be reused by a new weight unnoticed.
     Writes through ``param.data`` bypass the version counter: call :meth:`clear` after them.
+    Other tensors derived from a weight (a pooled weight: pooling.py) are kept by the same rules
+    (:meth:`derived`).
     Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel; as
     much again once a backward has run (the transposed split its input gradient reads).
 
@@ -61,8 +63,9 @@ class SplitWeightCache:
     def clear(self) -> None:
         self._entries = {}
 
-    def _lookup(self, t: torch.Tensor, slot, make):
-        """``make()``, made once per version of ``t`` for this slot."""
+    def derived(self, t: torch.Tensor, slot, make):
+        """``make()`` (a tensor computed from ``t``), made once per version of ``t`` for this
+        slot (a hashable naming its role)."""
         storage = t.untyped_storage()
         # data_ptr: a storage freed and re-allocated (resize_) keeps its object but may move.
         # FSDP2's refills keep address and version alike: cache_for_call keeps no cache then.
@@ -79,7 +82,7 @@ class SplitWeightCache:
         names its role ("bias", ...), so a new tensor in a slot replaces the old copy."""
         if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
             return t
-        return self._lookup(t, slot, lambda: t.detach().to(torch.float32).contiguous())
+        return self.derived(t, slot, lambda: t.detach().to(torch.float32).contiguous())
 
     def get(self, ext, weight: torch.Tensor, k_padded: int):
         """The weight's rows split: (hi, lo) [N, k_padded] and scales [N] (the forward's B)."""
@@ -93,7 +96,7 @@ class SplitWeightCache:
         """``split(weight, padded)`` (an extension's split_rows or split_cols), on a unit-stride
         copy where the rows are strided, made once per version of the weight."""
         w = weight.detach()
-        return self._lookup(
+        return self.derived(
             weight, slot, lambda: split(w if w.stride(1) == 1 else w.contiguous(), slot[1])
         )
 

@@ -37,6 +37,7 @@ import gemmfuse.library
 import gemmfuse.modules
 import gemmfuse.ops
 import gemmfuse.pointwise
+import gemmfuse.pooling
 import gemmfuse.reference
 import gemmfuse.sources
 import gemmfuse.validation
@@ -48,7 +49,8 @@ from gemmfuse.optimize import OptimizeReport, optimize
 # The export orders them by their imports, each after the modules it imports from.
 BUNDLED_MODULES = (gemmfuse.pointwise, gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build,
                    gemmfuse.sources, gemmfuse.validation, gemmfuse.autograd, gemmfuse.dispatch,
-                   gemmfuse.weight_cache, gemmfuse.ops, gemmfuse.library)  # fmt: skip
+                   gemmfuse.weight_cache, gemmfuse.ops, gemmfuse.library,
+                   gemmfuse.pooling)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")
              for name in ("grammar", "tracing", "analysis", "rewrite")]  # fmt: skip

@@ -31,6 +31,7 @@ from gemmfuse.optimize.grammar import (
     _linear_input,
     _number,
     _op_label,
+    _pooling,
     _Refusal,
     _spelled_linear,
     _Step,
@@ -38,6 +39,7 @@ from gemmfuse.optimize.grammar import (
     _target_name,
 )
 from gemmfuse.optimize.tracing import _Meta, _source
+from gemmfuse.pooling import ChannelPool, pool_problem
 
 
 @dataclass
@@ -52,6 +54,8 @@ class _Chain:
     operands: list[str] = field(default_factory=list)  # get_attr targets; Param index order
     labels: list[str] = field(default_factory=list)
     stopped: str = ""
+    pool: ChannelPool | None = None  # folded into the Linear (pooling.py)
+    gemm: _Meta | None = None  # the product's output as the kernel computes it (pooled)
 
     @property
     def end(self) -> fx.Node:
@@ -387,7 +391,7 @@ class _Analysis:
     def _accept(self, chain: _Chain, step: _Step, end: fx.Node, stage: str) -> "str | _Refusal":
         """Adds step to chain; returns the stage after it (or, leaving the chain as it was, a
         :class:`_Refusal`)."""
-        linear = self.meta[chain.linear]
+        linear = chain.gemm
         if end not in self.meta or self.meta[end].dtype != linear.dtype:
             return _Refusal(f"its result is not a {linear.dtype} tensor")
         layer, rms = step.name in ("layer_norm", "rms_norm"), step.name == "rms_norm"
@@ -454,7 +458,7 @@ class _Analysis:
         """A reduction after the chain's own, over the size-1 dimension it kept: the identity
         with keepdim (min, max, sum, mean, logsumexp of one value are that value, exactly), else
         the chain's reduction without keepdim, when no tail op came between."""
-        rows = self.meta[chain.linear].shape[0]
+        rows = chain.gemm.shape[0]
         if not chain.reduce.keepdim or self.meta[chain.end].shape != (rows, 1):
             return _Refusal("a second reduction")
         if step.reduction.keepdim:
@@ -477,8 +481,14 @@ class _Analysis:
         be read again further on (a :class:`gemmfuse.Value` argument, in registers); the chain
         ends at the last node where every value it holds is read by the chain alone."""
         chain = _Chain(linear, path, _linear_input(linear, self.gm), labels=[label])
+        chain.gemm = self.meta[linear]
         stage, v = "pre", linear
-        self.stretch = _Stretch({linear: Value(0)})
+        folded = self._fold_pool(chain)
+        if isinstance(folded, _Refusal):
+            chain.stopped = str(folded)
+            return chain
+        v = folded or v
+        self.stretch = _Stretch({v: Value(0)})
         saved = _Saved.of(chain, v)
         while True:
             users = self._users(chain, v)
@@ -512,6 +522,32 @@ class _Analysis:
         if self.stretch.pending:
             chain.stopped = self._unread(chain, saved)
         return chain
+
+    def _fold_pool(self, chain: _Chain) -> "fx.Node | _Refusal | None":
+        """Takes an average pooling over the channels right after the Linear (``unsqueeze(1)``,
+        ``avg_pool1d``, ``squeeze(1)``) into the chain, to be folded into the weights: the
+        squeeze's node (the chain's value from there on), None where there is no such pooling,
+        or a :class:`_Refusal` where there is one the Linear cannot take."""
+        found = _pooling(self.gm, chain.linear)
+        if isinstance(found, _Refusal):  # the unsqueeze's line: where the pooling is written
+            return _Refusal(f"{found}{_source(next(iter(chain.linear.users)))}")
+        if found is None:
+            return None
+        nodes, pool, settings = found
+        at = f"stopped at {nodes[1].name} (channel pooling)"
+        # (M, N): avg_pool1d takes (M, 1, N), so a higher Linear output never gets here
+        problem = pool_problem(*settings, chain.gemm.shape[-1])
+        if problem:
+            return _Refusal(f"{at}: {problem}{_source(nodes[1])}")
+        if nodes[-1] not in self.meta or self.meta[nodes[-1]].dtype != chain.gemm.dtype:
+            return _Refusal(f"{at}: its result is not a {chain.gemm.dtype} tensor")
+        chain.pool = pool
+        chain.gemm = self.meta[nodes[-1]]
+        chain.nodes += nodes
+        chain.labels.append(
+            f"avg_pool1d({settings[0]}) over the channels (folded into the weights)"
+        )
+        return nodes[-1]
 
     def _extend_swish(self, chain: _Chain, s: fx.Node, m: fx.Node, stage: str):
         """Adds ``s = sigmoid(x)``, ``m = x * s`` as the one op swish: as :meth:`_extend`."""

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gemmfuse.epilogue import Reduction
 from gemmfuse.modules import MODULE_OPS
 from gemmfuse.pointwise import POINTWISE, Spelling
+from gemmfuse.pooling import ChannelPool
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,91 @@ def _alias_of(node: fx.Node, v: fx.Node) -> "bool | None":
     if node.op == "call_function" and node.target in (torch.detach, torch.clone):
         return node.target is torch.detach
     return None
+
+
+_UNSQUEEZES = (torch.unsqueeze, "unsqueeze")
+_SQUEEZES = (torch.squeeze, "squeeze")
+_AVG_POOLS = (F.avg_pool1d, torch.avg_pool1d)
+_MAX_POOLS = (F.max_pool1d, torch.max_pool1d, F.max_pool1d_with_indices, F.lp_pool1d)
+_POOL_PARAMS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
+_NOT_A_DIM_OP = object()
+
+
+def _one(value):
+    """A 1-tuple's element (nn.AvgPool1d keeps its settings as 1-tuples); other values as they
+    are."""
+    return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
+
+
+def _dim_of(node: fx.Node, v: fx.Node, targets) -> object:
+    """The ``dim`` of ``node`` when it is ``torch.unsqueeze(v, dim)`` / ``v.unsqueeze(dim)`` (or
+    squeeze, by ``targets``); None for a squeeze without one; ``_NOT_A_DIM_OP`` for other nodes."""
+    if node.op not in ("call_function", "call_method") or node.target not in targets:
+        return _NOT_A_DIM_OP
+    args = dict(zip(("input", "dim"), node.args, strict=False)) | node.kwargs
+    if args.get("input") is not v or args.keys() - {"input", "dim"}:
+        return _NOT_A_DIM_OP
+    return args.get("dim")
+
+
+def _sole_user(node: fx.Node) -> "fx.Node | None":
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _pooling(gm: fx.GraphModule, linear: fx.Node):
+    """An average pooling over the channels right after ``linear``: ``([unsqueeze, pool,
+    squeeze] nodes, ChannelPool, (kernel_size, stride, padding, ceil_mode))`` where the Linear's
+    one user is ``unsqueeze(1)``, its one user an ``nn.AvgPool1d`` or ``F.avg_pool1d``, and that
+    one's a ``squeeze(1)``. None where the Linear's one user is no ``unsqueeze(1)``; a
+    :class:`_Refusal` where the rest does not hold (a max pooling, say)."""
+    u = _sole_user(linear)
+    if u is None or _dim_of(u, linear, _UNSQUEEZES) not in (1, -2):
+        return None
+    pool = _sole_user(u)
+    if pool is None:
+        return _Refusal(f"stopped at {u.name}: x.unsqueeze(1) is used {len(u.users)} times")
+    found = _avg_pool(gm, pool, u)
+    if isinstance(found, _Refusal):
+        return _Refusal(f"stopped at {pool.name} (channel pooling): {found}")
+    squeeze = _sole_user(pool)
+    dim = _NOT_A_DIM_OP if squeeze is None else _dim_of(squeeze, pool, _SQUEEZES)
+    if dim not in (1, -2):
+        where = f"{squeeze.name}: squeeze({'' if dim is None else dim})" if squeeze else pool.name
+        return _Refusal(
+            f"stopped at {where}: the pooled channels are not taken back by one squeeze(1) "
+            "(squeeze() without a dim would also drop a batch of one row)"
+        )
+    return [u, pool, squeeze], *found
+
+
+def _avg_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
+    """(ChannelPool, settings) when ``node`` is an average pooling of ``v`` (as
+    :func:`_pooling` returns them), else a :class:`_Refusal`."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if type(module) is not nn.AvgPool1d:
+            kind = "a max" if isinstance(module, (nn.MaxPool1d, nn.LPPool1d)) else "not an average"
+            return _Refusal(f"{kind} pooling (nn.{type(module).__name__}) is not in the grammar; "
+                            "an average pooling folds into the Linear's weights")  # fmt: skip
+        if node.args != (v,) or node.kwargs or _has_hooks(module):
+            return _Refusal("the AvgPool1d takes more than the chain's value, or has hooks")
+        settings = (module.kernel_size, module.stride, module.padding, module.ceil_mode)
+        return ChannelPool(module=module), tuple(_one(a) for a in settings)
+    if node.op == "call_function" and node.target in _MAX_POOLS:
+        return _Refusal("a max pooling is not in the grammar; an average pooling folds into the "
+                        "Linear's weights")  # fmt: skip
+    if node.op != "call_function" or node.target not in _AVG_POOLS or _input(node) is not v:
+        return _Refusal("not an average pooling of x.unsqueeze(1)")
+    bound = dict(zip(("input", *_POOL_PARAMS), node.args, strict=False)) | node.kwargs
+    if bound.keys() - {"input", *_POOL_PARAMS}:
+        return _Refusal("arguments beyond avg_pool1d's")
+    if any(isinstance(a, fx.Node) for k, a in bound.items() if k != "input"):
+        return _Refusal("its settings are computed in the forward")
+    k = _one(bound.get("kernel_size"))
+    settings = (k, _one(bound.get("stride")), _one(bound.get("padding", 0)),
+                bound.get("ceil_mode", False))  # fmt: skip
+    return ChannelPool(kernel_size=k), settings
 
 
 def _input(node: fx.Node):

@@ -279,6 +279,7 @@ def optimize(
             norm=chain.norm,
             reduce=chain.reduce,
             operands=[_owner(gm, t) for t in chain.operands],
+            pool=chain.pool,
             fallback=_fallback(gm, chain),
             labels=chain.labels,
             kernel=kernel,
