@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -208,5 +209,54 @@ def test_rms_norm_eps_none_is_resolved_as_pytorch_does(dtype):
     x = (0.01 * torch.randn(8, 16)).to(dtype)
     new, report = gemmfuse.optimize(model, (x,))
     assert report.fused
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
+def test_an_eval_batch_norm_set_to_training_runs_the_model_instead():
+    """An eval-mode BatchNorm1d is per-channel ops read at each call; back in training mode it
+    normalises with batch statistics, so the chain runs the model's own nodes, which update the
+    running statistics as the model does."""
+    model, new, inputs = optimized("batchnorm_eval")
+    twin = copy.deepcopy(model)
+    x = inputs[0]
+    with torch.no_grad():
+        model.bn1.running_var.mul_(1.5)  # a buffer changed after optimize: read at each call
+        twin.bn1.running_var.mul_(1.5)
+        torch.testing.assert_close(new(x), twin(x), rtol=1e-5, atol=1e-5)
+        assert new.fc1.last_path == "torch"
+        model.bn1.train()
+        twin.bn1.train()
+        want = torch.relu(twin.bn1(twin.fc1(x) * 2.0))  # the chain fc1 ends at
+        torch.testing.assert_close(new.fc1(x), want, rtol=0, atol=0)
+    assert new.fc1.last_path == "fallback"
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(model.bn1, key), getattr(twin.bn1, key)), key
+    with pytest.raises(ValueError, match="BatchNorm1d is in training mode"):
+        new.fc1.reference(x)
+
+
+@pytest.mark.parametrize(
+    "bn, x, stopped",
+    [
+        (nn.BatchNorm1d(24, track_running_stats=False).eval(), torch.randn(5, 16),
+         "it keeps no running statistics: its batch statistics are not fused; in eval mode"),
+        (nn.BatchNorm1d(3).eval(), torch.randn(2, 3, 16),
+         "a BatchNorm1d of (2, 3, 24) normalises dim 1, not the features"),
+    ],
+)  # fmt: skip
+def test_batch_norms_that_do_not_fold_stop_the_chain(bn, x, stopped):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = nn.Linear(16, 24), bn
+
+        def forward(self, x):
+            return self.bn(self.fc(x))
+
+    model = Model()
+    new, report = optimize(model, (x,))
+    assert report.linears[0].chain == ("fc",)
+    assert stopped in report.linears[0].stopped, report.linears[0].stopped
     with torch.no_grad():
         torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)

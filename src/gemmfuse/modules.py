@@ -13,7 +13,8 @@ own state, never a copy of it:
   (``num_groups``, ``eps``, ``weight``, ``bias``, a LeakyReLU's slope...) at each call;
 - it reads each tensor operand (a parameter or buffer of the model) at each call from the
   module that holds it, so a buffer that ``.to()`` replaced is seen; a plain tensor attribute
-  (not a buffer) is the tensor optimize saw, as README.md says.
+  (not a buffer) is the tensor optimize saw, as README.md says; an eval-mode BatchNorm1d's
+  operands (:class:`BatchNormAffine`) are computed from the module at each call.
 
 An input of more than two dimensions (batch, sequence, features) runs with its leading
 dimensions flattened into rows, when the chain acts on the features alone (pointwise ops only).
@@ -128,6 +129,41 @@ class ChainNorm:
             computes_in = torch.float64 if dtype == torch.float64 else torch.float32
             return norm._replace(eps=torch.finfo(computes_in).eps)
         return norm
+
+
+class BatchNormAffine:
+    """An ``nn.BatchNorm1d`` in eval mode as the per-channel ops it computes, ``(x - mean) *
+    scale + bias``: its operands, read at each call from the module (``running_mean``; ``scale
+    = weight / sqrt(running_var + eps)``, in float64 rounded once, differentiable in the weight;
+    ``bias``). :meth:`problem` says when the module no longer computes that (training mode)."""
+
+    def __init__(self, module: nn.BatchNorm1d):
+        self.module = module
+
+    def problem(self) -> str:
+        """Why the module does not compute the folded ops now ("" when it does)."""
+        m = self.module
+        if m.training or m.running_mean is None:
+            why = "is in training mode" if m.training else "keeps no running statistics"
+            return f"the BatchNorm1d {why}: its batch statistics are not fused"
+        return ""
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.module.running_mean
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        m = self.module
+        if m.running_var is None:
+            return None
+        rstd = 1.0 / torch.sqrt(m.running_var.double() + m.eps)
+        scale = rstd if m.weight is None else m.weight.double() * rstd
+        return scale.to(m.running_var.dtype)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.module.bias
 
 
 class NormValues(NamedTuple):
@@ -274,6 +310,9 @@ class FusedLinear(nn.Module):
         (validation.py) on the call it would make."""
         if epilogue is None:
             return "the chain's current module settings are outside the epilogue grammar"
+        problem = self._operands_problem()
+        if problem:
+            return problem
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             return f"the input {shape} is not a tensor of 2 or more dimensions"
@@ -291,6 +330,14 @@ class FusedLinear(nn.Module):
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         problem = argument_problem(rows, weight, bias, epilogue, gn_weight, gn_bias, operands)
         return "" if problem is None else problem[1]
+
+    def _operands_problem(self) -> str:
+        """Why an operand derived from a module (a BatchNorm1d's) is not what the module
+        computes now ("" when every one is)."""
+        for owner, _ in self._operands:
+            if isinstance(owner, BatchNormAffine) and owner.problem():
+                return owner.problem()
+        return ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._linear()
@@ -327,8 +374,8 @@ class FusedLinear(nn.Module):
         if epilogue is None:
             raise ValueError("the chain's current module settings are outside the grammar")
         folded = self._folded(*self._linear())
-        if isinstance(folded, str):
-            raise ValueError(folded)
+        if isinstance(folded, str) or self._operands_problem():
+            raise ValueError(folded if isinstance(folded, str) else self._operands_problem())
         gn_weight, gn_bias = _norm_vectors(norm)
         return linear_epilogue(x, *folded, epilogue, gn_weight, gn_bias, params=operands)
 

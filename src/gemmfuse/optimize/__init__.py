@@ -22,7 +22,9 @@ the reductions act on dimension 1, not on the features). A reduction over
 dimension 1 after the chain's own kept it (size 1) is the value itself, or drops it. An average
 pooling over the channels right after the Linear (``avg_pool1d`` of ``x.unsqueeze(1)``, then
 ``squeeze(1)``; stride equal to the window, no padding) is folded into the Linear's weights
-(gemmfuse/pooling.py), and the chain goes on over the pooled channels.
+(gemmfuse/pooling.py), and the chain goes on over the pooled channels. An ``nn.BatchNorm1d`` in
+eval mode on the (M, N) value is per-channel ops read from the module at each call
+(``modules.BatchNormAffine``); in training mode it stops the chain.
 
 A chain stops at the first node that is not in the grammar, whose result has several users
 (``x + x`` excepted, and ``x * sigmoid(x)``: x used by a sigmoid that only the multiplication

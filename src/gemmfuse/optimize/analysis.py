@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS, Param, Reduction, Value, per_channel
-from gemmfuse.modules import MODULE_OPS, ChainNorm, ChainOp
+from gemmfuse.modules import MODULE_OPS, BatchNormAffine, ChainNorm, ChainOp
 from gemmfuse.optimize.grammar import (
     _ACTS,
     _BINARY,
@@ -51,7 +51,8 @@ class _Chain:
     ops: list[ChainOp] = field(default_factory=list)
     norm: ChainNorm | None = None
     reduce: Reduction | None = None
-    operands: list[str] = field(default_factory=list)  # get_attr targets; Param index order
+    # get_attr targets, or (owner, attribute) of a tensor derived at each call; Param order
+    operands: list = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
     stopped: str = ""
     pool: ChannelPool | None = None  # folded into the Linear (pooling.py)
@@ -61,7 +62,7 @@ class _Chain:
     def end(self) -> fx.Node:
         return self.nodes[-1] if self.nodes else self.linear
 
-    def operand(self, target: str) -> Param:
+    def operand(self, target) -> Param:
         if target not in self.operands:
             self.operands.append(target)
         return Param(self.operands.index(target))
@@ -333,6 +334,26 @@ class _Analysis:
         name = {nn.LayerNorm: "layer_norm", nn.RMSNorm: "rms_norm"}.get(kind, "group_norm")
         return _Step("norm", node.target, name=name, module=module)
 
+    def _batch_norm(self, node: fx.Node, module: nn.BatchNorm1d, v) -> "_Step | _Refusal":
+        """An nn.BatchNorm1d in eval mode on (M, N): the per-channel ops ``(x - running_mean) *
+        scale + bias`` (:class:`BatchNormAffine`), as one step."""
+        affine = BatchNormAffine(module)
+        problem = affine.problem()
+        if problem:
+            return _Refusal(f"{problem.replace('the BatchNorm1d ', 'it ')}; in eval mode it "
+                            "folds into per-channel ops")  # fmt: skip
+        if len(self.meta[v].shape) != 2:
+            return _Refusal(f"a BatchNorm1d of {self.meta[v].shape} normalises dim 1, not the "
+                            "features")  # fmt: skip
+        for p in ("weight", "bias", "running_mean", "running_var"):
+            if f"{node.target}.{p}" in self.mutated:
+                return _Refusal(f"its {p} is modified in place in the forward")
+        ops = [("sub", "mean"), ("mul", "scale")] + ([("add", "bias")] if module.bias is not None
+                                                    else [])  # fmt: skip
+        args = tuple((op, (affine, name)) for op, name in ops)
+        label = f"{node.target} (eval: (x - mean) * scale{' + bias' if len(ops) == 3 else ''})"
+        return _Step("affine", label, args=args, module=module)
+
     def _match(self, node: fx.Node, v: fx.Node) -> "_Step | _Refusal":
         if node.op == "call_module":
             module = self.gm.get_submodule(node.target)
@@ -342,6 +363,8 @@ class _Analysis:
                 return _Refusal("the module takes more than the chain's value")
             if type(module) in (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm):
                 return self._norm_module(node, module, v)
+            if type(module) is nn.BatchNorm1d:
+                return self._batch_norm(node, module, v)
             if type(module) not in MODULE_OPS:
                 return _Refusal("not in the epilogue grammar")
             name, args = MODULE_OPS[type(module)](module)
@@ -414,6 +437,8 @@ class _Analysis:
                          for a in (weight, bias)]  # fmt: skip
                 chain.norm = ChainNorm(None, groups, eps, *index, layer=layer, rms=rms)
             return "post"
+        if step.kind == "affine":
+            return self._accept_affine(chain, step, stage)
         if step.kind == "reduce":
             if stage == "tail":
                 return self._reduce_kept_dim(chain, step)
@@ -452,6 +477,21 @@ class _Analysis:
             args = tuple(chain.operand(a.target) if isinstance(a, fx.Node) else a
                          for a in step.args)  # fmt: skip
             chain.ops.append(ChainOp(stage, step.name, args))
+        return stage
+
+    def _accept_affine(self, chain: _Chain, step: _Step, stage: str) -> "str | _Refusal":
+        """Adds an eval-mode BatchNorm1d's ops, each reading an operand derived from the module
+        at each call."""
+        if stage == "tail":
+            return _Refusal("a BatchNorm1d after the reduction")
+        dtype = step.module.running_mean.dtype
+        if dtype != chain.gemm.dtype:
+            return _Refusal(f"its running statistics are {dtype}, not {chain.gemm.dtype}")
+        tensors = sum(self._tensors(op) for op in chain.ops)
+        if tensors + len(step.args) > MAX_TENSORS:
+            return _Refusal(f"the kernel takes at most {MAX_TENSORS} tensor arguments")
+        for name, operand in step.args:
+            chain.ops.append(ChainOp(stage, name, (chain.operand(operand),)))
         return stage
 
     def _reduce_kept_dim(self, chain: _Chain, step: _Step) -> "str | _Refusal":

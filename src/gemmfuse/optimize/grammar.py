@@ -109,7 +109,7 @@ _REDUCTIONS = {
 _SIGMOIDS = (torch.sigmoid, F.sigmoid, "sigmoid")  # out-of-place forms (swish's sigmoid)
 _MULS = (operator.mul, torch.mul, torch.multiply, "mul", "multiply", operator.imul, "mul_",
          "multiply_")  # fmt: skip
-_FRESH_MODULES = {nn.Linear, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, *MODULE_OPS}
+_FRESH_MODULES = {nn.Linear, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.BatchNorm1d, *MODULE_OPS}
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.setitem)  # fmt: skip
 
@@ -404,7 +404,7 @@ class _Step:
     """One recognised node: a pointwise op, a GroupNorm, LayerNorm or RMSNorm, or a
     reduction."""
 
-    kind: str  # "op", "norm" or "reduce"
+    kind: str  # "op", "norm", "reduce" or "affine" (per-channel ops from a module: BatchNorm1d)
     label: str
     name: str = ""  # op: IR name; norm: "group_norm", "layer_norm" or "rms_norm"
     args: tuple = ()  # op: floats and get_attr nodes; norm (functional): G, eps, weight, bias

@@ -278,7 +278,7 @@ def optimize(
             ops=chain.ops,
             norm=chain.norm,
             reduce=chain.reduce,
-            operands=[_owner(gm, t) for t in chain.operands],
+            operands=[t if isinstance(t, tuple) else _owner(gm, t) for t in chain.operands],
             pool=chain.pool,
             fallback=_fallback(gm, chain),
             labels=chain.labels,
