@@ -141,15 +141,22 @@ def case_dtensor_output(mesh, device, kernel, size):
     _check_split(model, split, x, device)
 
 
-def case_refuses_a_cut_group(mesh, device, kernel, size):
-    model, optimized, x = _models(lambda: ReducedChain(64, 66, 3, "sum", False), device, kernel)
+def _refused(make, mesh, device, kernel, why: str) -> None:
+    """parallelize refuses the optimized ``make()`` naming its Linear, ``why`` in the message,
+    and leaves every parameter as it was."""
+    _, optimized, _ = _models(make, device, kernel)
     try:
         gemmfuse.parallelize(optimized, mesh)
     except ValueError as e:
-        assert "cut a GroupNorm group" in str(e) and "fc" in str(e), e
+        assert why in str(e) and "fc" in str(e), e
     else:
-        raise AssertionError("a split cutting a group was accepted")
+        raise AssertionError(f"parallelize split a model it should refuse ({why})")
     assert not any(isinstance(p, DTensor) for p in optimized.parameters())
+
+
+def case_refuses_a_cut_group(mesh, device, kernel, size):
+    chain = functools.partial(ReducedChain, 64, 66, 3, "sum", False)
+    _refused(chain, mesh, device, kernel, "cut a GroupNorm group")
 
 
 class PooledChain(nn.Module):
@@ -164,14 +171,7 @@ class PooledChain(nn.Module):
 
 
 def case_refuses_a_pooled_linear(mesh, device, kernel, size):
-    model, optimized, x = _models(lambda: PooledChain(64, 64), device, kernel)
-    try:
-        gemmfuse.parallelize(optimized, mesh)
-    except ValueError as e:
-        assert "channel pooling" in str(e) and "fc" in str(e), e
-    else:
-        raise AssertionError("a pooled Linear was split")
-    assert not any(isinstance(p, DTensor) for p in optimized.parameters())
+    _refused(lambda: PooledChain(64, 64), mesh, device, kernel, "channel pooling")
 
 
 def _train(model, wrap, x_full, rank, world, steps=20):

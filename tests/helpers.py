@@ -1,13 +1,31 @@
-"""Shared test utilities: model pairs and error measures."""
+"""Shared test utilities: model pairs, a Linear-then-body model, and error measures."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.nn as nn
 
 from gemmfuse.bench import build_pair, max_abs_err, poison_allocator  # noqa: F401
 from gemmfuse.kernelbench.registry import get_problem
+
+
+class Chain(nn.Module):
+    """Linear(8, n), then ``body(self, x)``; tensor members become buffers."""
+
+    def __init__(self, body, n=16, **members):
+        super().__init__()
+        self.fc = nn.Linear(8, n)
+        self.body = body
+        for name, value in members.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                self.register_buffer(name, value)
+            else:
+                setattr(self, name, value)
+
+    def forward(self, x):
+        return self.body(self, self.fc(x))
 
 
 def small_pair(number: int, seed: int = 0, init=None):

@@ -12,6 +12,7 @@ from model_files import build
 
 import gemmfuse.modules
 from gemmfuse import Epilogue, FusedLinear, GroupNormSpec, Pointwise, optimize
+from helpers import Chain
 
 
 def optimized(name):
@@ -239,22 +240,14 @@ def test_an_eval_batch_norm_set_to_training_runs_the_model_instead():
 @pytest.mark.parametrize(
     "bn, x, stopped",
     [
-        (nn.BatchNorm1d(24, track_running_stats=False).eval(), torch.randn(5, 16),
+        (nn.BatchNorm1d(24, track_running_stats=False).eval(), torch.randn(5, 8),
          "it keeps no running statistics: its batch statistics are not fused; in eval mode"),
-        (nn.BatchNorm1d(3).eval(), torch.randn(2, 3, 16),
+        (nn.BatchNorm1d(3).eval(), torch.randn(2, 3, 8),
          "a BatchNorm1d of (2, 3, 24) normalises dim 1, not the features"),
     ],
 )  # fmt: skip
 def test_batch_norms_that_do_not_fold_stop_the_chain(bn, x, stopped):
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc, self.bn = nn.Linear(16, 24), bn
-
-        def forward(self, x):
-            return self.bn(self.fc(x))
-
-    model = Model()
+    model = Chain(lambda s, x: s.bn(x), n=24, bn=bn)
     new, report = optimize(model, (x,))
     assert report.linears[0].chain == ("fc",)
     assert stopped in report.linears[0].stopped, report.linears[0].stopped

@@ -24,6 +24,7 @@ from torch.fx.proxy import TraceError
 
 from gemmfuse import POINTWISE, REDUCTIONS, FusedLinear, OptimizeReport, optimize
 from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS
+from helpers import Chain
 
 # Per model file: (Linear, fused, chain, how the chain ended or why it was not swapped).
 EXPECTED = {
@@ -468,23 +469,6 @@ def test_untraceable_model_raises_the_tracers_own_error():
 
     with pytest.raises(TraceError, match="symbolically traced variables cannot be used as inputs"):
         optimize(Branchy(), (torch.randn(2, 4),))
-
-
-class Chain(nn.Module):
-    """Linear, then ``body(self, x)``; tensor members become buffers."""
-
-    def __init__(self, body, n=16, **members):
-        super().__init__()
-        self.fc = nn.Linear(8, n)
-        self.body = body
-        for name, value in members.items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                self.register_buffer(name, value)
-            else:
-                setattr(self, name, value)
-
-    def forward(self, x):
-        return self.body(self, self.fc(x))
 
 
 def stops(body, n=16, m=6, **members):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from gemmfuse import FusedLinear, optimize
 from gemmfuse.pooling import ChannelPool, mean_rows, pool_problem, pooled_linear
 from gemmfuse.weight_cache import SplitWeightCache
+from helpers import Chain
 
 
 @pytest.mark.parametrize(
@@ -73,19 +74,14 @@ def test_pooled_weights_are_kept_per_version_of_the_weight():
     assert tracked.data_ptr() == after.data_ptr()
 
 
-class _Pooled(nn.Module):
-    def __init__(self, pool):
-        super().__init__()
-        self.fc = nn.Linear(16, 24)
-        self.pool = pool
-
-    def forward(self, x):
-        return torch.tanh(self.pool(self.fc(x).unsqueeze(1)).squeeze(1))
+def pooled(pool) -> Chain:
+    """Linear(8, 24) -> pool(x.unsqueeze(1)).squeeze(1) -> tanh."""
+    return Chain(lambda s, x: torch.tanh(s.pool(x.unsqueeze(1)).squeeze(1)), n=24, pool=pool)
 
 
 def test_a_pooling_module_changed_later_runs_the_model_instead():
     torch.manual_seed(0)
-    model, x = _Pooled(nn.AvgPool1d(4)), torch.randn(5, 16)
+    model, x = pooled(nn.AvgPool1d(4)), torch.randn(5, 8)
     new, report = optimize(model, (x,))
     fused = new.fc
     assert isinstance(fused, FusedLinear) and fused.out_features == 6
@@ -113,7 +109,7 @@ def test_a_pooling_module_changed_later_runs_the_model_instead():
     ],
 )  # fmt: skip
 def test_poolings_that_do_not_fold_stop_the_chain(pool, stopped):
-    model, x = _Pooled(pool), torch.randn(5, 16)
+    model, x = pooled(pool), torch.randn(5, 8)
     new, report = optimize(model, (x,))
     (entry,) = report.linears
     assert entry.fused and entry.chain == ("fc",)
@@ -123,14 +119,7 @@ def test_poolings_that_do_not_fold_stop_the_chain(pool, stopped):
 
 
 def test_squeeze_without_a_dim_stops_the_chain():
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(16, 24)
-
-        def forward(self, x):
-            return F.avg_pool1d(self.fc(x).unsqueeze(1), 4).squeeze()
-
-    _, report = optimize(Model(), (torch.randn(5, 16),))
+    model = Chain(lambda s, x: F.avg_pool1d(x.unsqueeze(1), 4).squeeze(), n=24)
+    _, report = optimize(model, (torch.randn(5, 8),))
     assert report.linears[0].chain == ("fc",)
     assert "squeeze() without a dim would also drop a batch of one row" in report.linears[0].stopped

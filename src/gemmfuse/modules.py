@@ -335,8 +335,9 @@ class FusedLinear(nn.Module):
         """Why an operand derived from a module (a BatchNorm1d's) is not what the module
         computes now ("" when every one is)."""
         for owner, _ in self._operands:
-            if isinstance(owner, BatchNormAffine) and owner.problem():
-                return owner.problem()
+            problem = owner.problem() if isinstance(owner, BatchNormAffine) else ""
+            if problem:
+                return problem
         return ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -374,8 +375,9 @@ class FusedLinear(nn.Module):
         if epilogue is None:
             raise ValueError("the chain's current module settings are outside the grammar")
         folded = self._folded(*self._linear())
-        if isinstance(folded, str) or self._operands_problem():
-            raise ValueError(folded if isinstance(folded, str) else self._operands_problem())
+        problem = folded if isinstance(folded, str) else self._operands_problem()
+        if problem:
+            raise ValueError(problem)
         gn_weight, gn_bias = _norm_vectors(norm)
         return linear_epilogue(x, *folded, epilogue, gn_weight, gn_bias, params=operands)
 

@@ -23,16 +23,17 @@ import torch.nn as nn
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
 
 
+def single(value):
+    """A 1-tuple's element (nn.AvgPool1d keeps its settings as 1-tuples); other values as they
+    are."""
+    return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
+
+
 def pool_problem(kernel_size, stride, padding, ceil_mode, channels: int) -> str:
     """Why an avg_pool1d with these settings over ``channels`` channels does not fold into the
     Linear ("" when it does): a window of an int k <= channels, stride k, no padding, and
-    ceil_mode only where it adds no partial window."""
-    if isinstance(kernel_size, (tuple, list)) and len(kernel_size) == 1:
-        kernel_size = kernel_size[0]
-    if isinstance(stride, (tuple, list)):
-        stride = stride[0] if len(stride) == 1 else stride
-    if isinstance(padding, (tuple, list)) and len(padding) == 1:
-        padding = padding[0]
+    ceil_mode only where it adds no partial window. 1-tuples stand for their element."""
+    kernel_size, stride, padding = single(kernel_size), single(stride), single(padding)
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
         return f"its kernel_size {kernel_size!r} is not a positive int"
     if kernel_size > channels:
@@ -61,7 +62,7 @@ class ChannelPool:
             return self.kernel_size
         if pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, channels):
             return None
-        return m.kernel_size[0] if isinstance(m.kernel_size, tuple) else m.kernel_size
+        return single(m.kernel_size)
 
 
 def mean_rows(t: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -328,11 +328,19 @@ class _Analysis:
         if kind is not nn.GroupNorm and module.normalized_shape != self.meta[v].shape[-1:]:
             return _Refusal(f"the {kind.__name__} normalises {module.normalized_shape}, not the "
                             "channels alone")  # fmt: skip
-        for p in ("weight", "bias"):
-            if f"{node.target}.{p}" in self.mutated:
-                return _Refusal(f"its {p} is modified in place in the forward")
+        written = self._written(node, ("weight", "bias"))
+        if written:
+            return written
         name = {nn.LayerNorm: "layer_norm", nn.RMSNorm: "rms_norm"}.get(kind, "group_norm")
         return _Step("norm", node.target, name=name, module=module)
+
+    def _written(self, node: fx.Node, members: tuple[str, ...]) -> "_Refusal | None":
+        """A refusal naming the first of a module's ``members`` that the forward writes in
+        place (None when it writes none)."""
+        for p in members:
+            if f"{node.target}.{p}" in self.mutated:
+                return _Refusal(f"its {p} is modified in place in the forward")
+        return None
 
     def _batch_norm(self, node: fx.Node, module: nn.BatchNorm1d, v) -> "_Step | _Refusal":
         """An nn.BatchNorm1d in eval mode on (M, N): the per-channel ops ``(x - running_mean) *
@@ -345,9 +353,9 @@ class _Analysis:
         if len(self.meta[v].shape) != 2:
             return _Refusal(f"a BatchNorm1d of {self.meta[v].shape} normalises dim 1, not the "
                             "features")  # fmt: skip
-        for p in ("weight", "bias", "running_mean", "running_var"):
-            if f"{node.target}.{p}" in self.mutated:
-                return _Refusal(f"its {p} is modified in place in the forward")
+        written = self._written(node, ("weight", "bias", "running_mean", "running_var"))
+        if written:
+            return written
         ops = [("sub", "mean"), ("mul", "scale")] + ([("add", "bias")] if module.bias is not None
                                                     else [])  # fmt: skip
         args = tuple((op, (affine, name)) for op, name in ops)
@@ -451,7 +459,7 @@ class _Analysis:
                     "before the reduction"
                 )
             scalars = sum(self._floats(op.current()[1]) for op in chain.ops)
-            tensors = sum(self._tensors(op) for op in chain.ops)
+            tensors = self._tensor_count(chain)
             new_tensors = sum(isinstance(a, fx.Node) for a in step.args)
             if scalars + self._floats(step.args) > MAX_SCALARS:
                 return _Refusal(f"the kernel takes at most {MAX_SCALARS} float arguments")
@@ -487,8 +495,7 @@ class _Analysis:
         dtype = step.module.running_mean.dtype
         if dtype != chain.gemm.dtype:
             return _Refusal(f"its running statistics are {dtype}, not {chain.gemm.dtype}")
-        tensors = sum(self._tensors(op) for op in chain.ops)
-        if tensors + len(step.args) > MAX_TENSORS:
+        if self._tensor_count(chain) + len(step.args) > MAX_TENSORS:
             return _Refusal(f"the kernel takes at most {MAX_TENSORS} tensor arguments")
         for name, operand in step.args:
             chain.ops.append(ChainOp(stage, name, (chain.operand(operand),)))
@@ -509,8 +516,9 @@ class _Analysis:
         return "tail"
 
     @staticmethod
-    def _tensors(op: ChainOp) -> int:
-        return sum(isinstance(a, Param) for a in op.current()[1])
+    def _tensor_count(chain: _Chain) -> int:
+        """The tensor arguments the chain's ops take so far."""
+        return sum(isinstance(a, Param) for op in chain.ops for a in op.current()[1])
 
     @staticmethod
     def _floats(args) -> int:

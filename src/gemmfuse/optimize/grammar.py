@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gemmfuse.epilogue import Reduction
 from gemmfuse.modules import MODULE_OPS
 from gemmfuse.pointwise import POINTWISE, Spelling
-from gemmfuse.pooling import ChannelPool
+from gemmfuse.pooling import ChannelPool, single
 
 
 @dataclass(frozen=True)
@@ -219,12 +219,6 @@ _POOL_PARAMS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_
 _NOT_A_DIM_OP = object()
 
 
-def _one(value):
-    """A 1-tuple's element (nn.AvgPool1d keeps its settings as 1-tuples); other values as they
-    are."""
-    return value[0] if isinstance(value, (tuple, list)) and len(value) == 1 else value
-
-
 def _dim_of(node: fx.Node, v: fx.Node, targets) -> object:
     """The ``dim`` of ``node`` when it is ``torch.unsqueeze(v, dim)`` / ``v.unsqueeze(dim)`` (or
     squeeze, by ``targets``); None for a squeeze without one; ``_NOT_A_DIM_OP`` for other nodes."""
@@ -279,7 +273,7 @@ def _avg_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
         if node.args != (v,) or node.kwargs or _has_hooks(module):
             return _Refusal("the AvgPool1d takes more than the chain's value, or has hooks")
         settings = (module.kernel_size, module.stride, module.padding, module.ceil_mode)
-        return ChannelPool(module=module), tuple(_one(a) for a in settings)
+        return ChannelPool(module=module), tuple(single(a) for a in settings)
     if node.op == "call_function" and node.target in _MAX_POOLS:
         return _Refusal("a max pooling is not in the grammar; an average pooling folds into the "
                         "Linear's weights")  # fmt: skip
@@ -290,8 +284,8 @@ def _avg_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
         return _Refusal("arguments beyond avg_pool1d's")
     if any(isinstance(a, fx.Node) for k, a in bound.items() if k != "input"):
         return _Refusal("its settings are computed in the forward")
-    k = _one(bound.get("kernel_size"))
-    settings = (k, _one(bound.get("stride")), _one(bound.get("padding", 0)),
+    k = single(bound.get("kernel_size"))
+    settings = (k, single(bound.get("stride")), single(bound.get("padding", 0)),
                 bound.get("ceil_mode", False))  # fmt: skip
     return ChannelPool(kernel_size=k), settings
 
