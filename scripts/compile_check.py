@@ -1,9 +1,11 @@
 """Compile every CUDA source with nvcc, no GPU needed (CI runs this).
 
-Each ``.cu`` file in csrc/ is compiled as it stands, with the generated epilogue header of every
-kernel structure the shipped problems use, of chains holding every pointwise op (the last with
-logsumexp, the reduction with the most code) and of the chains that read values again
-(gemmfuse.chains.value_chains), for sm_90a and the portable sm_80 target.
+Each part of a chain's library (gemmfuse.jit.CHAIN_PARTS) is compiled as it stands, with the
+generated epilogue header of every kernel structure the shipped problems use, of chains holding
+every pointwise op (the last with logsumexp, the reduction with the most code) and of the chains
+that read values again (gemmfuse.chains.value_chains), for sm_90a and the portable sm_80 target.
+The chain-independent split.cu is compiled once per target, and fused_linear.cu (a standalone
+export's one translation unit: the same parts together) once, with the first structure.
 Usage: python scripts/compile_check.py [--jobs N]
 """
 
@@ -26,6 +28,7 @@ from gemmfuse.epilogue import (
     Reduction,
     cuda_epilogue,
 )
+from gemmfuse.jit import CHAIN_PARTS
 from gemmfuse.kernel_files import CSRC
 from gemmfuse.kernelbench.registry import PROBLEMS
 from gemmfuse.sources import GENERATED_HEADER
@@ -61,16 +64,24 @@ def main() -> int:
     chains += value_chains()  # values read again: registers and gathered gradients
     structures = {repr(s.structure): s.structure for s in chains}
     work = []
+
+    def compile_(source: str, arch: str, include: Path, label: str) -> None:
+        cmd = ["nvcc", "-std=c++17", "-O3", f"-gencode=arch={arch}", "-c", f"-I{include}",
+               f"-I{CSRC}", str(CSRC / source), "-o", "/dev/null"]  # fmt: skip
+        work.append((f"{source} [{arch.split('=')[-1]}] {label}", cmd))
+
     with tempfile.TemporaryDirectory() as tmp:
         for i, structure in enumerate(structures.values()):
             include = Path(tmp) / f"epilogue{i}"
             include.mkdir()
             (include / GENERATED_HEADER).write_text(cuda_epilogue(structure))
-            for source in sorted(CSRC.glob("*.cu")):
-                for arch in ARCHS:
-                    cmd = ["nvcc", "-std=c++17", "-O3", f"-gencode=arch={arch}", "-c",
-                           f"-I{include}", f"-I{CSRC}", str(source), "-o", "/dev/null"]  # fmt: skip
-                    work.append((f"{source.name} [{arch.split('=')[-1]}] {structure}", cmd))
+            for arch in ARCHS:
+                for source in CHAIN_PARTS:
+                    compile_(source, arch, include, str(structure))
+                if i == 0:
+                    compile_("split.cu", arch, include, "")
+            if i == 0:
+                compile_("fused_linear.cu", ARCHS[0], include, str(structure))
 
         def run(item):
             label, cmd = item

@@ -1,28 +1,22 @@
 """Everything the GPU must confirm, in one call; a short summary last.
 
-Builds every kernel structure the tests and benchmark use (the shipped problems', the
+First the cold builds of issue 12's bar, each in a fresh process with an empty cache: #62's
+chain (with the host extension, built at the same time) and then #75's (its chain alone). Then
+builds every kernel structure the tests and benchmark use (the shipped problems', the
 random-chain pool's and the hand-written test models'), one process per structure and as many
-at once as there are cores (build.py serialises builds within a process), times a second
-process's load from the cache, runs the GPU tests (pytest -m gpu) and the benchmark (with the
-chain table). Output files go to $OUT (or
+at once as there are cores, times a second process's load from the cache, runs the GPU tests
+(pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
 [--no-tests] [-k EXPR] (-k selects GPU tests as pytest's -k does).
-
-The device machine starts bare: a kernel cache carried over in .gemmfuse-cache/so.tar.xz (the
-device tool's `carry`, 64 MiB at most: xz -1, 42 MB for 34 libraries where gzip took 57) is
-unpacked into the cache first, and after the builds the cache's libraries are written to $OUT
-as so.tar.xz.part-* (15 MB each, what comes back); join them into .gemmfuse-cache/so.tar.xz for
-the next call (`cat so.tar.xz.part-* > .gemmfuse-cache/so.tar.xz`).
 """
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import subprocess
 import sys
-import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,9 +27,18 @@ OUT = Path(os.environ.get("OUT") or ROOT / "gpu-check-out")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
 LOAD_SNIPPET = (
     "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
-    "import gemmfuse.sources as s; from gemmfuse.kernelbench.registry import PROBLEMS; "
-    "s.extension_for(PROBLEMS[62].structures[0]); t2 = time.perf_counter(); "
+    "from gemmfuse.jit import extension_for; from gemmfuse.kernelbench.registry import PROBLEMS; "
+    "extension_for(PROBLEMS[62].structures[0]); t2 = time.perf_counter(); "
     "print(f'{t2 - t1:.2f} s after import torch ({t1 - t0:.2f} s)')"
+)
+# A fresh process's first call of a shipped problem's ModelNew at KernelBench's size, autograd
+# on as KernelBench times it (the build included).
+FIRST_CALL_SNIPPET = (
+    "import sys, time, torch; from gemmfuse.kernelbench.registry import get_problem; "
+    "p = get_problem(sys.argv[1]); m = p.load(); torch.manual_seed(0); "
+    "model = p.model_new(*m.get_init_inputs()).cuda(); "
+    "x = [t.cuda() for t in m.get_inputs()]; torch.cuda.synchronize(); t = time.perf_counter(); "
+    "model(*x); torch.cuda.synchronize(); print(f'first call {time.perf_counter() - t:.1f} s')"
 )
 
 
@@ -106,34 +109,20 @@ def every_structure() -> list[str]:
     return list(dict.fromkeys(repr(s) for s in structures))
 
 
-CARRIED_CACHE = ROOT / ".gemmfuse-cache" / "so.tar.xz"
-PART_BYTES = 15 * 2**20
-
-
-def restore_cache(cache: Path) -> str:
-    """Unpacks a carried kernel cache (its libraries) into ``cache``."""
-    if not CARRIED_CACHE.exists():
-        return "no carried kernel cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(CARRIED_CACHE) as tar:
-        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".so")]
-        tar.extractall(cache, members=members, filter="data")
-    return f"carried kernel cache: {len(members)} libraries"
-
-
-def save_cache(cache: Path, out: Path) -> int:
-    """Writes the cache's libraries to ``out`` as so.tar.xz.part-aa, -ab, ...; returns the
-    parts."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:xz", preset=1) as tar:  # 42 MB, 10 s for 34
-        for library in sorted(cache.rglob("*.so")):
-            tar.add(library, arcname=str(library.relative_to(cache)))
-    data = buffer.getvalue()
-    parts = range(0, len(data), PART_BYTES)
-    for n, start in enumerate(parts):
-        suffix = chr(ord("a") + n // 26) + chr(ord("a") + n % 26)
-        (out / f"so.tar.xz.part-{suffix}").write_bytes(data[start : start + PART_BYTES])
-    return len(parts)
+def cold_builds() -> str:
+    """First calls in fresh processes over an empty cache: #62 (host extension and chain built
+    at once), then #75 (its chain alone); each with its build lines."""
+    lines = []
+    with tempfile.TemporaryDirectory() as empty:
+        env = {**ENV, "GEMMFUSE_CACHE_DIR": empty}
+        for number in ("62", "75"):
+            proc = subprocess.run([sys.executable, "-c", FIRST_CALL_SNIPPET, number], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+            done = [ln for ln in proc.stderr.splitlines() if ln.startswith("gemmfuse: built")]
+            built = [ln.removeprefix("gemmfuse: built ").split(",")[0] for ln in done]
+            result = proc.stdout.strip() or f"FAILED (rc {proc.returncode}): {proc.stderr[-400:]}"
+            lines.append(f"#{number} {result} (built: {', '.join(built) or 'nothing'})")
+    return "cold (fresh process, empty cache): " + "; ".join(lines)
 
 
 def main() -> int:
@@ -141,21 +130,20 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     structures = every_structure()
     from gemmfuse.build import cache_dir
+    from gemmfuse.jit import extension_for
     from gemmfuse.kernelbench.registry import PROBLEMS
-    from gemmfuse.sources import extension_for
     from gemmfuse.warmup import build_in_processes
 
     summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
-    summary.append(restore_cache(cache_dir()))
+    summary.append(cold_builds())
     t = time.perf_counter()
     errors = build_in_processes(structures, env=ENV)
     print("\n".join(errors), flush=True)
-    summary.append(f"kernel cache saved to {OUT} in {save_cache(cache_dir(), OUT)} part(s)")
     summary.append(
-        f"build: {len(structures)} extensions ({len(errors)} failed) in "
-        f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time"
+        f"build: {len(structures)} chains ({len(errors)} failed) in "
+        f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time, into {cache_dir()}"
     )
-    summary.append(sass_report(extension_for(PROBLEMS[62].structures[0]).__file__))
+    summary.append(sass_report(str(extension_for(PROBLEMS[62].structures[0]).library)))
     _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
     summary.append(f"second-process load from cache: {load.strip().splitlines()[-1]}")
 

@@ -3,8 +3,9 @@ import re
 import pytest
 
 from gemmfuse.epilogue import Epilogue, GroupNormSpec
+from gemmfuse.jit import CHAIN_PARTS, HOST_SOURCES
 from gemmfuse.kernel_files import CSRC, read_csrc
-from gemmfuse.sources import extension_sources, flatten
+from gemmfuse.sources import CHAIN_FUNCTIONS, SHARED_FUNCTIONS, extension_sources, flatten
 
 
 def test_flattened_sources_have_no_local_includes():
@@ -13,12 +14,20 @@ def test_flattened_sources_have_no_local_includes():
         assert not re.search(r'#\s*include\s+"', text)
     assert "struct GeneratedEpilogue" in cuda and "fused_gemm_gn_kernel" in cuda
     assert cuda.count("struct FusedArgs {") == 1  # each header once
-    assert "torch/extension.h" in cpp and "struct GeneratedEpilogue" not in cpp
+    assert "PYBIND11_MODULE" in cpp and "struct GeneratedEpilogue" not in cpp
 
 
 def test_package_ships_its_kernel_sources():
     names = {p.name for p in CSRC.iterdir()}
     assert {"fused_linear.cu", "binding.cpp", "gemm_gn_sm80.cuh", "split_rows.cuh"} <= names
+    assert set(CHAIN_PARTS) | set(HOST_SOURCES) <= names
+
+
+def test_the_export_translation_unit_holds_every_part():
+    """fused_linear.cu (a standalone export's one library) is the package's two pieces
+    together: the host extension's kernels and every part of a chain's library."""
+    included = re.findall(r'^#include "([^"]+)"$', read_csrc()["fused_linear.cu"], re.M)
+    assert set(included) == set(CHAIN_PARTS) | {"split.cu"}
 
 
 def test_flatten_reads_the_mapping_it_is_given():
@@ -55,8 +64,8 @@ def test_constants_python_shares_with_the_kernels_agree():
     from gemmfuse import autograd, dispatch, epilogue
 
     assert epilogue.MAX_SCALARS == epilogue.MAX_TENSORS == _constant("fused_args.h", "kMaxParams")
-    assert dispatch.TILE == _constant("tile_epilogue.cuh", "kTile")
-    assert dispatch.GEMV_MAX_ROWS == _constant("gemv_epilogue.cuh", "kGemvMaxRows")
+    assert dispatch.TILE == _constant("fused_args.h", "kTile")
+    assert dispatch.GEMV_MAX_ROWS == _constant("fused_args.h", "kGemvMaxRows")
     assert dispatch.K_ALIGN == autograd.SPLIT_ALIGN == _constant("gemm_gn_sm90.cuh", "kBlockK")
     header = read_csrc()["row_reduce.cuh"].replace("\n// ", " ")
     kinds = re.search(r"Kinds are REDUCTIONS in epilogue\.py: (.*?)\.", header)
@@ -64,9 +73,11 @@ def test_constants_python_shares_with_the_kernels_agree():
     assert documented == epilogue.REDUCTIONS
 
 
-def test_every_extension_function_is_defined_in_the_binding():
-    from gemmfuse.build import EXTENSION_FUNCTIONS
-
-    binding = read_csrc()["binding.cpp"]
-    defined = set(re.findall(r"^[\w:<>, ]+?\b(\w+)\(", binding, re.M))
-    assert set(EXTENSION_FUNCTIONS) <= defined, set(EXTENSION_FUNCTIONS) - defined
+def test_the_binding_defines_every_function_python_calls():
+    """Each name ChainKernels binds is a function of the host extension's module (bind_*.cpp),
+    the chain's ones with the table as their first argument."""
+    binding = "".join(text for name, text in read_csrc().items() if name.startswith("bind_"))
+    defined = dict(re.findall(r'm\.def\("(\w+)", &\w+(, py::arg\("table"\))?', binding))
+    assert set(CHAIN_FUNCTIONS) | set(SHARED_FUNCTIONS) <= set(defined)
+    assert all(defined[name] for name in CHAIN_FUNCTIONS)
+    assert not any(defined[name] for name in SHARED_FUNCTIONS)

@@ -35,8 +35,8 @@ from typing import NamedTuple
 import torch
 
 from gemmfuse.epilogue import Epilogue, column_sum_slots
+from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_epilogue, apply_pointwise
-from gemmfuse.sources import extension_for
 
 SPLIT_ALIGN = 64  # the split operands' K padding (the Hopper kernel's k-tile)
 SPLIT_COLS_MAX = 65535 * 32  # split_cols' grid bound on the columns it transposes

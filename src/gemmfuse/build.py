@@ -1,21 +1,25 @@
-"""Compiling CUDA sources into a Python extension: arch flags, on-disk cache, readable errors.
+"""Compiling CUDA and C++ sources: arch flags, the on-disk cache, its locks, readable errors.
 
-``load_extension`` compiles with ``torch.utils.cpp_extension.load_inline`` for the current GPU's
-own architecture (sm_90a on an H100) into ``cache_dir()``. The extension's name carries a hash of
-its sources, flags and the torch/CUDA versions, so a library found on disk under that name is
-always current and is imported directly: a second process is ready without running the compiler
-or ninja.
+Every library is built for the current GPU's own architecture (sm_90a on an H100) into a
+directory of ``cache_dir()`` whose name carries a hash of its sources, flags and the torch/CUDA
+versions, so a library found on disk under that name is always current and is imported
+directly: a second process is ready without running a compiler.
 
 Builds are serialised by an exclusive ``fcntl.flock`` on ``<name>.lock`` next to the build
-directory, held while looking for the library and while building it: processes (DDP ranks,
-KernelBench eval workers) and threads build each kernel once, and none imports a library that
-another is still writing. ``load_inline`` runs in a child Python process, so a failed build is an
-exit status read here, and :class:`BuildError` carries the compiler's error lines.
+directory (``build_lock``), held while looking for the library and while building it: processes
+(DDP ranks, KernelBench eval workers) and threads build each library once, and none loads one
+that another is still writing. Compilers run in child processes, so a failed build is an exit
+status read here, and :class:`BuildError` carries the compiler's error lines. Each build says
+on stderr when it starts (what, and why: not in the cache) and when it ends (seconds, where).
+
+``load_extension`` is a standalone export's build (``torch.utils.cpp_extension.load_inline``,
+one library for a chain, a KernelBench rule); the package builds through gemmfuse/jit.py.
 
 This module imports only torch and the standard library: ``gemmfuse export`` inlines it into
 standalone files.
 """
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -31,23 +35,19 @@ from types import ModuleType
 
 import torch
 
-EXTENSION_FUNCTIONS = [
-    "split_rows",
-    "split_cols",
-    "gemm_split",
-    "fused_forward",
-    "fused_forward_bf16",
-    "epilogue_forward",
-    "gemv_forward",
-    "chain_backward",
-    "chain_backward_plan",
-]
+# nvcc flags of every CUDA build. -fno-gnu-unique: each library keeps its templates' statics to
+# itself (chains' libraries share their names; as GNU unique symbols the process would hold one
+# copy of each).
+CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler=-fno-gnu-unique")
+CXX_FLAGS = ("-O3", "-fno-gnu-unique")
 _LOADED: dict[tuple, ModuleType] = {}
-# The child process's program: load_inline's keyword arguments arrive as JSON on stdin.
+# The child process's program: a torch.utils.cpp_extension loader ("load" or "load_inline")
+# and its keyword arguments arrive as JSON on stdin.
 _BUILD_PROGRAM = (
     "import json, sys\n"
-    "from torch.utils.cpp_extension import load_inline\n"
-    "load_inline(**json.load(sys.stdin))\n"
+    "from torch.utils import cpp_extension\n"
+    "call = json.load(sys.stdin)\n"
+    "getattr(cpp_extension, call['loader'])(**call['arguments'])\n"
 )
 
 
@@ -56,7 +56,7 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where compiled extensions are kept, one directory each.
+    """Where compiled libraries are kept, one directory each.
 
     ``$GEMMFUSE_CACHE_DIR`` if set; else ``$TORCH_EXTENSIONS_DIR`` if set (KernelBench's build
     directory: its harness sets it before it runs a submission); else ``~/.cache/gemmfuse``.
@@ -78,9 +78,64 @@ def _arch_flags(index: int) -> tuple[str, ...]:
     return (f"-gencode=arch=compute_{arch},code=sm_{arch}",)
 
 
-def _compiler_errors(log: str, limit: int = 40) -> str:
+def digest(*parts: str) -> str:
+    """A short hash of sources and flags, with the torch and CUDA versions they build against."""
+    text = "\0".join([*parts, torch.__version__, str(torch.version.cuda)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def compiler_errors(log: str, limit: int = 40) -> str:
+    """The lines of a compiler's output that name errors (else its last lines)."""
     lines = [ln for ln in log.splitlines() if re.search(r"error|Error|ERROR", ln)]
     return "\n".join((lines or log.splitlines())[-limit:])
+
+
+@contextlib.contextmanager
+def build_lock(name: str):
+    """Holds the cross-process build lock of library ``name`` (in ``cache_dir()``)."""
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "a") as lock:  # closing the file releases the lock
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root
+
+
+def import_extension(name: str, library: Path) -> ModuleType:
+    """Imports a compiled Python extension from its file."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def announce_build(what: str, where: Path) -> float:
+    """The build's first stderr line; returns its start time for ``announce_built``."""
+    print(f"gemmfuse: building {what}: not in cache {where}", file=sys.stderr)
+    return time.perf_counter()
+
+
+def announce_built(name: str, where: Path, start: float) -> None:
+    seconds = time.perf_counter() - start
+    print(f"gemmfuse: built {name} in {seconds:.1f} s, cached in {where}", file=sys.stderr)
+
+
+def build_in_child(loader: str, arguments: dict, what: str, build_dir: Path) -> None:
+    """Runs ``torch.utils.cpp_extension.<loader>(**arguments)`` in a child process; raises
+    BuildError with the compiler's errors."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    child = subprocess.run(
+        [sys.executable, "-c", _BUILD_PROGRAM],
+        input=json.dumps({"loader": loader, "arguments": arguments}),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        check=False,
+    )
+    if child.returncode != 0:
+        raise BuildError(
+            f"gemmfuse: compiling {what} in {build_dir} failed "
+            f"(exit status {child.returncode}):\n{compiler_errors(child.stdout + child.stderr)}"
+        )
 
 
 def load_extension(
@@ -90,74 +145,39 @@ def load_extension(
     device: torch.device | int | None = None,
     label: object = None,
 ) -> ModuleType:
-    """Builds (or finds in the cache) the extension for these sources and imports it.
+    """Builds (or finds in the cache) one load_inline extension of these sources and imports it;
+    ``cpp_source`` defines the Python module (PYBIND11_MODULE).
 
     Called on every forward: a loaded extension is found by a dict lookup (the source strings
     keep their hashes), so the sources are hashed with sha256 only once per process. ``label``
     (the chain structure, say) names what is built in the build's progress lines.
     """
-    # -fno-gnu-unique: each chain's library keeps its templates' statics to itself (they share
-    # names across libraries; as GNU unique symbols the process would hold one copy of each)
-    cuda_flags = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler=-fno-gnu-unique",
-                  *arch_flags(device))  # fmt: skip
+    cuda_flags = (*CUDA_FLAGS, *arch_flags(device))
     key = (prefix, cpp_source, cuda_source, cuda_flags)
     module = _LOADED.get(key)
     if module is None:
-        digest = hashlib.sha256(
-            "\0".join(
-                [cpp_source, cuda_source, *cuda_flags, torch.__version__, str(torch.version.cuda)]
-            ).encode()
-        ).hexdigest()[:16]
-        module = _find_or_build(key, f"{prefix}_{digest}", label)
+        name = f"{prefix}_{digest(cpp_source, cuda_source, *cuda_flags, *CXX_FLAGS)}"
+        with build_lock(name) as root:
+            if key not in _LOADED:
+                library = root / name / f"{name}.so"
+                if not library.exists():
+                    _build_inline(name, root / name, key, label)
+                _LOADED[key] = import_extension(name, library)
+        module = _LOADED[key]
     return module
 
 
-def _find_or_build(key: tuple, name: str, label: object) -> ModuleType:
-    """Under the build lock: the module this process loaded meanwhile, else the cached library
-    (built first if absent) imported."""
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{name}.lock", "a") as lock:  # closing the file releases the lock
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if key not in _LOADED:
-            library = root / name / f"{name}.so"
-            if not library.exists():
-                _, cpp_source, cuda_source, cuda_flags = key
-                _build(name, root / name, cpp_source, cuda_source, cuda_flags, label)
-            spec = importlib.util.spec_from_file_location(name, library)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            _LOADED[key] = module
-        return _LOADED[key]
-
-
-def _build(name, build_dir, cpp_source, cuda_source, cuda_flags, label) -> None:
-    """Runs load_inline in a child process; raises BuildError with the compiler's errors."""
-    what = name if label is None else f"{name} for {label}"
-    print(f"gemmfuse: building CUDA extension {what}: not in cache {build_dir}", file=sys.stderr)
-    start = time.perf_counter()
-    build_dir.mkdir(parents=True, exist_ok=True)
+def _build_inline(name: str, build_dir: Path, key: tuple, label: object) -> None:
+    _, cpp_source, cuda_source, cuda_flags = key
+    what = f"CUDA extension {name}" + ("" if label is None else f" for {label}")
+    start = announce_build(what, build_dir)
     arguments = {
         "name": name,
         "cpp_sources": [cpp_source],
         "cuda_sources": [cuda_source],
-        "functions": EXTENSION_FUNCTIONS,
-        "extra_cflags": ["-O3", "-std=c++17", "-fno-gnu-unique"],
+        "extra_cflags": list(CXX_FLAGS),
         "extra_cuda_cflags": list(cuda_flags),
         "build_directory": str(build_dir),
     }
-    child = subprocess.run(
-        [sys.executable, "-c", _BUILD_PROGRAM],
-        input=json.dumps(arguments),
-        capture_output=True,
-        text=True,
-        errors="replace",
-        check=False,
-    )
-    if child.returncode != 0:
-        raise BuildError(
-            f"gemmfuse: compiling CUDA extension {what} in {build_dir} failed "
-            f"(exit status {child.returncode}):\n{_compiler_errors(child.stdout + child.stderr)}"
-        )
-    seconds = time.perf_counter() - start
-    print(f"gemmfuse: built {name} in {seconds:.1f} s, cached in {build_dir}", file=sys.stderr)
+    build_in_child("load_inline", arguments, what, build_dir)
+    announce_built(name, build_dir, start)

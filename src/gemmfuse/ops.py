@@ -56,8 +56,8 @@ from gemmfuse.dispatch import (
     take_path,
 )
 from gemmfuse.epilogue import Epilogue, epilogue_spec
+from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_pointwise, linear_epilogue
-from gemmfuse.sources import extension_for
 from gemmfuse.validation import validate
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
 

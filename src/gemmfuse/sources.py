@@ -1,26 +1,41 @@
-"""The CUDA sources of a fused kernel: csrc/ files with the generated epilogue spliced in.
+"""The CUDA sources of a chain: csrc/ files with the generated epilogue spliced in, and the
+object through which the package calls a chain's kernels.
 
 ``flatten`` turns a translation unit and the files it includes (local ``#include "..."`` lines
-inlined, each header once) into one string, the form ``load_inline`` takes. It reads the files
-from a mapping, name -> text: the package's csrc/ directory here (``read_csrc``), the texts a
-standalone export embeds there, so an export builds a kernel for any epilogue structure exactly
-as the package does. ``extension_for`` builds and caches the extension of a chain.
+inlined, each header once) into one string. It reads the files from a mapping, name -> text:
+the package's csrc/ directory here (``read_csrc``), the texts a standalone export embeds there,
+so an export builds a kernel for any epilogue structure exactly as the package does.
+
+:class:`ChainKernels` is what ``extension_for`` returns, in the package and in an export alike:
+the host extension's entry points with the chain library's table bound. The package's
+``extension_for`` is gemmfuse/jit.py's (a host extension built once, a chain's parts compiled
+in parallel); a standalone export bundles this module's instead, which builds the binding and
+every part as one ``load_inline`` library (a KernelBench rule), and ops.py and autograd.py call
+whichever the file they run in defines.
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.
 """
 
+import functools
 import re
 from collections.abc import Mapping
 from functools import cache
+from pathlib import Path
 from types import ModuleType
 
 from gemmfuse.build import load_extension
-from gemmfuse.epilogue import Epilogue, cuda_epilogue
+from gemmfuse.dispatch import GEMV_MAX_ROWS, TILE
+from gemmfuse.epilogue import MAX_TENSORS, Epilogue, cuda_epilogue
 from gemmfuse.kernel_files import read_csrc
 
 GENERATED_HEADER = "epilogue_generated.cuh"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+# The host extension's entry points (csrc/binding.cpp's PYBIND11_MODULE): those that launch a
+# chain's kernels take its table first; the splits serve every chain.
+CHAIN_FUNCTIONS = ("gemm_split", "fused_forward", "fused_forward_bf16", "epilogue_forward",
+                   "gemv_forward", "chain_backward", "chain_backward_plan")  # fmt: skip
+SHARED_FUNCTIONS = ("split_rows", "split_cols")
 
 
 def _flatten(files: Mapping[str, str], name: str, generated: str, seen: set[str]) -> list[str]:
@@ -43,20 +58,52 @@ def _flatten(files: Mapping[str, str], name: str, generated: str, seen: set[str]
     return out
 
 
-def flatten(files: Mapping[str, str], name: str, generated: str) -> str:
+def flatten(files: Mapping[str, str], name: str, generated: str = "") -> str:
     """``files[name]`` with its local includes inlined; ``GENERATED_HEADER`` is ``generated``."""
     return "\n".join(_flatten(files, name, generated, set())) + "\n"
 
 
+def check_constants(host: ModuleType) -> None:
+    """Raises RuntimeError if the constants Python keeps differ from the compiled extension's."""
+    ours = {"tile": TILE, "gemv_max_rows": GEMV_MAX_ROWS, "max_params": MAX_TENSORS}
+    theirs = dict(host.constants())
+    if theirs != ours:
+        raise RuntimeError(f"gemmfuse: csrc/ constants {theirs} differ from Python's {ours}")
+
+
+class ChainKernels:
+    """A chain's entry points: the host extension's functions, the chain's table bound first.
+
+    ``library`` is the file holding the chain's kernels (for inspection: cuobjdump, ncu).
+    """
+
+    def __init__(self, host: ModuleType, table: int, library: Path, keep=None):
+        host.check_table(table)
+        for name in CHAIN_FUNCTIONS:
+            setattr(self, name, functools.partial(getattr(host, name), table))
+        for name in SHARED_FUNCTIONS:
+            setattr(self, name, getattr(host, name))
+        self.library = library
+        self._keep = keep  # what keeps the library loaded (the package's ctypes handle)
+
+
 @cache
 def extension_sources(structure: Epilogue) -> tuple[str, str]:
-    """(C++ binding, CUDA translation unit) for an epilogue structure."""
+    """(C++ binding, CUDA translation unit) of a standalone export's one library."""
     files = read_csrc()
     generated = cuda_epilogue(structure)
-    return flatten(files, "binding.cpp", generated), flatten(files, "fused_linear.cu", generated)
+    return flatten(files, "binding.cpp"), flatten(files, "fused_linear.cu", generated)
 
 
-def extension_for(epilogue: Epilogue) -> ModuleType:
-    """The compiled extension for this chain's structure (built once, then cached)."""
+@cache
+def _kernels_of(module: ModuleType) -> ChainKernels:
+    check_constants(module)
+    return ChainKernels(module, module.linked_chain_table(), Path(module.__spec__.origin))
+
+
+def extension_for(epilogue: Epilogue) -> ChainKernels:
+    """A standalone export's kernels of this chain: binding and kernels in one load_inline
+    library (built once, then cached). The package's own is gemmfuse.jit.extension_for."""
     structure = epilogue.structure
-    return load_extension("gemmfuse_fused", *extension_sources(structure), label=structure)
+    module = load_extension("gemmfuse_fused", *extension_sources(structure), label=structure)
+    return _kernels_of(module)

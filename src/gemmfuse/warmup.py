@@ -23,7 +23,7 @@ from gemmfuse.modules import FusedLinear
 # The child's program: the structure arrives as its repr (an expression of gemmfuse.epilogue's
 # names), and build.py prints "gemmfuse: building ..." on stderr only when it compiles.
 _BUILD_ONE = (
-    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.sources import extension_for\n"
+    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.jit import extension_for\n"
     "extension_for(eval(sys.argv[1]))"
 )
 

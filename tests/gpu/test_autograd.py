@@ -62,13 +62,13 @@ from gemmfuse import FusedLinear, optimize
 from gemmfuse.chains import chain_pool, layer_norm_chain, linear_data
 from gemmfuse.dispatch import fused_pays
 from gemmfuse.epilogue import Epilogue
+from gemmfuse.jit import extension_for
 from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.harness import load_custom_model, static_check_errors, time_cuda_events
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.reference import apply_epilogue, apply_pointwise
-from gemmfuse.sources import extension_for
 from gpu.test_accuracy import DATA as HARD_DATA
 from gpu.test_accuracy import GROUPS as HARD_GROUPS
 from gpu.test_accuracy import K as HARD_K

@@ -11,7 +11,7 @@ from gemmfuse.warmup import structures_for
 pytestmark = pytest.mark.gpu
 
 LOAD_ALL = (
-    "from gemmfuse.sources import extension_for\nfrom gemmfuse.warmup import structures_for\n"
+    "from gemmfuse.jit import extension_for\nfrom gemmfuse.warmup import structures_for\n"
     "for s in structures_for('62'):\n    extension_for(s)\n"
 )
 

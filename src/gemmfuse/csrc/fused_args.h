@@ -1,5 +1,5 @@
-// Arguments shared by the host binding (binding.cpp, a plain C++ translation unit) and the
-// kernels (fused_linear.cu).
+// Arguments and constants shared by the host binding (binding.cpp, a plain C++ translation unit)
+// and the kernels (the chain_*.cu parts of a chain's library).
 #pragma once
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -9,6 +9,8 @@
 namespace gemmfuse {
 
 constexpr int kMaxParams = 8;
+constexpr int kTile = 128;       // output tile side of every fused kernel
+constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) takes 1 to this
 
 // Run-time arguments of the epilogue ops: floats (a LeakyReLU slope, a multiplier) and
 // per-channel fp32 vectors (indexed by output column). The generated epilogue reads them by
@@ -94,23 +96,6 @@ struct BackwardPlan {
   int in_registers = 0;
 };
 
-// Defined in fused_linear.cu, one translation unit per epilogue.
-int fused_reduce_kind();
-bool fused_is_plain();  // the epilogue is the identity (a plain GEMM + bias)
-int fused_tile();  // side of the square output tile
-cudaError_t launch_split_rows_f32(const float* x, int64_t row_stride, int rows, int k,
-                                  int k_padded, __half* hi, __half* lo, float* inv_scale,
-                                  cudaStream_t stream);
-// The transposed split: x [rows, cols] (row stride in elements) -> hi, lo [cols, rows_padded]
-// and inv_scale [cols], each column of x scaled as split_rows scales a row. col_max is scratch of
-// split_cols_chunks(rows) * cols floats.
-cudaError_t launch_split_cols_f32(const float* x, int64_t row_stride, int rows, int cols,
-                                  int rows_padded, __half* hi, __half* lo, float* inv_scale,
-                                  float* col_max, cudaStream_t stream);
-int split_cols_chunks(int rows);
-// kernel: 0 picks by device (Hopper's on sm_90, else the portable one), 1 the portable sm_80
-// kernel, 2 the Hopper kernel (sm_90 only).
-cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream);
 // The epilogue path's operands for a few rows (gemv_epilogue.cuh): x and W themselves, float32.
 struct GemvArgs {
   const float* x;  // [M, K], row stride x_stride, rows 16-byte aligned
@@ -120,20 +105,5 @@ struct GemvArgs {
   float2* partial;  // [K slices, M, N]: each slice's compensated sums (value, error)
   int* counter;     // [column windows + 1 (the rows')], zero on entry, left zero on exit
 };
-
-// The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain
-// tile by tile (and, with args.norm_wide, row by row), in place or into args.row_out.
-cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream);
-// The epilogue path at M <= gemv_max_rows(): x @ W^T + b and the chain in one launch (two for
-// groups wider than a tile); args.bias is W's bias.
-cudaError_t launch_gemv_epilogue(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
-int gemv_max_rows();
-// The chain's backward: how many column sums it writes (epilogue.column_sum_slots), how it is
-// cut for M x N (BackwardPlan), its launch.
-int chain_backward_sums();
-BackwardPlan chain_backward_plan(int M, int N, int group_size);
-cudaError_t launch_chain_backward(const BackwardArgs& args, const BackwardPlan& plan,
-                                  cudaStream_t stream);
-int gemv_slice_for(int K, int N);  // K per block for this device
 
 }  // namespace gemmfuse

@@ -479,28 +479,28 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
   return cudaGetLastError();
 }
 
-template <class Epi>
+// Launches one variant (each a part of its own: chain_sm90_*.cu): its operand maps, then the
+// kernel; args.split and args.bf16 must name the same variant.
+template <class Epi, bool kSplit, bool kBf16>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
-  if (args.k_padded % kBlockK != 0 || (args.bf16 && args.split)) return cudaErrorInvalidValue;
+  if (args.k_padded % kBlockK != 0 || (args.bf16 != 0) != kBf16 || (args.split != 0) != kSplit)
+    return cudaErrorInvalidValue;
   CUtensorMap maps[4];
-  const bool bf16 = args.bf16 != 0;
   const struct {
     const void* base;
     int rows;
     int64_t stride;
   } operands[4] = {{args.a_hi, args.M, args.a_row_stride},
-                   {args.split ? args.a_lo : args.a_hi, args.M, args.a_row_stride},
+                   {kSplit ? args.a_lo : args.a_hi, args.M, args.a_row_stride},
                    {args.b_hi, args.N, args.b_row_stride},
-                   {args.split ? args.b_lo : args.b_hi, args.N, args.b_row_stride}};
+                   {kSplit ? args.b_lo : args.b_hi, args.N, args.b_row_stride}};
   for (int i = 0; i < 4; ++i) {
     const cudaError_t err = encode_operand(&maps[i], operands[i].base, operands[i].rows,
-                                           args.k_cols, operands[i].stride, bf16);
+                                           args.k_cols, operands[i].stride, kBf16);
     if (err != cudaSuccess) return err;
   }
-  if (bf16) return launch_kernel<Epi, false, true>(maps, args, stream);
-  if (args.split) return launch_kernel<Epi, true, false>(maps, args, stream);
-  return launch_kernel<Epi, false, false>(maps, args, stream);
+  return launch_kernel<Epi, kSplit, kBf16>(maps, args, stream);
 }
 
 }  // namespace sm90

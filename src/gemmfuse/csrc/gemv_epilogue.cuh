@@ -24,10 +24,10 @@
 namespace gemmfuse {
 
 constexpr int kGemvThreads = 256;
-// The compensated sums cost about ten flops per product: at one or two rows the kernel streams W
+// kGemvMaxRows (fused_args.h): the compensated sums cost about ten flops per product: at one or
+// two rows the kernel streams W
 // at memory speed, at eight it was compute-bound (0.32 ms against eager's 0.22 ms at N = K =
 // 8192, commit c09be89), so more rows take PyTorch's GEMM and the tile kernel.
-constexpr int kGemvMaxRows = 2;
 constexpr int kGemvMaxSlice = 2048;  // K per block at most: x's slice fits shared memory
 // A warp streams W a row at a time with kGemvRowLoads 16-byte loads per lane in flight, or, over
 // slices of at most kGemvShortSlice of K, kGemvShortRows rows at a time with one load each.

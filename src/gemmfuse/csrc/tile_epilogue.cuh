@@ -19,7 +19,6 @@
 
 namespace gemmfuse {
 
-constexpr int kTile = 128;           // output tile side, both kernels
 constexpr int kEpiStride = kTile + 1;
 
 // A GEMM result as the epilogue's input: unscaled (row and column powers of two), biased,

@@ -1,0 +1,13 @@
+// Binds the host extension's epilogue entry points (one translation unit per group: pybind11's
+// templates are most of the extension's compile time).
+#include "host_bindings.h"
+
+void bind_epilogue(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("epilogue_forward", &epilogue_forward, py::arg("table"), py::arg("y"),
+        py::arg("gn_weight"), py::arg("gn_bias"), py::arg("vec_params"), py::arg("scalar_params"),
+        py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"));
+  m.def("gemv_forward", &gemv_forward, py::arg("table"), py::arg("x"), py::arg("w"),
+        py::arg("bias"), py::arg("gn_weight"), py::arg("gn_bias"), py::arg("vec_params"),
+        py::arg("scalar_params"), py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"));
+}

@@ -1,0 +1,28 @@
+// What every part of a chain's library starts with: the argument structs, the pointwise
+// derivatives the generated code calls, the generated epilogue (GeneratedEpilogue) and the
+// parts' entry points, which chain_table.cu's dispatch calls.
+#pragma once
+#include "fused_args.h"
+#include "pointwise_grad.cuh"
+#include "epilogue_generated.cuh"
+#include "chain_table.h"
+
+namespace gemmfuse {
+namespace parts {
+
+// One kernel family each, in a translation unit of its own (compiled in parallel): the Hopper
+// kernel's three variants, the portable kernel, the wide-GroupNorm finalize pass, the epilogue
+// path's tile kernels, the few-rows kernel, the chain's backward.
+cudaError_t sm90_split(const FusedArgs& args, cudaStream_t stream);
+cudaError_t sm90_one_pass(const FusedArgs& args, cudaStream_t stream);
+cudaError_t sm90_bf16(const FusedArgs& args, cudaStream_t stream);
+cudaError_t sm80(const FusedArgs& args, cudaStream_t stream);
+cudaError_t finalize(const FusedArgs& args, cudaStream_t stream);
+cudaError_t tile_epilogue(const FusedArgs& args, cudaStream_t stream);
+cudaError_t gemv(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
+int gemv_slice(int K, int N);
+BackwardPlan backward_plan(int M, int N, int group_size);
+cudaError_t backward(const BackwardArgs& args, const BackwardPlan& plan, cudaStream_t stream);
+
+}  // namespace parts
+}  // namespace gemmfuse

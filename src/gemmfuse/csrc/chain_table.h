@@ -1,0 +1,36 @@
+// The interface between the host extension (binding.cpp and split.cu: built once per torch
+// version, CUDA version and GPU architecture) and a chain's library (the chain_*.cu parts: built
+// per epilogue structure). The library exports gemmfuse_chain_table(); the binding launches
+// through the table it returns, after checking that both sides were built from one layout.
+#pragma once
+#include "fused_args.h"
+
+namespace gemmfuse {
+
+// Bump when ChainTable or an argument struct changes meaning without changing size.
+constexpr int kChainTableVersion = 1;
+
+struct ChainTable {
+  // Checked by the binding (check_table): the layout the library was compiled with.
+  int version;
+  int table_bytes, fused_args_bytes, backward_args_bytes, gemv_args_bytes;
+  int reduce_kind;  // the channel reduction: REDUCTIONS in epilogue.py, 0 none
+  int is_plain;     // the epilogue is the identity (a plain GEMM + bias)
+  int column_sums;  // the column sums chain_backward writes (epilogue.column_sum_slots)
+  // kernel: 0 picks by device (Hopper's on sm_90, else the portable one), 1 the portable sm_80
+  // kernel, 2 the Hopper kernel (sm_90 only). With args.norm_wide, norm_finalize follows.
+  cudaError_t (*launch_fused)(const FusedArgs& args, int kernel, cudaStream_t stream);
+  // The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain
+  // tile by tile (and, with args.norm_wide, row by row), in place or into args.row_out.
+  cudaError_t (*launch_epilogue_only)(const FusedArgs& args, cudaStream_t stream);
+  // The epilogue path at M <= kGemvMaxRows: x @ W^T + b and the chain in one launch (two for
+  // groups wider than a tile); args.bias is W's bias.
+  cudaError_t (*launch_gemv)(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
+  int (*gemv_slice)(int K, int N);  // K per gemv block on the current device
+  // How the chain's backward cuts M x N (row_blocks 0: it does not fit), and its launch.
+  BackwardPlan (*backward_plan)(int M, int N, int group_size);
+  cudaError_t (*launch_backward)(const BackwardArgs& args, const BackwardPlan& plan,
+                                 cudaStream_t stream);
+};
+
+}  // namespace gemmfuse

@@ -1,0 +1,176 @@
+// What the host extension's translation units share (host_*.cpp): the headers, and the checks
+// and allocations of every entry point. The host extension does the checks, allocation and
+// launches on the current stream for every chain: Python (gemmfuse/ops.py) validates user input
+// first and raises readable errors; the checks here are the last line of defence against a
+// malformed internal call.
+//
+// Built once per torch version, CUDA version and GPU architecture (gemmfuse/jit.py), in
+// translation units compiled in parallel, with only the headers they need: not
+// torch/extension.h (three times as long to parse), not at::empty's (tensors are allocated with
+// Tensor methods), pybind11 only in host_module.cpp. A standalone export compiles them as one
+// (binding.cpp).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "chain_table.h"
+#include "host_entry.h"
+#include "split.h"
+
+namespace gemmfuse {
+namespace host {
+
+inline const gemmfuse::ChainTable& chain(int64_t table) {
+  TORCH_CHECK(table != 0, "gemmfuse: no chain table");
+  return *reinterpret_cast<const gemmfuse::ChainTable*>(table);
+}
+
+inline void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "gemmfuse: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+inline void check_vector(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                  t->numel() == n,
+              "gemmfuse: ", name, " must be a contiguous float32 CUDA tensor of ", n, " elements");
+}
+
+inline const float* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+// Zeroed int32 arrival counters, one set per device, stream and use (kRowCounters: the reducing
+// epilogue's, per row tile; kWindowCounters: the few-rows GEMV's, per column window): kernels
+// leave them zero, and launches on one stream run in order, so a set is reused.
+enum CounterUse { kRowCounters, kWindowCounters };
+inline int* arrival_counters(const at::Tensor& like, int64_t n, cudaStream_t stream, CounterUse use) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, cudaStream_t, CounterUse>, at::Tensor> counters;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& counter = counters[{like.get_device(), stream, use}];
+  if (!counter.defined() || counter.numel() < n)
+    counter = like.new_zeros({std::max<int64_t>(n, 64)}, like.options().dtype(at::kInt));
+  return counter.data_ptr<int>();
+}
+
+// GroupNorm moments per (row, kTile-column window): a window meets at most
+// (kTile - 1) / group_size + 2 groups, the layout norm_finalize.cuh reads.
+inline int segments_per_tile(int64_t group_size) {
+  return static_cast<int>((gemmfuse::kTile - 1) / group_size + 2);
+}
+
+// Allocates what the launch writes and points `args` at it; returns the tensors, which must
+// live until the launch: first the result ([M, N] in out_dtype, or fp32 [M] when the epilogue
+// reduces; none when args.out is given and is the result), then scratch. With args.norm_wide
+// set, the first kernel writes pre-norm fp32 values to args.out (the result itself for an fp32
+// chain without reduction) and per-segment GroupNorm moments.
+inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& table,
+                                                gemmfuse::FusedArgs& args, const at::Tensor& x,
+                                         at::ScalarType out_dtype, cudaStream_t stream) {
+  const int64_t M = args.M, N = args.N, tile = gemmfuse::kTile;
+  const int64_t n_tiles = (N + tile - 1) / tile, m_tiles = (M + tile - 1) / tile;
+  const auto f32 = x.options().dtype(at::kFloat);
+  const int reduce = table.reduce_kind;
+  std::vector<at::Tensor> keep;
+  if (reduce != 0) {
+    keep.push_back(x.new_empty({M}, f32));
+    args.row_out = keep.back().data_ptr<float>();
+  } else if (out_dtype == at::kBFloat16) {
+    keep.push_back(x.new_empty({M, N}, x.options().dtype(out_dtype)));
+    args.out_bf16 = reinterpret_cast<__nv_bfloat16*>(keep.back().data_ptr());
+  }
+  const bool needs_out = args.norm_wide || (reduce == 0 && out_dtype != at::kBFloat16);
+  if (needs_out && args.out == nullptr) {
+    keep.push_back(x.new_empty({M, N}, f32));
+    args.out = keep.back().data_ptr<float>();
+  }
+  if (args.norm_wide) {
+    args.stats_per_tile = segments_per_tile(args.group_size);
+    keep.push_back(x.new_empty({M, n_tiles * args.stats_per_tile * 4}, f32));
+    args.norm_stats = reinterpret_cast<float4*>(keep.back().data_ptr<float>());
+  } else if (reduce != 0) {
+    // (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh): twice the partials.
+    keep.push_back(x.new_empty({reduce >= 3 ? 2 * n_tiles : n_tiles, M}, f32));
+    args.row_partial = keep.back().data_ptr<float>();
+    args.row_counter = arrival_counters(x, m_tiles, stream, kRowCounters);
+  }
+  return keep;
+}
+
+inline void set_channel_params(gemmfuse::FusedArgs& args, const std::vector<at::Tensor>& vec_params,
+                        const std::vector<double>& scalar_params) {
+  TORCH_CHECK(vec_params.size() <= gemmfuse::kMaxParams && scalar_params.size() <= gemmfuse::kMaxParams,
+              "gemmfuse: too many epilogue arguments");
+  for (size_t i = 0; i < vec_params.size(); ++i) {
+    check_vector(vec_params[i], args.N, "epilogue tensor argument");
+    args.params.vec[i] = vec_params[i].data_ptr<float>();
+  }
+  for (size_t i = 0; i < scalar_params.size(); ++i)
+    args.params.scalar[i] = static_cast<float>(scalar_params[i]);
+}
+
+// The chain's share of the kernel arguments, checked: sizes, the bias and GroupNorm vectors
+// (float32, contiguous, N long), the group size and the epilogue's own arguments.
+inline gemmfuse::FusedArgs chain_args(int64_t M, int64_t N, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& gn_weight,
+                               const std::optional<at::Tensor>& gn_bias,
+                               const std::vector<at::Tensor>& vec_params,
+                               const std::vector<double>& scalar_params, int64_t group_size,
+                               double eps, bool norm_wide) {
+  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31), "gemmfuse: sizes must fit in 32 bits");
+  TORCH_CHECK(group_size >= 1 && N % group_size == 0, "gemmfuse: group_size must divide N");
+  check_vector(bias, N, "bias");
+  check_vector(gn_weight, N, "gn_weight");
+  check_vector(gn_bias, N, "gn_bias");
+  TORCH_CHECK(gn_weight.has_value() == gn_bias.has_value(), "gemmfuse: gn_weight and gn_bias go together");
+  gemmfuse::FusedArgs args{};
+  args.bias = ptr_or_null(bias);
+  args.gn_weight = ptr_or_null(gn_weight);
+  args.gn_bias = ptr_or_null(gn_bias);
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(N);
+  set_channel_params(args, vec_params, scalar_params);
+  args.group_size = static_cast<int>(group_size);
+  args.eps = static_cast<float>(eps);
+  args.norm_wide = norm_wide ? 1 : 0;
+  return args;
+}
+
+// The optional z output (autograd's saved GEMM result): [M, N], contiguous, of the model's dtype.
+inline void set_z_out(gemmfuse::FusedArgs& args, const std::optional<at::Tensor>& z_out,
+               const at::Tensor& x) {
+  if (!z_out.has_value()) return;
+  TORCH_CHECK(z_out->device() == x.device() && z_out->scalar_type() == x.scalar_type() &&
+                  z_out->is_contiguous() && z_out->dim() == 2 && z_out->size(0) == args.M &&
+                  z_out->size(1) == args.N,
+              "gemmfuse: z_out must be a contiguous [M, N] tensor of x's dtype on x's device");
+  if (x.scalar_type() == at::kBFloat16)
+    args.z_out_bf16 = reinterpret_cast<__nv_bfloat16*>(z_out->data_ptr());
+  else
+    args.z_out = z_out->data_ptr<float>();
+}
+
+// A split operand (split_rows or split_cols): fp16 hi, lo [rows, k_padded], fp32 scales [rows].
+inline void check_split(const at::Tensor& hi, const at::Tensor& lo, const at::Tensor& inv_scale,
+                 const char* name) {
+  TORCH_CHECK(hi.is_cuda() && hi.scalar_type() == at::kHalf && hi.dim() == 2 &&
+                  hi.is_contiguous() && lo.sizes() == hi.sizes() && lo.is_contiguous() &&
+                  lo.scalar_type() == at::kHalf && lo.device() == hi.device() &&
+                  hi.size(1) % 64 == 0 && hi.size(0) < (int64_t{1} << 31) &&
+                  hi.size(1) < (int64_t{1} << 31),
+              "gemmfuse: ", name, " must be a split_rows/split_cols result");
+  TORCH_CHECK(inv_scale.device() == hi.device(), "gemmfuse: ", name, " scales on another device");
+  check_vector(inv_scale, hi.size(0), name);
+}
+
+}  // namespace host
+}  // namespace gemmfuse

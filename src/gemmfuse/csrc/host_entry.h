@@ -1,0 +1,46 @@
+// The host extension's entry points, as host_module.cpp binds them for Python (names and
+// arguments: gemmfuse/sources.py's CHAIN_FUNCTIONS and SHARED_FUNCTIONS). Those taking `table`
+// launch the kernels of the chain library whose ChainTable (chain_table.h) it addresses.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+std::vector<at::Tensor> split_rows(at::Tensor x, int64_t k_padded);
+std::vector<at::Tensor> split_cols(at::Tensor x, int64_t rows_padded);
+at::Tensor gemm_split(int64_t table, at::Tensor a_hi, at::Tensor a_lo, at::Tensor a_inv_scale,
+                      at::Tensor b_hi, at::Tensor b_lo, at::Tensor b_inv_scale, int64_t kernel,
+                      bool split);
+at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tensor w_lo,
+                         at::Tensor w_inv_scale, std::optional<at::Tensor> bias,
+                         std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
+                         std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
+                         int64_t group_size, double eps, int64_t kernel, bool split, bool norm_wide,
+                         std::optional<at::Tensor> z_out);
+at::Tensor fused_forward_bf16(int64_t table, at::Tensor x, at::Tensor w,
+                              std::optional<at::Tensor> bias, std::optional<at::Tensor> gn_weight,
+                              std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
+                              std::vector<double> scalar_params, int64_t group_size, double eps,
+                              bool norm_wide, std::optional<at::Tensor> z_out);
+at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
+                            std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
+                            std::vector<double> scalar_params, int64_t group_size, double eps,
+                            bool norm_wide);
+at::Tensor gemv_forward(int64_t table, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias,
+                        std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
+                        std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
+                        int64_t group_size, double eps, bool norm_wide);
+std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor grad,
+                                       std::optional<at::Tensor> gn_weight,
+                                       std::optional<at::Tensor> gn_bias,
+                                       std::vector<at::Tensor> vec_params,
+                                       std::vector<double> scalar_params, int64_t group_size,
+                                       double eps);
+std::vector<int64_t> chain_backward_plan(int64_t table, int64_t M, int64_t N, int64_t group_size);
+void check_table(int64_t table);
+int64_t linked_chain_table();
+std::map<std::string, int64_t> constants();

@@ -1,0 +1,146 @@
+// The host extension's forward entry points: the fused kernels, the epilogue path and the few-rows kernel.
+#include "host_common.h"
+
+using namespace gemmfuse::host;
+
+// x [M, K] float32 -> epilogue(x @ W^T + bias): [M, N], or [M] when the epilogue reduces
+// across channels. W arrives pre-split (split_rows) as w_hi, w_lo [N, k_padded], w_inv_scale [N].
+at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tensor w_lo,
+                         at::Tensor w_inv_scale, std::optional<at::Tensor> bias,
+                         std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
+                         std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
+                         int64_t group_size, double eps, int64_t kernel, bool split, bool norm_wide,
+                         std::optional<at::Tensor> z_out) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "gemmfuse: x must be a 2-D float32 CUDA tensor");
+  const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
+  TORCH_CHECK(w_hi.scalar_type() == at::kHalf && w_lo.sizes() == w_hi.sizes() &&
+                  w_hi.is_contiguous() && w_lo.is_contiguous() && w_hi.device() == x.device(),
+              "gemmfuse: malformed weight split");
+  TORCH_CHECK(x.size(1) <= k_padded && k_padded - x.size(1) < 64, "gemmfuse: x and weight K differ");
+  check_vector(w_inv_scale, N, "w_inv_scale");
+  gemmfuse::FusedArgs args = chain_args(M, N, bias, gn_weight, gn_bias, vec_params, scalar_params,
+                                        group_size, eps, norm_wide);
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+
+  x = x.stride(1) == 1 ? x : x.contiguous();
+  auto a = split_rows(x, k_padded);
+
+  args.a_hi = reinterpret_cast<const __half*>(a[0].data_ptr<at::Half>());
+  args.a_lo = reinterpret_cast<const __half*>(a[1].data_ptr<at::Half>());
+  args.a_inv_scale = a[2].data_ptr<float>();
+  args.b_hi = reinterpret_cast<const __half*>(w_hi.data_ptr<at::Half>());
+  args.b_lo = reinterpret_cast<const __half*>(w_lo.data_ptr<at::Half>());
+  args.b_inv_scale = w_inv_scale.data_ptr<float>();
+  args.k_padded = static_cast<int>(k_padded);
+  args.k_cols = static_cast<int>(k_padded);  // the split pre-pass zero-pads to k_padded
+  args.a_row_stride = args.b_row_stride = k_padded;
+  args.split = split ? 1 : 0;
+  set_z_out(args, z_out, x);
+
+  TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
+  const gemmfuse::ChainTable& t = chain(table);
+  const auto outputs = allocate_outputs(t, args, x, at::kFloat, stream);
+  check_cuda(t.launch_fused(args, static_cast<int>(kernel), stream), "fused kernel launch");
+  return outputs.front();
+}
+
+// A bfloat16 model on Hopper: x [M, K] and W [N, K] in bf16 go to the tensor cores as they are
+// (one pass, fp32 accumulation); the epilogue runs in fp32 (the bias and GroupNorm vectors come
+// as float32); the output is bf16 ([M, N], or [M] when the epilogue reduces). K must be a
+// multiple of 8 (16-byte rows for TMA).
+at::Tensor fused_forward_bf16(int64_t table, at::Tensor x, at::Tensor w,
+                              std::optional<at::Tensor> bias, std::optional<at::Tensor> gn_weight,
+                              std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
+                              std::vector<double> scalar_params, int64_t group_size, double eps,
+                              bool norm_wide, std::optional<at::Tensor> z_out) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "gemmfuse: x must be a 2-D bfloat16 CUDA tensor with unit column stride");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
+                  w.device() == x.device() && w.size(1) == x.size(1),
+              "gemmfuse: w must be a contiguous bfloat16 [N, K] tensor on x's device");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  TORCH_CHECK(K % 8 == 0 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "gemmfuse: bf16 rows must be 16-byte aligned (K a multiple of 8)");
+  TORCH_CHECK(K < (int64_t{1} << 30), "gemmfuse: sizes must fit in 32 bits");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  gemmfuse::FusedArgs args = chain_args(M, N, bias, gn_weight, gn_bias, vec_params, scalar_params,
+                                        group_size, eps, norm_wide);
+  args.a_hi = reinterpret_cast<const __half*>(x.data_ptr());  // bf16 bits; the kernel knows
+  args.b_hi = reinterpret_cast<const __half*>(w.data_ptr());
+  args.k_padded = static_cast<int>((K + 63) / 64 * 64);
+  args.k_cols = static_cast<int>(K);
+  args.a_row_stride = x.stride(0);
+  args.b_row_stride = K;
+  args.split = 0;
+  args.bf16 = 1;
+  args.params.round_bf16 = 1;
+  set_z_out(args, z_out, x);
+  const gemmfuse::ChainTable& t = chain(table);
+  const auto outputs = allocate_outputs(t, args, x, at::kBFloat16, stream);
+  check_cuda(t.launch_fused(args, 2, stream), "fused bf16 kernel launch");
+  const auto& result = outputs.front();
+  return result.scalar_type() == at::kBFloat16 ? result : result.to(at::kBFloat16);
+}
+
+// The epilogue path: y = x @ W^T + b [M, N] float32, computed by PyTorch (its fp32 GEMM, bias
+// included) -> the chain applied to y in place ([M, N]), or its reduction ([M]).
+at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
+                            std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
+                            std::vector<double> scalar_params, int64_t group_size, double eps,
+                            bool norm_wide) {
+  TORCH_CHECK(y.is_cuda() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous(),
+              "gemmfuse: y must be a contiguous 2-D float32 CUDA tensor");
+  gemmfuse::FusedArgs args = chain_args(y.size(0), y.size(1), std::nullopt, gn_weight, gn_bias,
+                                        vec_params, scalar_params, group_size, eps, norm_wide);
+  c10::cuda::CUDAGuard guard(y.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  args.out = y.data_ptr<float>();
+  const gemmfuse::ChainTable& t = chain(table);
+  const auto outputs = allocate_outputs(t, args, y, at::kFloat, stream);
+  check_cuda(t.launch_epilogue_only(args, stream), "epilogue kernel launch");
+  return t.reduce_kind != 0 ? outputs.front() : y;
+}
+
+// The epilogue path at a few rows (M <= gemv_max_rows()): x [M, K] and W [N, K] float32 (K a
+// multiple of 4, 16-byte aligned rows) -> the chain of x @ W^T + bias, [M, N] or [M], with the
+// matrix-vector product compensated (gemv_epilogue.cuh).
+at::Tensor gemv_forward(int64_t table, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias,
+                        std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
+                        std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
+                        int64_t group_size, double eps, bool norm_wide) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "gemmfuse: x must be a 2-D float32 CUDA tensor with unit column stride");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() &&
+                  w.device() == x.device() && w.size(1) == x.size(1),
+              "gemmfuse: w must be a contiguous float32 [N, K] tensor on x's device");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= gemmfuse::kGemvMaxRows, "gemmfuse: gemv_forward takes 1 to ",
+              gemmfuse::kGemvMaxRows, " rows, got ", M);
+  TORCH_CHECK(K % 4 == 0 && x.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "gemmfuse: gemv_forward needs 16-byte aligned rows (K a multiple of 4)");
+  TORCH_CHECK(K < (int64_t{1} << 30), "gemmfuse: sizes must fit in 32 bits");
+  gemmfuse::FusedArgs args = chain_args(M, N, bias, gn_weight, gn_bias, vec_params, scalar_params,
+                                        group_size, eps, norm_wide);
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const gemmfuse::ChainTable& t = chain(table);
+  auto outputs = allocate_outputs(t, args, x, at::kFloat, stream);
+
+  gemmfuse::GemvArgs gemv{};
+  gemv.x = x.data_ptr<float>();
+  gemv.w = w.data_ptr<float>();
+  gemv.x_stride = x.stride(0);
+  gemv.K = static_cast<int>(K);
+  gemv.slice = t.gemv_slice(gemv.K, args.N);
+  const int64_t slices = (K + gemv.slice - 1) / gemv.slice, windows = (N + 127) / 128;
+  outputs.push_back(x.new_empty({slices, M, N, 2}, x.options()));
+  gemv.partial = reinterpret_cast<float2*>(outputs.back().data_ptr<float>());
+  gemv.counter = arrival_counters(x, windows + 1, stream, kWindowCounters);
+  check_cuda(t.launch_gemv(args, gemv, stream), "gemv epilogue launch");
+  return outputs.front();
+}

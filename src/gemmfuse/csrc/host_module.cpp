@@ -1,0 +1,9 @@
+// The host extension's Python module: every entry point (bind_*.cpp add them by group).
+#include "host_bindings.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_splits(m);
+  bind_forward(m);
+  bind_epilogue(m);
+  bind_backward(m);
+}
