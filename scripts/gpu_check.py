@@ -125,6 +125,12 @@ def cold_builds() -> str:
     return "cold (fresh process, empty cache): " + "; ".join(lines)
 
 
+def note(summary: list[str], line: str) -> None:
+    """Adds a summary line and prints it at once: a run cut short keeps what it measured."""
+    summary.append(line)
+    print(f"summary: {line}", flush=True)
+
+
 def main() -> int:
     quick = "--quick" in sys.argv
     OUT.mkdir(parents=True, exist_ok=True)
@@ -134,18 +140,20 @@ def main() -> int:
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.warmup import build_in_processes
 
-    summary = [f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}"]
-    summary.append(cold_builds())
+    summary = []
+    note(summary, f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}")
+    note(summary, cold_builds())
     t = time.perf_counter()
     errors = build_in_processes(structures, env=ENV)
     print("\n".join(errors), flush=True)
-    summary.append(
+    note(
+        summary,
         f"build: {len(structures)} chains ({len(errors)} failed) in "
-        f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time, into {cache_dir()}"
+        f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time, into {cache_dir()}",
     )
-    summary.append(sass_report(str(extension_for(PROBLEMS[62].structures[0]).library)))
+    note(summary, sass_report(str(extension_for(PROBLEMS[62].structures[0]).library)))
     _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
-    summary.append(f"second-process load from cache: {load.strip().splitlines()[-1]}")
+    note(summary, f"second-process load from cache: {load.strip().splitlines()[-1]}")
 
     pytest = [
         sys.executable,
@@ -167,7 +175,7 @@ def main() -> int:
         counts = re.findall(
             r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
         )
-        summary.append(f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
+        note(summary, f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
 
     if "--no-bench" in sys.argv:
         print("\n==== gpu-check summary ====\n" + "\n".join(summary))

@@ -21,9 +21,11 @@ from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.modules import FusedLinear
 
 # The child's program: the structure arrives as its repr (an expression of gemmfuse.epilogue's
-# names), and build.py prints "gemmfuse: building ..." on stderr only when it compiles.
+# names), and build.py prints "gemmfuse: building ..." on stderr only when it compiles. {builder}:
+# the package's (gemmfuse.jit) or a standalone export's (gemmfuse.sources: one load_inline
+# library, which an exported file then finds in the cache).
 _BUILD_ONE = (
-    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.jit import extension_for\n"
+    "import sys\nfrom gemmfuse.epilogue import *\nfrom {builder} import extension_for\n"
     "extension_for(eval(sys.argv[1]))"
 )
 
@@ -52,15 +54,17 @@ def build_in_processes(
     jobs: int | None = None,
     env: dict | None = None,
     on_done: Callable[[str, str, float], None] | None = None,
+    standalone: bool = False,
 ) -> list[str]:
     """Builds each structure (an Epilogue or its repr) into the disk cache in its own process,
     ``jobs`` at a time (default: one per core); ``on_done(structure, outcome, seconds)`` hears
-    of each as it ends, outcome "built", "cached" or "FAILED". Returns an error message per
-    failed build."""
+    of each as it ends, outcome "built", "cached" or "FAILED". ``standalone``: build them as a
+    standalone export does. Returns an error message per failed build."""
+    program = _BUILD_ONE.format(builder="gemmfuse.sources" if standalone else "gemmfuse.jit")
 
     def build(structure: str) -> str:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", _BUILD_ONE, structure], env=env,
+        proc = subprocess.run([sys.executable, "-c", program, structure], env=env,
                               capture_output=True, text=True)  # fmt: skip
         if proc.returncode:
             outcome = "FAILED"

@@ -337,6 +337,10 @@ def test_hard_data_gradients(data):
 # Scalar arguments' gradients whose fp32 terms are noisy (see the module docstring)
 @example(index=5, m=5, k=2048, group_size=16, groups=1, seed=91832361, kernel="auto")
 @example(index=0, m=130, k=300, group_size=128, groups=2, seed=11530, kernel="auto")
+# Found at fbd6c18 on an H100 (2026-11-23) and failing there, cause not yet found: "leaf 5"'s
+# gradient (rsub -> clamp -> sigmoid -> log -> one 200-channel GroupNorm -> mish) 2.1e-6 rel
+# L2 against eager's 6.8e-7 (+ 5.4e-7). Kept so that it is tested until it is understood.
+@example(index=1, m=130, k=300, group_size=200, groups=1, seed=185209080, kernel="auto")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]
     gen = torch.Generator().manual_seed(seed)
