@@ -5,7 +5,7 @@ The forward runs the fused kernel as without autograd and also stores the GEMM r
 backward needs besides the inputs:
 
 1. The chain's backward, ``dz``, with the gradients of the GroupNorm's affine vectors and the
-   chain's tensor arguments: on CUDA one kernel (``chain_backward`` of the chain's extension,
+   chain's tensor arguments: on CUDA one kernel (``chain_backward`` of the chain's kernels,
    csrc/chain_backward.cuh; min/max over several column slabs first find each slab's extreme)
    that recomputes the chain from ``z``, a group-aligned slab of a row at a time, and takes the
    gradient back through it with PyTorch's formulas (epilogue.py's ``grad`` of each op;
@@ -14,7 +14,7 @@ backward needs besides the inputs:
    memory) the chain is evaluated again in PyTorch (``gemmfuse.reference``) and differentiated
    by autograd (a float32 GroupNorm's formula written out, for speed).
 2. The products ``dx = dz @ W`` and ``dW = dz.T @ x`` on the tensor cores with the forward's
-   split-fp16 scheme (``gemm_split`` of the plain GEMM's extension, on operands split by rows or,
+   split-fp16 scheme (``gemm_split`` of the plain GEMM's kernels, on operands split by rows or,
    for operands read down their columns, by ``split_cols``), where the forward's thresholds say
    the fused kernel pays; else PyTorch's own products (eager's result). ``W``'s transposed split
    is cached beside its forward split. bfloat16 models take PyTorch's bf16 products (one
