@@ -6,11 +6,12 @@ versions, so a library found on disk under that name is always current and is im
 directly: a second process is ready without running a compiler.
 
 Builds are serialised by an exclusive ``fcntl.flock`` on ``<name>.lock`` next to the build
-directory (``build_lock``), held while looking for the library and while building it: processes
-(DDP ranks, KernelBench eval workers) and threads build each library once, and none loads one
-that another is still writing. Compilers run in child processes, so a failed build is an exit
-status read here, and :class:`BuildError` carries the compiler's error lines. Each build says
-on stderr when it starts (what, and why: not in the cache) and when it ends (seconds, where).
+directory (``cached_library``), held while looking for the library and while building it:
+processes (DDP ranks, KernelBench eval workers) and threads build each library once, and none
+loads one that another is still writing. Compilers run as child processes, so a failed build is
+an exit status read here, and :class:`BuildError` carries the compiler's error lines. Each
+build says on stderr when it starts (what, and why: not in the cache) and when it ends (seconds,
+where).
 
 ``load_extension`` is a standalone export's build (``torch.utils.cpp_extension.load_inline``,
 one library for a chain, a KernelBench rule); the package builds through gemmfuse/jit.py.
@@ -30,6 +31,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -41,13 +43,11 @@ import torch
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler=-fno-gnu-unique")
 CXX_FLAGS = ("-O3", "-fno-gnu-unique")
 _LOADED: dict[tuple, ModuleType] = {}
-# The child process's program: a torch.utils.cpp_extension loader ("load" or "load_inline")
-# and its keyword arguments arrive as JSON on stdin.
+# The child process's program: load_inline's keyword arguments arrive as JSON on stdin.
 _BUILD_PROGRAM = (
     "import json, sys\n"
-    "from torch.utils import cpp_extension\n"
-    "call = json.load(sys.stdin)\n"
-    "getattr(cpp_extension, call['loader'])(**call['arguments'])\n"
+    "from torch.utils.cpp_extension import load_inline\n"
+    "load_inline(**json.load(sys.stdin))\n"
 )
 
 
@@ -91,7 +91,7 @@ def compiler_errors(log: str, limit: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def build_lock(name: str):
+def _build_lock(name: str):
     """Holds the cross-process build lock of library ``name`` (in ``cache_dir()``)."""
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -108,34 +108,24 @@ def import_extension(name: str, library: Path) -> ModuleType:
     return module
 
 
-def announce_build(what: str, where: Path) -> float:
-    """The build's first stderr line; returns its start time for ``announce_built``."""
-    print(f"gemmfuse: building {what}: not in cache {where}", file=sys.stderr)
-    return time.perf_counter()
-
-
-def announce_built(name: str, where: Path, start: float) -> None:
-    seconds = time.perf_counter() - start
-    print(f"gemmfuse: built {name} in {seconds:.1f} s, cached in {where}", file=sys.stderr)
-
-
-def build_in_child(loader: str, arguments: dict, what: str, build_dir: Path) -> None:
-    """Runs ``torch.utils.cpp_extension.<loader>(**arguments)`` in a child process; raises
-    BuildError with the compiler's errors."""
-    build_dir.mkdir(parents=True, exist_ok=True)
-    child = subprocess.run(
-        [sys.executable, "-c", _BUILD_PROGRAM],
-        input=json.dumps({"loader": loader, "arguments": arguments}),
-        capture_output=True,
-        text=True,
-        errors="replace",
-        check=False,
-    )
-    if child.returncode != 0:
-        raise BuildError(
-            f"gemmfuse: compiling {what} in {build_dir} failed "
-            f"(exit status {child.returncode}):\n{compiler_errors(child.stdout + child.stderr)}"
-        )
+def cached_library(
+    name: str, file_name: str, what: str, build: Callable[[Path, Path], None]
+) -> Path:
+    """The path of library ``name`` (``<cache_dir>/<name>/<file_name>``), built first under the
+    build lock if the cache lacks it: ``build(build_dir, library)`` must leave the library there
+    or raise BuildError. Says on stderr when a build starts (``what``, and why) and ends."""
+    with _build_lock(name) as root:
+        build_dir = root / name
+        library = build_dir / file_name
+        if not library.exists():
+            print(f"gemmfuse: building {what}: not in cache {build_dir}", file=sys.stderr)
+            start = time.perf_counter()
+            build_dir.mkdir(parents=True, exist_ok=True)
+            build(build_dir, library)
+            seconds = time.perf_counter() - start
+            print(f"gemmfuse: built {name} in {seconds:.1f} s, cached in {build_dir}",
+                  file=sys.stderr)  # fmt: skip
+    return library
 
 
 def load_extension(
@@ -157,27 +147,36 @@ def load_extension(
     module = _LOADED.get(key)
     if module is None:
         name = f"{prefix}_{digest(cpp_source, cuda_source, *cuda_flags, *CXX_FLAGS)}"
-        with build_lock(name) as root:
-            if key not in _LOADED:
-                library = root / name / f"{name}.so"
-                if not library.exists():
-                    _build_inline(name, root / name, key, label)
-                _LOADED[key] = import_extension(name, library)
-        module = _LOADED[key]
+        what = f"CUDA extension {name}" + ("" if label is None else f" for {label}")
+        arguments = {
+            "name": name,
+            "cpp_sources": [cpp_source],
+            "cuda_sources": [cuda_source],
+            "extra_cflags": list(CXX_FLAGS),
+            "extra_cuda_cflags": list(cuda_flags),
+        }
+
+        def build(build_dir: Path, _: Path) -> None:
+            _load_inline_in_child({**arguments, "build_directory": str(build_dir)}, what)
+
+        library = cached_library(name, f"{name}.so", what, build)
+        module = _LOADED.setdefault(key, import_extension(name, library))
     return module
 
 
-def _build_inline(name: str, build_dir: Path, key: tuple, label: object) -> None:
-    _, cpp_source, cuda_source, cuda_flags = key
-    what = f"CUDA extension {name}" + ("" if label is None else f" for {label}")
-    start = announce_build(what, build_dir)
-    arguments = {
-        "name": name,
-        "cpp_sources": [cpp_source],
-        "cuda_sources": [cuda_source],
-        "extra_cflags": list(CXX_FLAGS),
-        "extra_cuda_cflags": list(cuda_flags),
-        "build_directory": str(build_dir),
-    }
-    build_in_child("load_inline", arguments, what, build_dir)
-    announce_built(name, build_dir, start)
+def _load_inline_in_child(arguments: dict, what: str) -> None:
+    """Runs ``load_inline(**arguments)`` in a child process; raises BuildError with the
+    compiler's errors."""
+    child = subprocess.run(
+        [sys.executable, "-c", _BUILD_PROGRAM],
+        input=json.dumps(arguments),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        check=False,
+    )
+    if child.returncode != 0:
+        raise BuildError(
+            f"gemmfuse: compiling {what} in {arguments['build_directory']} failed "
+            f"(exit status {child.returncode}):\n{compiler_errors(child.stdout + child.stderr)}"
+        )

@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from types import ModuleType
 
@@ -27,10 +27,8 @@ from gemmfuse.build import (
     CUDA_FLAGS,
     CXX_FLAGS,
     BuildError,
-    announce_build,
-    announce_built,
     arch_flags,
-    build_lock,
+    cached_library,
     compiler_errors,
     digest,
     import_extension,
@@ -81,29 +79,25 @@ def host_extension(arch: tuple[str, ...]) -> ModuleType:
     sources = {name: flatten(files, name) for name in HOST_SOURCES}
     cuda_flags = (*CUDA_FLAGS, *arch)
     name = f"gemmfuse_host_{digest(*sources.values(), *cuda_flags, *CXX_FLAGS)}"
-    with build_lock(name) as root:
-        build_dir = root / name
-        library = build_dir / f"{name}.so"
-        if not library.exists():
-            start = announce_build(f"the host extension {name}", build_dir)
-            build_dir.mkdir(parents=True, exist_ok=True)
-            for file, text in sources.items():
-                (build_dir / file).write_text(text)
-            host = _build_host(name, [build_dir / file for file in sources], cuda_flags, build_dir)
-            announce_built(name, build_dir, start)
-        else:
-            host = import_extension(name, library)
+
+    def build(build_dir: Path, _: Path) -> None:
+        for file, text in sources.items():
+            (build_dir / file).write_text(text)
+        _build_host(name, [build_dir / file for file in sources], cuda_flags, build_dir)
+
+    library = cached_library(name, f"{name}.so", f"the host extension {name}", build)
+    host = import_extension(name, library)
     check_constants(host)
     return host
 
 
-def _build_host(name: str, sources: list[Path], cuda_flags: tuple, build_dir: Path) -> ModuleType:
+def _build_host(name: str, sources: list[Path], cuda_flags: tuple, build_dir: Path) -> None:
     """``cpp_extension.load`` here, not in a child process (a child would first spend seconds
-    importing torch): the module it imports. Raises BuildError with the compiler's errors."""
+    importing torch). Raises BuildError with the compiler's errors."""
     from torch.utils import cpp_extension  # imports setuptools: only when building
 
     try:
-        return cpp_extension.load(
+        cpp_extension.load(
             name,
             [str(s) for s in sources],
             extra_cflags=list(CXX_FLAGS),
@@ -138,19 +132,12 @@ def chain_library(structure: Epilogue, arch: tuple[str, ...]) -> Path:
     parts = {name: flatten(files, name, generated) for name in CHAIN_PARTS}
     flags = (*CUDA_FLAGS, *_PART_FLAGS, *arch)
     name = f"gemmfuse_chain_{digest(*parts.values(), *flags)}"
-    with build_lock(name) as root:
-        build_dir = root / name
-        library = build_dir / f"lib{name}.so"
-        if not library.exists():
-            start = announce_build(f"the kernels of {structure} ({name})", build_dir)
-            _compile_parts(parts, flags, build_dir, library)
-            announce_built(name, build_dir, start)
-    return library
+    what = f"the kernels of {structure} ({name})"
+    return cached_library(name, f"lib{name}.so", what, partial(_compile_parts, parts, flags))
 
 
 def _compile_parts(parts: dict[str, str], flags: tuple, build_dir: Path, library: Path) -> None:
     """nvcc -c of every part at once, then one link; the library appears only when complete."""
-    build_dir.mkdir(parents=True, exist_ok=True)
     compiler = nvcc()
     jobs = []
     for file, text in parts.items():
