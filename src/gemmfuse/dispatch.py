@@ -6,7 +6,8 @@ size thresholds of ``kernel="auto"``; ``backward_splits`` says which backward pr
 the split tensor-core kernel. Not yet here: the launch's own choices (a wide GroupNorm's second
 sweep and the one-or-two-rows kernel in ops.launch_path, whether the chain backward kernel fits in
 autograd.py, tiles and grids in csrc/). The constants that the CUDA sources share are checked
-against them by tests/test_sources.py.
+against them by tests/test_sources.py, and against the compiled extension's when it is loaded
+(sources.check_constants).
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.
@@ -20,8 +21,8 @@ import torch
 from gemmfuse.epilogue import Epilogue, per_channel
 
 K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
-TILE = 128  # kTile in csrc/tile_epilogue.cuh: groups that divide it are normalised in the tile
-# kernel= choices: the fused kernels with launch_fused's codes (csrc/fused_args.h), and the
+TILE = 128  # kTile in csrc/fused_args.h: groups that divide it are normalised in the tile
+# kernel= choices: the fused kernels with launch_fused's codes (csrc/chain_table.h), and the
 # epilogue path (PyTorch's GEMM, then the chain in one kernel).
 FUSED_KERNELS = {"auto": 0, "portable": 1, "hopper": 2}
 KERNELS = (*FUSED_KERNELS, "epilogue")
@@ -39,7 +40,7 @@ PRECISIONS = {"fp32": True, "tf32": False}
 MIN_FUSED_WORK = 1e8
 MIN_FUSED_ROWS = 16
 MIN_FUSED_K = 1024
-GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/gemv_epilogue.cuh
+GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/fused_args.h
 
 
 @functools.cache

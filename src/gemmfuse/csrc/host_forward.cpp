@@ -105,7 +105,7 @@ at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tenso
   return t.reduce_kind != 0 ? outputs.front() : y;
 }
 
-// The epilogue path at a few rows (M <= gemv_max_rows()): x [M, K] and W [N, K] float32 (K a
+// The epilogue path at a few rows (M <= kGemvMaxRows): x [M, K] and W [N, K] float32 (K a
 // multiple of 4, 16-byte aligned rows) -> the chain of x @ W^T + bias, [M, N] or [M], with the
 // matrix-vector product compensated (gemv_epilogue.cuh).
 at::Tensor gemv_forward(int64_t table, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias,
