@@ -15,6 +15,7 @@ from gemmfuse.epilogue import (
     Reduction,
     Value,
 )
+from gemmfuse.epilogue_op import fused_epilogue, fused_epilogue_with_path
 from gemmfuse.modules import FusedLinear
 from gemmfuse.ops import fused_linear, fused_linear_with_path
 from gemmfuse.optimize import OptimizeReport, optimize
@@ -46,6 +47,8 @@ __all__ = [
     "Reduction",
     "SplitWeightCache",
     "Value",
+    "fused_epilogue",
+    "fused_epilogue_with_path",
     "fused_linear",
     "fused_linear_with_path",
     "optimize",

@@ -93,16 +93,45 @@ def fused_backward(call: FusedCall, grad, x, weight, z, gn_weight, gn_bias, para
     (one flag each) says no, from the forward's saved ``z`` and the output's ``grad``."""
     needs_x, needs_w, needs_b, *needs_chain = needs
     tensors = (gn_weight, gn_bias, *params)
-    if call.chain_kernel and _kernel_backward_fits(call.chain, z, grad):
-        dz, chain_grads, db = _kernel_chain_backward(
-            call.chain, z, grad, tensors, needs_chain, call.weight_cache
-        )
-    else:
-        dz, chain_grads = chain_backward(call.chain, z, grad, tensors, needs_chain)
-        db = dz.sum(0) if needs_b else None
+    dz, chain_grads, db = chain_gradients(
+        call.chain, z, grad, tensors, needs_chain, call.chain_kernel, call.weight_cache
+    )
+    if db is None and needs_b:
+        db = dz.sum(0)
     dx = grad_input(dz, weight, call) if needs_x else None
     dw = grad_weight(dz, x, call) if needs_w else None
     return (dx, dw, db.to(z.dtype) if needs_b else None, *chain_grads)
+
+
+def chain_gradients(chain: Epilogue, z, grad, tensors, needs, kernel=True, cache=None):
+    """(dz, the gradients of ``tensors`` (gn_weight, gn_bias, *params; None where ``needs``
+    says no), dz's column sum or None): the chain backward kernel where ``kernel`` allows and
+    it fits, else PyTorch (:func:`chain_backward`, no column sum)."""
+    if kernel and _kernel_backward_fits(chain, z, grad):
+        return _kernel_chain_backward(chain, z, grad, tensors, needs, cache)
+    return (*chain_backward(chain, z, grad, tensors, needs), None)
+
+
+class FusedEpilogueFunction(torch.autograd.Function):
+    """``chain(z)`` of a given tensor z (tail ops excluded; ``launch(z, gn_weight, gn_bias,
+    params)`` runs it) with a recorded backward: dz and the chain's tensors' gradients, as
+    ``FusedLinearFunction``'s chain part computes them."""
+
+    @staticmethod
+    def forward(ctx, chain: Epilogue, launch: Callable, z, gn_weight, gn_bias, *params):
+        out = launch(z, gn_weight, gn_bias, params)
+        ctx.chain = chain
+        ctx.save_for_backward(z, gn_weight, gn_bias, *params)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        z, gn_weight, gn_bias, *params = ctx.saved_tensors
+        needs_z, *needs_chain = ctx.needs_input_grad[2:]
+        tensors = (gn_weight, gn_bias, *params)
+        dz, grads, _ = chain_gradients(ctx.chain, z, grad, tensors, needs_chain)
+        return (None, None, dz if needs_z else None, *grads)
 
 
 def _group_size(chain: Epilogue, n: int) -> int:

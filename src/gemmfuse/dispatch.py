@@ -1,13 +1,14 @@
 """How a call is served: which path it takes, and the thresholds and constants the rules use.
 
 ``select_path`` picks the path of a call (``fused``, ``epilogue`` or ``torch``; ops.py's module
-docstring says what each runs) from its tensors, the GPU and ``kernel=``; ``fused_pays`` holds the
-size thresholds of ``kernel="auto"``; ``backward_splits`` says which backward products run on
-the split tensor-core kernel. Not yet here: the launch's own choices (a wide GroupNorm's second
-sweep and the one-or-two-rows kernel in ops.launch_path, whether the chain backward kernel fits in
-autograd.py, tiles and grids in csrc/). The constants that the CUDA sources share are checked
-against them by tests/test_sources.py, and against the compiled extension's when it is loaded
-(sources.check_constants).
+docstring says what each runs) from its tensors, the GPU and ``kernel=``, and
+``select_epilogue_path`` that of a ``fused_epilogue`` call (the chain on a given tensor);
+``fused_pays`` holds the size thresholds of ``kernel="auto"``; ``backward_splits`` says which
+backward products run on the split tensor-core kernel. Not yet here: the launch's own choices
+(a wide GroupNorm's second sweep and the one-or-two-rows kernel in ops.launch_path, whether the
+chain backward kernel fits in autograd.py, tiles and grids in csrc/). The constants that the
+CUDA sources share are checked against them by tests/test_sources.py, and against the compiled
+extension's when it is loaded (sources.check_constants).
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.
@@ -74,12 +75,20 @@ def fused_pays(m: int, n: int, k: int) -> bool:
     return m * n * k >= MIN_FUSED_WORK and m >= MIN_FUSED_ROWS and k >= MIN_FUSED_K
 
 
+def _device_problem(x) -> str:
+    """Why no gemmfuse kernel runs on x's device ("" when one can)."""
+    if x.device.type != "cuda":
+        return f"{x.device.type} tensors run the PyTorch reference path"
+    if _capability(x.device.index) < (8, 0):
+        return "the fused kernels need compute capability 8.0 or newer"
+    return ""
+
+
 def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tuple[str, str]:
     """(path, reason) for this call; reason says why a faster path was not taken."""
-    if x.device.type != "cuda":
-        return "torch", f"{x.device.type} tensors run the PyTorch reference path"
-    if _capability(x.device.index) < (8, 0):
-        return "torch", "the fused kernels need compute capability 8.0 or newer"
+    problem = _device_problem(x)
+    if problem:
+        return "torch", problem
     if x.dtype == torch.bfloat16:
         if _capability(x.device.index) != (9, 0) or kernel == "portable":
             return "torch", "bfloat16 models are fused by the Hopper kernel only (sm_90)"
@@ -111,6 +120,23 @@ def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tupl
             'where eager bfloat16 is as fast; kernel="hopper" forces it'
         )
     return "fused", ""
+
+
+def select_epilogue_path(z, epilogue: Epilogue, params=()) -> tuple[str, str]:
+    """(path, reason) of a ``fused_epilogue`` call: "epilogue" (the chain kernel on z) or
+    "torch"; reason says why the kernel was not taken."""
+    problem = _device_problem(z)
+    if problem:
+        return "torch", problem
+    if z.dtype != torch.float32:
+        return "torch", f"{z.dtype} inputs run the PyTorch path (the chain kernel: float32)"
+    m, n = z.shape
+    if 0 in (m, n):
+        return "torch", "empty tensors run the PyTorch path"
+    if max(m, n) >= 2**31 or m * n >= 2**40:
+        return "torch", "sizes beyond 32-bit indexing run the PyTorch path"
+    problem = _channel_param_problem(epilogue, params, z, n)
+    return ("torch", problem) if problem else ("epilogue", "")
 
 
 def take_path(x, weight, epilogue: Epilogue, kernel: str, params) -> str:

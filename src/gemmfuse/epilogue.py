@@ -263,6 +263,39 @@ class Epilogue:
         return Epilogue(strip(self.pre), norm, strip(self.post), reduce)
 
 
+@functools.lru_cache(maxsize=256)
+def split_epilogue(epilogue: Epilogue, at: int) -> tuple[Epilogue, Epilogue]:
+    """(head, rest): the chain up to its ``at``-th op of ``pre + post`` (from 0), and from there
+    on, so that ``rest`` applied to ``head``'s (M, N) result is ``epilogue``. ``rest``'s ops
+    read their stretch's values counted from its new start; a value from before ``at`` is
+    refused (ValueError). Cached: a module splits its chain on every call."""
+    pre, post = epilogue.pre, epilogue.post
+    if not 0 <= at <= len(pre) + len(post):
+        raise ValueError(f"at must be in [0, {len(pre) + len(post)}], got {at}")
+    if at <= len(pre):
+        head = Epilogue(pre=pre[:at])
+        rest = dataclasses.replace(epilogue, pre=_rebased(pre[at:], at))
+    else:
+        at -= len(pre)
+        head = Epilogue(pre=pre, norm=epilogue.norm, post=post[:at])
+        rest = Epilogue(pre=_rebased(post[at:], at), reduce=epilogue.reduce, tail=epilogue.tail)
+    return head, rest
+
+
+def _rebased(ops: tuple[Pointwise, ...], start: int) -> tuple[Pointwise, ...]:
+    """``ops`` with each :class:`Value` index moved back by ``start`` (the stretch's values
+    before ``start`` are gone)."""
+
+    def moved(a):
+        if not isinstance(a, Value):
+            return a
+        if a.index < start:
+            raise ValueError(f"an op after the split reads value {a.index}, from before it")
+        return Value(a.index - start, a.detach)
+
+    return tuple(Pointwise(op.name, tuple(moved(a) for a in op.args)) for op in ops)
+
+
 def _number_spec(a) -> str:
     """A float argument as JSON (Python's json spelling of inf and NaN)."""
     if a != a:

@@ -40,14 +40,17 @@ from gemmfuse.dispatch import FallbackWarning
 from gemmfuse.epilogue import (
     Epilogue,
     GroupNormSpec,
+    Param,
     Pointwise,
     Reduction,
     epilogue_problem,
+    split_epilogue,
 )
+from gemmfuse.epilogue_op import fused_epilogue_with_path
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.pointwise import POINTWISE
 from gemmfuse.pooling import ChannelPool, pooled_linear
-from gemmfuse.reference import linear_epilogue
+from gemmfuse.reference import apply_epilogue, linear_epilogue
 from gemmfuse.validation import argument_problem
 from gemmfuse.weight_cache import SplitWeightCache
 
@@ -132,20 +135,26 @@ class ChainNorm:
 
 
 class BatchNormAffine:
-    """An ``nn.BatchNorm1d`` in eval mode as the per-channel ops it computes, ``(x - mean) *
-    scale + bias``: its operands, read at each call from the module (``running_mean``; ``scale
-    = weight / sqrt(running_var + eps)``, in float64 rounded once, differentiable in the weight;
-    ``bias``). :meth:`problem` says when the module no longer computes that (training mode)."""
+    """An ``nn.BatchNorm1d`` as the per-channel ops it computes, ``(x - mean) * scale + bias``,
+    its operands read at each call from the module: ``bias``; in eval mode with running
+    statistics ``mean = running_mean`` and ``scale = weight / sqrt(running_var + eps)`` (float64
+    rounded once, differentiable in the weight). Otherwise (training mode, or no running
+    statistics) the module normalises with the batch's statistics: :meth:`batch_operands`
+    computes ``mean`` and ``scale`` from the chain's (M, N) value where the module stands, and
+    updates the running statistics as the module does."""
 
     def __init__(self, module: nn.BatchNorm1d):
         self.module = module
 
-    def problem(self) -> str:
-        """Why the module does not compute the folded ops now ("" when it does)."""
+    @property
+    def uses_batch_statistics(self) -> bool:
         m = self.module
-        if m.training or m.running_mean is None:
-            why = "is in training mode" if m.training else "keeps no running statistics"
-            return f"the BatchNorm1d {why}: its batch statistics are not fused"
+        return m.training or m.running_mean is None
+
+    def problem(self, dtype: torch.dtype) -> str:
+        """Why the module's ops are not fused on a ``dtype`` chain now ("" when they are)."""
+        if self.uses_batch_statistics and dtype not in (torch.float32, torch.float64):
+            return f"its batch statistics are fused for float32 chains, not {dtype}"
         return ""
 
     @property
@@ -164,6 +173,26 @@ class BatchNormAffine:
     @property
     def bias(self) -> torch.Tensor | None:
         return self.module.bias
+
+    def batch_operands(self, u: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, scale) of the batch ``u`` (M, N), differentiable in u and the weight, as
+        F.batch_norm normalises in training: the biased variance; with ``update`` (a forward,
+        not a check), the running statistics stepped as the module steps them (the unbiased
+        variance; ``momentum=None``: the cumulative average)."""
+        m = self.module
+        var, mean = torch.var_mean(u, dim=0, correction=0)
+        if update and m.training and m.running_mean is not None:
+            self._step_running(mean.detach(), var.detach(), u.shape[0])
+        rstd = torch.rsqrt(var + m.eps)
+        return mean, rstd if m.weight is None else m.weight * rstd
+
+    def _step_running(self, mean: torch.Tensor, var: torch.Tensor, rows: int) -> None:
+        m = self.module
+        with torch.no_grad():
+            m.num_batches_tracked.add_(1)
+            factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+            m.running_mean.mul_(1.0 - factor).add_(mean, alpha=factor)
+            m.running_var.mul_(1.0 - factor).add_(var * (rows / (rows - 1)), alpha=factor)
 
 
 class NormValues(NamedTuple):
@@ -231,6 +260,7 @@ class FusedLinear(nn.Module):
         # the chain's modules) a second time, adding duplicate state_dict keys.
         object.__setattr__(self, "_fallback", fallback)
         self.labels = tuple(labels)
+        self._batch_norms = _batch_norm_positions(self._operands, self._ops)
         self.weight_split = SplitWeightCache()
         self.kernel = kernel
         self.precision = precision
@@ -310,12 +340,14 @@ class FusedLinear(nn.Module):
         (validation.py) on the call it would make."""
         if epilogue is None:
             return "the chain's current module settings are outside the epilogue grammar"
-        problem = self._operands_problem()
-        if problem:
-            return problem
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             return f"the input {shape} is not a tensor of 2 or more dimensions"
+        problem = self._operands_problem(x.dtype)
+        if problem:
+            return problem
+        if self._batch_statistics() and (x.dim() != 2 or x.shape[0] < 2):
+            return f"a BatchNorm1d's batch statistics of the input {tuple(x.shape)}"
         row_wise = epilogue.norm is None or epilogue.norm.layer  # each row on its own
         if x.dim() > 2 and (not row_wise or epilogue.reduce is not None):
             return f"the input {tuple(x.shape)} is not 2-D and the chain is not row-wise"
@@ -331,20 +363,59 @@ class FusedLinear(nn.Module):
         problem = argument_problem(rows, weight, bias, epilogue, gn_weight, gn_bias, operands)
         return "" if problem is None else problem[1]
 
-    def _operands_problem(self) -> str:
-        """Why an operand derived from a module (a BatchNorm1d's) is not what the module
-        computes now ("" when every one is)."""
+    def _operands_problem(self, dtype: torch.dtype) -> str:
+        """Why an operand derived from a module (a BatchNorm1d's) is not fused now on a
+        ``dtype`` chain ("" when every one is)."""
         for owner, _ in self._operands:
-            problem = owner.problem() if isinstance(owner, BatchNormAffine) else ""
+            problem = owner.problem(dtype) if isinstance(owner, BatchNormAffine) else ""
             if problem:
                 return problem
+        if len(self._batch_statistics()) > 1:
+            return "more than one BatchNorm1d of the chain normalises with batch statistics"
         return ""
+
+    def _batch_statistics(self) -> list["_BatchNormAt"]:
+        """The chain's BatchNorm1d that normalise with the batch's statistics now."""
+        return [b for b in self._batch_norms if b.affine.uses_batch_statistics]
+
+    def _batch_norm_call(self, rows, weight, bias, epilogue, operands, gn_weight, gn_bias, at,
+                         check=False):  # fmt: skip
+        """(the chain's value, the GEMM's path) with a BatchNorm1d normalising with batch
+        statistics: the fused call up to it, its statistics of that (M, N) value, then the
+        rest of the chain on it (``fused_epilogue``). ``check``: the PyTorch reference, the
+        running statistics left alone."""
+        head, rest = split_epilogue(epilogue, at.position)
+        gn = (gn_weight, gn_bias)
+        gn_head, gn_rest = (gn, (None, None)) if head.norm is not None else ((None, None), gn)
+        if check:
+            u, path = linear_epilogue(rows, weight, bias, head, *gn_head, operands), "torch"
+        else:
+            u, path = fused_linear_with_path(
+                rows, weight, bias, head, *gn_head, params=operands,
+                weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
+            )  # fmt: skip
+        operands = list(operands)
+        operands[at.mean], operands[at.scale] = at.affine.batch_operands(u, update=not check)
+        if check:
+            return apply_epilogue(u, rest, *gn_rest, operands), path
+        return fused_epilogue_with_path(u, rest, *gn_rest, params=operands)[0], path
+
+    def _with_stand_ins(self, operands: list, like: torch.Tensor) -> list:
+        """``operands`` with the batch statistics' places held by empty tensors of ``like``'s
+        dtype (what the checks and the call up to the BatchNorm1d see; they read neither)."""
+        operands = list(operands)
+        for at in self._batch_statistics():
+            operands[at.mean] = operands[at.scale] = like.new_empty(())
+        return operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._linear()
         operands, norm, epilogue = self._state(weight)
         gn_weight, gn_bias = _norm_vectors(norm)
         folded = self._folded(weight, bias)
+        batch = self._batch_statistics()
+        if batch and isinstance(x, torch.Tensor):
+            operands = self._with_stand_ins(operands, x)
         problem = (
             folded
             if isinstance(folded, str)
@@ -362,6 +433,11 @@ class FusedLinear(nn.Module):
         # leading dimensions as rows (a pointwise chain); a 2-D x as it is (no view node for
         # autograd to record on every call)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if batch:
+            out, self.last_path = self._batch_norm_call(
+                rows, *folded, epilogue, operands, gn_weight, gn_bias, batch[0]
+            )
+            return out
         out, self.last_path = fused_linear_with_path(
             rows, *folded, epilogue, gn_weight, gn_bias, params=operands,
             weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
@@ -375,11 +451,38 @@ class FusedLinear(nn.Module):
         if epilogue is None:
             raise ValueError("the chain's current module settings are outside the grammar")
         folded = self._folded(*self._linear())
-        problem = folded if isinstance(folded, str) else self._operands_problem()
+        problem = folded if isinstance(folded, str) else self._operands_problem(x.dtype)
         if problem:
             raise ValueError(problem)
         gn_weight, gn_bias = _norm_vectors(norm)
+        batch = self._batch_statistics()
+        if batch:
+            operands = self._with_stand_ins(operands, x)
+            return self._batch_norm_call(x, *folded, epilogue, operands, gn_weight, gn_bias,
+                                         batch[0], check=True)[0]  # fmt: skip
         return linear_epilogue(x, *folded, epilogue, gn_weight, gn_bias, params=operands)
+
+
+class _BatchNormAt(NamedTuple):
+    """A BatchNorm1d of the chain: its operands' indices and the position of its first op
+    among the chain's pre and post ops."""
+
+    affine: BatchNormAffine
+    mean: int
+    scale: int
+    position: int
+
+
+def _batch_norm_positions(operands, ops) -> tuple[_BatchNormAt, ...]:
+    """Where each BatchNorm1d of the chain stands (its ``mean`` operand's first reader)."""
+    found = []
+    chain = [op for op in ops if op.stage != "tail"]
+    for i, (owner, name) in enumerate(operands):
+        if isinstance(owner, BatchNormAffine) and name == "mean":
+            scale = operands.index((owner, "scale"))
+            position = next(k for k, op in enumerate(chain) if Param(i) in op.args)
+            found.append(_BatchNormAt(owner, i, scale, position))
+    return tuple(found)
 
 
 def _layer_norm_problem(module: nn.LayerNorm | nn.RMSNorm | None, n: int, norm: NormValues) -> str:

@@ -68,19 +68,14 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     GEMM result x @ W.T + b that the backward starts from, only when ``save_z`` (else None)."""
     # Runs once per forward: keep it lean.
     ext = extension_for(epilogue)
-    norm = epilogue.norm
     (m, _), n = x.shape, weight.shape[0]
-    group_size = n // norm.num_groups if norm else 1
-    eps = norm.eps if norm else 0.0
-    # Groups that straddle 128-channel tiles get cross-tile statistics and a second sweep.
-    norm_wide = norm is not None and TILE % group_size != 0
     # The kernels read the channel vectors as dense float32 arrays.
     bias, gn_weight, gn_bias = (
         cache.float32(t, slot)
         for t, slot in ((bias, "bias"), (gn_weight, "gn_weight"), (gn_bias, "gn_bias"))
     )
-    vectors = channel_vectors(epilogue, params, n)
-    chain = (vectors, epilogue.scalars, group_size, eps, norm_wide)
+    chain = chain_arguments(epilogue, params, n)
+    vectors, _, group_size, eps, norm_wide = chain
     fused_z = save_z and path == "fused"  # the epilogue path's z is a copy of F.linear's
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
     if path == "epilogue" and not save_z and gemv_fits(x, weight):
@@ -102,6 +97,17 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     if epilogue.reduce is not None and epilogue.reduce.keepdim:
         out = out.view(m, 1)
     return out, z
+
+
+def chain_arguments(epilogue: Epilogue, params, n: int) -> tuple:
+    """What every chain kernel takes after its tensors: (the pre/post ops' channel vectors,
+    the chain's scalars, the group size, eps, whether groups straddle output tiles)."""
+    norm = epilogue.norm
+    group_size = n // norm.num_groups if norm else 1
+    eps = norm.eps if norm else 0.0
+    # Groups that straddle 128-channel tiles get cross-tile statistics and a second sweep.
+    norm_wide = norm is not None and TILE % group_size != 0
+    return channel_vectors(epilogue, params, n), epilogue.scalars, group_size, eps, norm_wide
 
 
 def _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue: Epilogue) -> bool:

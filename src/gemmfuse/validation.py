@@ -15,7 +15,7 @@ from gemmfuse.epilogue import Epilogue, keeps_shape
 Problem = tuple[type[Exception], str]
 
 
-def _vector_problem(t, name: str, n: int, like: torch.Tensor) -> "Problem | None":
+def _vector_problem(t, name: str, n: int, like, like_name="the weight") -> "Problem | None":
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -24,7 +24,7 @@ def _vector_problem(t, name: str, n: int, like: torch.Tensor) -> "Problem | None
         return ValueError, f"{name} must have shape ({n},), got {tuple(t.shape)}"
     if t.device != like.device or t.dtype != like.dtype:
         return ValueError, (
-            f"{name} must be {like.dtype} on {like.device} like the weight, "
+            f"{name} must be {like.dtype} on {like.device} like {like_name}, "
             f"got {t.dtype} on {t.device}"
         )
     return None
@@ -44,8 +44,10 @@ def _params_problem(params, epilogue: Epilogue) -> "Problem | None":
     return None
 
 
-def _norm_problem(x, weight, epilogue: Epilogue, gn_weight, gn_bias) -> "Problem | None":
-    norm, n = epilogue.norm, weight.shape[0]
+def _norm_problem(x, n, like, epilogue: Epilogue, gn_weight, gn_bias, like_name="the weight"):
+    """The first problem with the GroupNorm's settings and vectors on rows ``x`` of ``n``
+    channels (``like``: the tensor whose dtype and device the vectors share)."""
+    norm = epilogue.norm
     if norm is None:
         if gn_weight is not None or gn_bias is not None:
             return ValueError, "gn_weight/gn_bias given but the epilogue has no GroupNorm"
@@ -62,9 +64,20 @@ def _norm_problem(x, weight, epilogue: Epilogue, gn_weight, gn_bias) -> "Problem
             "gn_weight and gn_bias must both be given exactly when the GroupNorm is affine "
             f"(affine={norm.affine})"
         )
-    return _vector_problem(gn_weight, "gn_weight", n, weight) or _vector_problem(
-        gn_bias, "gn_bias", n, weight
+    return _vector_problem(gn_weight, "gn_weight", n, like, like_name) or _vector_problem(
+        gn_bias, "gn_bias", n, like, like_name
     )
+
+
+def _keeps_shape_problem(epilogue: Epilogue, params, m: int, n: int) -> "Problem | None":
+    for i in sorted(set(epilogue.channel_params)):
+        shape = tuple(params[i].shape)
+        if not keeps_shape(shape, (m, n)):
+            return ValueError, (
+                f"params[{i}] of shape {shape} does not broadcast to the chain's "
+                f"({m}, {n}): the ops before the reduction keep the GEMM's shape"
+            )
+    return None
 
 
 def argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -> "Problem | None":
@@ -90,19 +103,38 @@ def argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -
     problem = _vector_problem(bias, "bias", n, weight)
     if problem is not None:
         return problem
-    for i in sorted(set(epilogue.channel_params)):
-        shape = tuple(params[i].shape)
-        if not keeps_shape(shape, (x.shape[0], n)):
-            return ValueError, (
-                f"params[{i}] of shape {shape} does not broadcast to the chain's "
-                f"({x.shape[0]}, {n}): the ops before the reduction keep the GEMM's shape"
-            )
-    return _norm_problem(x, weight, epilogue, gn_weight, gn_bias)
+    return _keeps_shape_problem(epilogue, params, x.shape[0], n) or _norm_problem(
+        x, n, weight, epilogue, gn_weight, gn_bias
+    )
+
+
+def epilogue_argument_problem(z, epilogue, gn_weight, gn_bias, params=()) -> "Problem | None":
+    """The first problem with ``fused_epilogue``'s arguments (the chain on an (M, N) tensor
+    ``z``), or None."""
+    if not isinstance(z, torch.Tensor):
+        return TypeError, f"z must be a torch.Tensor, got {type(z).__name__}"
+    if z.dim() != 2:
+        return ValueError, f"z must be 2-D (rows, channels), got shape {tuple(z.shape)}"
+    if not z.is_floating_point():
+        return ValueError, f"z must be a floating-point tensor, got {z.dtype}"
+    if not isinstance(epilogue, Epilogue):
+        return TypeError, f"epilogue must be a gemmfuse.Epilogue, got {type(epilogue).__name__}"
+    problem = _params_problem(params, epilogue)
+    if problem is not None:
+        return problem
+    m, n = z.shape
+    return _keeps_shape_problem(epilogue, params, m, n) or _norm_problem(
+        z, n, z, epilogue, gn_weight, gn_bias, "z"
+    )
 
 
 def validate(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -> None:
     """Raises TypeError/ValueError naming the bad argument; accepts everything PyTorch would."""
-    problem = argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params)
+    raise_problem(argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params))
+
+
+def raise_problem(problem: "Problem | None") -> None:
+    """Raises the problem's exception (nothing for None)."""
     if problem is not None:
         kind, message = problem
         raise kind(message)

@@ -23,6 +23,16 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   whose rows are one product each (min routes one channel per row), 2.16e-7 against eager's
   2.03e-7, the split's 22 bits per operand against one rounding; end to end 4.3e-7 against
   2.1e-6;
+- a tensor argument read per channel (a scalar, a per-channel vector: each gradient element a
+  sum over many elements' terms): the same bar plus three standard deviations of such a sum's
+  error from its terms' own fp32 rounding alone (sqrt of the sum of each term's squared error,
+  PyTorch's CUDA fp32 ops on the exactly rounded z against float64: Chain.term_noise). Where
+  the terms cancel, eager's error and the floor above are single draws of that noise and no
+  bound. Measured at fbd6c18 (hypothesis; pinned below): a scalar rsub[t] before a one-group
+  GroupNorm, terms cancelling 770-fold (just short of the thousandfold rule below): ours 2.1e-6,
+  eager 6.8e-7, floor 5.4e-7; on a CPU the same terms' noise is 2.6e-6 (one standard
+  deviation) and PyTorch's CPU ops' own draw 6.2e-6. The old bar (eager's error plus the floor)
+  is still printed in each report line; the three deviations are named beside it;
 - the hard data set of tests/gpu/test_accuracy.py through #62's chain: the same bars;
 - random chains: the bar for kernel="auto"; a forced fused kernel at these small shapes, the
   allclose count alone (the forward's rule, tests/gpu/test_chains.py);
@@ -153,27 +163,43 @@ class Chain:
         x, w = self.x.to(products), self.w.to(products)
         return (dz @ w, dz.t() @ x, dz.sum(0), *d_rest)
 
-    def term_magnitudes(self, z, grad) -> dict[int, torch.Tensor]:
-        """Per leaf index, for each tensor argument read only per channel (not by tail ops):
-        the sum of its gradient's terms' absolute values (float64 from z), the argument
-        expanded to every element so that each term is its own gradient element."""
+    def _terms(self, z, grad, dtype) -> dict[int, torch.Tensor]:
+        """Per leaf index, for each tensor argument read only per channel (not by tail ops): its
+        gradient's terms in ``dtype`` from z, the argument expanded to every element so that each
+        term is its own gradient element."""
         m, n = z.shape
         first = 3 + sum(t is not None for t in self.gn)
-        only_channel = set(self.epilogue.channel_params) - set(self.epilogue.tail_params)
-        params = [t.detach().double() for t in self.params]
-        for i in only_channel:
-            params[i] = params[i].expand(m, n).clone().requires_grad_()
-        gn = [None if t is None else t.detach().double() for t in self.gn]
+        only_channel = sorted(set(self.epilogue.channel_params) - set(self.epilogue.tail_params))
         if not only_channel:
             return {}
-        out = self.run_from_z(z.detach().double(), gn, params)
-        terms = torch.autograd.grad(out, [params[i] for i in sorted(only_channel)], grad.double())
-        sums = {}
-        for i, t in zip(sorted(only_channel), terms, strict=True):
-            shape = self.params[i].shape
-            a = t.abs().sum() if self.params[i].numel() == 1 else t.abs().sum(0)
-            sums[first + i] = a.reshape(shape)
-        return sums
+        params = [t.detach().to(dtype) for t in self.params]
+        for i in only_channel:
+            params[i] = params[i].expand(m, n).clone().requires_grad_()
+        gn = [None if t is None else t.detach().to(dtype) for t in self.gn]
+        out = self.run_from_z(z.detach().to(dtype), gn, params)
+        terms = torch.autograd.grad(out, [params[i] for i in only_channel], grad.to(dtype))
+        return {first + i: t for i, t in zip(only_channel, terms, strict=True)}
+
+    def _per_argument(self, i, per_term) -> torch.Tensor:
+        """``per_term`` (m x n) summed to leaf ``i``'s shape."""
+        leaf = self.params[i - 3 - sum(t is not None for t in self.gn)]
+        total = per_term.sum() if leaf.numel() == 1 else per_term.sum(0)
+        return total.reshape(leaf.shape)
+
+    def term_magnitudes(self, z, grad) -> dict[int, torch.Tensor]:
+        """Per leaf index (tensor arguments read only per channel): the sum of its gradient's
+        terms' absolute values, float64 from z."""
+        terms = self._terms(z, grad, torch.float64)
+        return {i: self._per_argument(i, t.abs()) for i, t in terms.items()}
+
+    def term_noise(self, z, grad) -> dict[int, torch.Tensor]:
+        """Per leaf index (tensor arguments read only per channel): the standard deviation of
+        the error of any sum of its gradient's fp32 terms, from the terms' own rounding (PyTorch's
+        fp32 ops against float64, both from z): sqrt(sum of squared term errors), the terms'
+        errors taken as independent."""
+        exact, rounded = self._terms(z, grad, torch.float64), self._terms(z, grad, torch.float32)
+        return {i: self._per_argument(i, (rounded[i].double() - t) ** 2).sqrt()
+                for i, t in exact.items()}  # fmt: skip
 
     def exact(self, grad):
         leaves = self.leaves(torch.float64)
@@ -206,6 +232,7 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
     ref_rounded = chain.given_z(z_rounded, grad)
     exact = chain.exact(grad)
     magnitudes = chain.term_magnitudes(z_ours, grad)
+    noise = chain.term_noise(z_rounded, grad)
     lines = []
     for i, name in enumerate(names):
         g = ours[i]
@@ -213,12 +240,14 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
         err, err_eager = rel_err(g, ref_ours[i]), rel_err(eager[i], ref_eager[i])
         floor = max(rel_err(alone[i], ref_rounded[i]), rel_err(alone_cpu[i], ref_rounded[i].cpu()))
         floor += EPS
+        # A sum of many fp32 terms: three standard deviations of its terms' own rounding
+        sigma = (noise[i].norm() / ref_ours[i].norm()).item() if i in noise else 0.0
         e2e = [rel_err(g, exact[i]), rel_err(eager[i], exact[i])]
         e2e += [max_abs_err(g, exact[i]), max_abs_err(eager[i], exact[i])]
         line = (
             f"{label}: grad {name}: rel L2 {err:.3e} against eager's {err_eager:.3e} "
-            f"(+ {floor:.1e}); end to end rel L2 {e2e[0]:.3e}, eager {e2e[1]:.3e}, "
-            f"max abs {e2e[2]:.3e}, eager {e2e[3]:.3e}"
+            f"(+ {floor:.1e} + 3 x {sigma:.1e}); end to end rel L2 {e2e[0]:.3e}, "
+            f"eager {e2e[1]:.3e}, max abs {e2e[2]:.3e}, eager {e2e[3]:.3e}"
         )
         lines.append(line)
         # Zero to float64's rounding (a scalar times a normalised group's mean, say): only
@@ -235,7 +264,7 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
             assert off_allclose(g, ref_ours[i]) <= off_allclose(eager[i], ref_eager[i]), line
             continue
         if bar_on:
-            assert err <= err_eager + floor, line
+            assert err <= err_eager + floor + 3 * sigma, line
         assert off_allclose(g, ref_ours[i]) <= off_allclose(eager[i], ref_eager[i]), line
     return path, lines
 
@@ -337,9 +366,8 @@ def test_hard_data_gradients(data):
 # Scalar arguments' gradients whose fp32 terms are noisy (see the module docstring)
 @example(index=5, m=5, k=2048, group_size=16, groups=1, seed=91832361, kernel="auto")
 @example(index=0, m=130, k=300, group_size=128, groups=2, seed=11530, kernel="auto")
-# Found at fbd6c18 on an H100 (2026-11-23) and failing there, cause not yet found: "leaf 5"'s
-# gradient (rsub -> clamp -> sigmoid -> log -> one 200-channel GroupNorm -> mish) 2.1e-6 rel
-# L2 against eager's 6.8e-7 (+ 5.4e-7). Kept so that it is tested until it is understood.
+# Found at fbd6c18 on an H100 (2026-11-23), failing the bar before term_noise joined it: "leaf
+# 5", rsub's scalar before one 200-channel GroupNorm, whose terms cancel 770-fold (docstring)
 @example(index=1, m=130, k=300, group_size=200, groups=1, seed=185209080, kernel="auto")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]

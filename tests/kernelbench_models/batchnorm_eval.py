@@ -1,7 +1,8 @@
 """KernelBench #33's and #41's patterns with the BatchNorm1d in eval mode, where it is the
 per-channel ops (x - running_mean) * weight / sqrt(running_var + eps) + bias: Linear -> * 2 ->
-BatchNorm1d -> ReLU; Linear -> GroupNorm -> BatchNorm1d without affine -> tanh; and one left in
-training mode (batch statistics: the chain stops before it)."""
+BatchNorm1d -> ReLU; Linear -> GroupNorm -> BatchNorm1d without affine -> tanh; and #41's whole
+chain with its BatchNorm1d left in training mode (batch statistics, then the same per-channel
+ops: the fused call splits there)."""
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,7 @@ class Model(nn.Module):
     def forward(self, x):
         a = torch.relu(self.bn1(self.fc1(x) * 2.0))
         b = torch.tanh(self.bn2(self.gn(self.fc2(x))))
-        c = self.bn3(self.fc3(x))
+        c = torch.relu(torch.nn.functional.gelu(self.bn3(self.fc3(x))))
         return a + b + c
 
 

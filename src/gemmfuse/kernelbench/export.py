@@ -33,6 +33,7 @@ import torch
 import gemmfuse.autograd
 import gemmfuse.build
 import gemmfuse.epilogue
+import gemmfuse.epilogue_op
 import gemmfuse.library
 import gemmfuse.modules
 import gemmfuse.ops
@@ -49,8 +50,8 @@ from gemmfuse.optimize import OptimizeReport, optimize
 # The export orders them by their imports, each after the modules it imports from.
 BUNDLED_MODULES = (gemmfuse.pointwise, gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build,
                    gemmfuse.sources, gemmfuse.validation, gemmfuse.autograd, gemmfuse.dispatch,
-                   gemmfuse.weight_cache, gemmfuse.ops, gemmfuse.library,
-                   gemmfuse.pooling)  # fmt: skip
+                   gemmfuse.weight_cache, gemmfuse.ops, gemmfuse.epilogue_op,
+                   gemmfuse.library, gemmfuse.pooling)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")
              for name in ("grammar", "tracing", "analysis", "rewrite")]  # fmt: skip

@@ -343,13 +343,13 @@ class _Analysis:
         return None
 
     def _batch_norm(self, node: fx.Node, module: nn.BatchNorm1d, v) -> "_Step | _Refusal":
-        """An nn.BatchNorm1d in eval mode on (M, N): the per-channel ops ``(x - running_mean) *
-        scale + bias`` (:class:`BatchNormAffine`), as one step."""
+        """An nn.BatchNorm1d on (M, N): the per-channel ops ``(x - mean) * scale + bias``
+        (:class:`BatchNormAffine`), as one step: in eval mode from the running statistics, else
+        from the batch's (the chain splits there: modules.FusedLinear)."""
         affine = BatchNormAffine(module)
-        problem = affine.problem()
+        problem = affine.problem(self.meta[v].dtype)
         if problem:
-            return _Refusal(f"{problem.replace('the BatchNorm1d ', 'it ')}; in eval mode it "
-                            "folds into per-channel ops")  # fmt: skip
+            return _Refusal(problem)
         if len(self.meta[v].shape) != 2:
             return _Refusal(f"a BatchNorm1d of {self.meta[v].shape} normalises dim 1, not the "
                             "features")  # fmt: skip
@@ -359,7 +359,8 @@ class _Analysis:
         ops = [("sub", "mean"), ("mul", "scale")] + ([("add", "bias")] if module.bias is not None
                                                     else [])  # fmt: skip
         args = tuple((op, (affine, name)) for op, name in ops)
-        label = f"{node.target} (eval: (x - mean) * scale{' + bias' if len(ops) == 3 else ''})"
+        mode = "batch statistics" if affine.uses_batch_statistics else "eval"
+        label = f"{node.target} ({mode}: (x - mean) * scale{' + bias' if len(ops) == 3 else ''})"
         return _Step("affine", label, args=args, module=module)
 
     def _match(self, node: fx.Node, v: fx.Node) -> "_Step | _Refusal":
@@ -492,9 +493,19 @@ class _Analysis:
         at each call."""
         if stage == "tail":
             return _Refusal("a BatchNorm1d after the reduction")
-        dtype = step.module.running_mean.dtype
-        if dtype != chain.gemm.dtype:
-            return _Refusal(f"its running statistics are {dtype}, not {chain.gemm.dtype}")
+        module = step.module
+        for name in ("running_mean", "weight"):
+            t = getattr(module, name)
+            if t is not None and t.dtype != chain.gemm.dtype:
+                return _Refusal(f"its {name} is {t.dtype}, not {chain.gemm.dtype}")
+        if BatchNormAffine(module).uses_batch_statistics:
+            # The chain splits at it (its statistics need the whole (M, N) value first): values
+            # read again across the split, or a second split, are not supported
+            if self.stretch.pending:
+                return _Refusal("a value before it is read again after it (batch statistics)")
+            if any(isinstance(t, tuple) and isinstance(t[0], BatchNormAffine)
+                   and t[0].uses_batch_statistics for t in chain.operands):  # fmt: skip
+                return _Refusal("a second BatchNorm1d with batch statistics in the chain")
         if self._tensor_count(chain) + len(step.args) > MAX_TENSORS:
             return _Refusal(f"the kernel takes at most {MAX_TENSORS} tensor arguments")
         for name, operand in step.args:
