@@ -13,8 +13,10 @@ own state, never a copy of it:
   (``num_groups``, ``eps``, ``weight``, ``bias``, a LeakyReLU's slope...) at each call;
 - it reads each tensor operand (a parameter or buffer of the model) at each call from the
   module that holds it, so a buffer that ``.to()`` replaced is seen; a plain tensor attribute
-  (not a buffer) is the tensor optimize saw, as README.md says; an eval-mode BatchNorm1d's
-  operands (:class:`BatchNormAffine`) are computed from the module at each call.
+  (not a buffer) is the tensor optimize saw, as README.md says; a BatchNorm1d's operands
+  (:class:`BatchNormAffine`) are computed from the module at each call, and where it normalises
+  with the batch's statistics (training mode) the call splits there: ``fused_linear`` up to it,
+  the statistics, then ``fused_epilogue`` for the rest of the chain.
 
 An input of more than two dimensions (batch, sequence, features) runs with its leading
 dimensions flattened into rows, when the chain acts on the features alone (pointwise ops only).

@@ -232,7 +232,7 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
     ref_rounded = chain.given_z(z_rounded, grad)
     exact = chain.exact(grad)
     magnitudes = chain.term_magnitudes(z_ours, grad)
-    noise = chain.term_noise(z_rounded, grad)
+    term_noise = chain.term_noise(z_rounded, grad)
     lines = []
     for i, name in enumerate(names):
         g = ours[i]
@@ -241,7 +241,7 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
         floor = max(rel_err(alone[i], ref_rounded[i]), rel_err(alone_cpu[i], ref_rounded[i].cpu()))
         floor += EPS
         # A sum of many fp32 terms: three standard deviations of its terms' own rounding
-        sigma = (noise[i].norm() / ref_ours[i].norm()).item() if i in noise else 0.0
+        sigma = (term_noise[i].norm() / ref_ours[i].norm()).item() if i in term_noise else 0.0
         e2e = [rel_err(g, exact[i]), rel_err(eager[i], exact[i])]
         e2e += [max_abs_err(g, exact[i]), max_abs_err(eager[i], exact[i])]
         line = (

@@ -24,7 +24,8 @@ pooling over the channels right after the Linear (``avg_pool1d`` of ``x.unsqueez
 ``squeeze(1)``; stride equal to the window, no padding) is folded into the Linear's weights
 (gemmfuse/pooling.py), and the chain goes on over the pooled channels. An ``nn.BatchNorm1d`` in
 eval mode on the (M, N) value is per-channel ops read from the module at each call
-(``modules.BatchNormAffine``); in training mode it stops the chain.
+(``modules.BatchNormAffine``); in training mode (or without running statistics) the same ops
+with the batch's statistics, the fused call splitting there (``modules.FusedLinear``).
 
 A chain stops at the first node that is not in the grammar, whose result has several users
 (``x + x`` excepted, and ``x * sigmoid(x)``: x used by a sigmoid that only the multiplication
