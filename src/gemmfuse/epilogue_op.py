@@ -30,7 +30,7 @@ from gemmfuse.autograd import FusedEpilogueFunction
 from gemmfuse.dispatch import FallbackWarning, select_epilogue_path
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.jit import extension_for
-from gemmfuse.ops import chain_arguments
+from gemmfuse.ops import chain_arguments, records_grad
 from gemmfuse.reference import apply_epilogue, apply_pointwise
 from gemmfuse.validation import epilogue_argument_problem, raise_problem
 
@@ -67,21 +67,12 @@ def fused_epilogue_with_path(
         if z.is_cuda and not compiling:
             warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
         return apply_epilogue(z, epilogue, gn_weight, gn_bias, params), path
-    chain = epilogue.untailed
-    if _epilogue_records_grad(z, gn_weight, gn_bias, params, chain):
-        launch = _epilogue_launcher(epilogue)
-        out = FusedEpilogueFunction.apply(chain, launch, z, gn_weight, gn_bias, *params)
+    launch = _epilogue_launcher(epilogue)
+    if records_grad(epilogue, params, z, gn_weight, gn_bias):
+        out = FusedEpilogueFunction.apply(epilogue.untailed, launch, z, gn_weight, gn_bias, *params)
     else:
-        out = _epilogue_launcher(epilogue)(z, gn_weight, gn_bias, params)
+        out = launch(z, gn_weight, gn_bias, params)
     return apply_pointwise(out, epilogue.tail, params), path
-
-
-def _epilogue_records_grad(z, gn_weight, gn_bias, params, chain: Epilogue) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    if z.requires_grad or any(t is not None and t.requires_grad for t in (gn_weight, gn_bias)):
-        return True
-    return any(params[i].requires_grad for i in chain.channel_params)
 
 
 def _epilogue_launcher(epilogue: Epilogue):

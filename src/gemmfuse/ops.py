@@ -110,14 +110,13 @@ def chain_arguments(epilogue: Epilogue, params, n: int) -> tuple:
     return channel_vectors(epilogue, params, n), epilogue.scalars, group_size, eps, norm_wide
 
 
-def _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue: Epilogue) -> bool:
-    """Whether autograd records this call through the chain up to its tail ops."""
+def records_grad(epilogue: Epilogue, params, *tensors) -> bool:
+    """Whether autograd records a call on ``tensors`` (None for an absent one) and the chain's
+    ``params`` through the chain up to its tail ops."""
     # Runs on every call before the launch: plain tests, no containers built.
     if not torch.is_grad_enabled():
         return False
-    if x.requires_grad or weight.requires_grad:
-        return True
-    for t in (bias, gn_weight, gn_bias):
+    for t in tensors:
         if t is not None and t.requires_grad:
             return True
     return any(params[i].requires_grad for i in epilogue.channel_params)
@@ -201,7 +200,7 @@ def fused_linear_with_path(
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias, params), path
     cache = cache_for_call(weight_cache)
     launch = functools.partial(launch_path, path, epilogue, cache, kernel, precision)
-    if _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue):
+    if records_grad(epilogue, params, x, weight, bias, gn_weight, gn_bias):
         call = backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision)
         out = FusedLinearFunction.apply(call, x, weight, bias, gn_weight, gn_bias, *params)
     else:
@@ -217,7 +216,7 @@ def _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, k
     token = -1 if cache is None else cache.token
     chain = epilogue_spec(epilogue, tail=False)  # a string constant of the traced graph
     args = (x, weight, bias, gn_weight, gn_bias, list(params), chain, kernel, precision, token)
-    if _records_grad(x, weight, bias, gn_weight, gn_bias, params, epilogue):
+    if records_grad(epilogue, params, x, weight, bias, gn_weight, gn_bias):
         out = torch.ops.gemmfuse.fused_linear_saving_z(*args)[0]
     else:
         out = torch.ops.gemmfuse.fused_linear(*args)

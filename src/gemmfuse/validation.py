@@ -69,15 +69,27 @@ def _norm_problem(x, n, like, epilogue: Epilogue, gn_weight, gn_bias, like_name=
     )
 
 
-def _keeps_shape_problem(epilogue: Epilogue, params, m: int, n: int) -> "Problem | None":
+def _chain_problem(epilogue, params) -> "Problem | None":
+    """The first problem with the chain and its ``params`` apart from the rows they act on."""
+    if not isinstance(epilogue, Epilogue):
+        return TypeError, f"epilogue must be a gemmfuse.Epilogue, got {type(epilogue).__name__}"
+    return _params_problem(params, epilogue)
+
+
+def _chain_tensors_problem(
+    x, n, like, epilogue, gn_weight, gn_bias, params, like_name="the weight"
+):
+    """The first problem with the chain's tensors on rows ``x`` of ``n`` channels: ``params``
+    that change the (M, N) shape before the reduction, then the GroupNorm's (``like``, named
+    ``like_name``: the tensor whose dtype and device its vectors share)."""
     for i in sorted(set(epilogue.channel_params)):
         shape = tuple(params[i].shape)
-        if not keeps_shape(shape, (m, n)):
+        if not keeps_shape(shape, (x.shape[0], n)):
             return ValueError, (
                 f"params[{i}] of shape {shape} does not broadcast to the chain's "
-                f"({m}, {n}): the ops before the reduction keep the GEMM's shape"
+                f"({x.shape[0]}, {n}): the ops before the reduction keep the GEMM's shape"
             )
-    return None
+    return _norm_problem(x, n, like, epilogue, gn_weight, gn_bias, like_name)
 
 
 def argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -> "Problem | None":
@@ -87,9 +99,7 @@ def argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -
         return TypeError, f"x must be a torch.Tensor, got {type(x).__name__}"
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return ValueError, "weight must be a 2-D torch.Tensor of shape (out_features, in_features)"
-    if not isinstance(epilogue, Epilogue):
-        return TypeError, f"epilogue must be a gemmfuse.Epilogue, got {type(epilogue).__name__}"
-    problem = _params_problem(params, epilogue)
+    problem = _chain_problem(epilogue, params)
     if problem is not None:
         return problem
     n, k = weight.shape
@@ -103,9 +113,7 @@ def argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -
     problem = _vector_problem(bias, "bias", n, weight)
     if problem is not None:
         return problem
-    return _keeps_shape_problem(epilogue, params, x.shape[0], n) or _norm_problem(
-        x, n, weight, epilogue, gn_weight, gn_bias
-    )
+    return _chain_tensors_problem(x, n, weight, epilogue, gn_weight, gn_bias, params)
 
 
 def epilogue_argument_problem(z, epilogue, gn_weight, gn_bias, params=()) -> "Problem | None":
@@ -117,14 +125,8 @@ def epilogue_argument_problem(z, epilogue, gn_weight, gn_bias, params=()) -> "Pr
         return ValueError, f"z must be 2-D (rows, channels), got shape {tuple(z.shape)}"
     if not z.is_floating_point():
         return ValueError, f"z must be a floating-point tensor, got {z.dtype}"
-    if not isinstance(epilogue, Epilogue):
-        return TypeError, f"epilogue must be a gemmfuse.Epilogue, got {type(epilogue).__name__}"
-    problem = _params_problem(params, epilogue)
-    if problem is not None:
-        return problem
-    m, n = z.shape
-    return _keeps_shape_problem(epilogue, params, m, n) or _norm_problem(
-        z, n, z, epilogue, gn_weight, gn_bias, "z"
+    return _chain_problem(epilogue, params) or _chain_tensors_problem(
+        z, z.shape[1], z, epilogue, gn_weight, gn_bias, params, "z"
     )
 
 
