@@ -4,9 +4,16 @@ earlier value of the same stretch (as it is, ``.detach()``-ed or ``.clone()``-d)
 GroupNorm and a logsumexp over the channels in between at random.
 
 Bar: the chain is fused to the model's output; the optimized model's output equals the model's
-(the CPU path runs the same ops: exactly) and so do the gradients of every parameter and of x.
+(the CPU path runs the same ops: exactly); the gradients of every parameter and of x are at most
+twice as far from the float64 model's as eager fp32's are, plus one fp32 ulp of the largest.
+The gradients' bar was allclose(1e-6) to eager fp32's own until commit 9380b36: autograd sums a
+value's several readers' contributions in its own order on each side, and a drawn program
+(sigmoid -> GroupNorm -> sub(value 0 cloned) -> sigmoid -> mul(value 0), seed 0) differed from
+eager by 3.8e-6 (1.4e-5 relative) in the Linear's weight gradient while both were as far from
+float64 (1.19e-5 ours, 1.24e-5 eager): two draws of the same rounding, not an error of ours.
 """
 
+import copy
 import operator
 
 import torch
@@ -15,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gemmfuse import optimize
+from helpers import max_abs_err
 
 K, N, GROUPS = 8, 12, 3
 UNARY = ("sigmoid", "tanh", "relu")
@@ -99,15 +107,20 @@ def test_random_value_programs_fuse_to_the_end_with_the_models_gradients(program
     new, report = optimize(model, (x,))
     (entry,) = report.linears
     assert entry.fused and entry.stopped == "ends at the model's output", (program, report)
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    outs = [new(xs[0]), model(xs[1])]
+    exact = copy.deepcopy(model).double()
+    xs = [x.clone().requires_grad_() for _ in range(2)] + [x.double().requires_grad_()]
+    outs = [new(xs[0]), model(xs[1]), exact(xs[2])]
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
     grad = torch.randn_like(outs[1])
-    wanted = [xs[0], *model.parameters()]
-    got = torch.autograd.grad(outs[0], wanted, grad, allow_unused=True)
-    want = torch.autograd.grad(outs[1], [xs[1], *model.parameters()], grad, allow_unused=True)
-    for a, b in zip(got, want, strict=True):
+    got, want, want64 = (
+        torch.autograd.grad(out, [t, *m.parameters()], g, allow_unused=True)
+        for out, t, m, g in zip(
+            outs, xs, (model, model, exact), (grad, grad, grad.double()), strict=True
+        )
+    )
+    for a, b, c in zip(got, want, want64, strict=True):
         if b is None:
             assert a is None or not a.any()
         else:
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            ulp = torch.finfo(torch.float32).eps * c.abs().max().item()
+            assert max_abs_err(a, c) <= 2 * max_abs_err(b, c) + ulp, (program, seed)
