@@ -2,10 +2,11 @@
 
 Each part of a chain's library (gemmfuse.jit.CHAIN_PARTS) is compiled as it stands, with the
 generated epilogue header of every kernel structure the shipped problems use, of chains holding
-every pointwise op (the last with logsumexp, the reduction with the most code) and of the chains
-that read values again (gemmfuse.chains.value_chains), for sm_90a and the portable sm_80 target.
-The chain-independent split.cu is compiled once per target, and fused_linear.cu (a standalone
-export's one translation unit: the same parts together) once, with the first structure.
+every pointwise op (the last with logsumexp, the reduction with the most code), of the chains
+that read values again (gemmfuse.chains.value_chains) and of the softmax chains, for sm_90a and
+the portable sm_80 target. The chain-independent split.cu is compiled once per target, and
+fused_linear.cu (a standalone export's one translation unit: the same parts together) once, with
+the first structure.
 Usage: python scripts/compile_check.py [--jobs N]
 """
 
@@ -18,7 +19,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gemmfuse.chains import value_chains
+from gemmfuse.chains import softmax_chains, value_chains
 from gemmfuse.epilogue import (
     POINTWISE,
     Epilogue,
@@ -62,6 +63,7 @@ def main() -> int:
     args = parser.parse_args()
     chains = [s for p in PROBLEMS.values() for s in p.structures] + every_op_chains()
     chains += value_chains()  # values read again: registers and gathered gradients
+    chains += softmax_chains()  # the softmax statistics and merges
     structures = {repr(s.structure): s.structure for s in chains}
     work = []
 

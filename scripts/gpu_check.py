@@ -92,14 +92,20 @@ def every_structure() -> list[str]:
     from model_files import FIT, build
 
     from gemmfuse import Epilogue, optimize
-    from gemmfuse.chains import chain_pool, layer_norm_chain, value_chain_pool, value_chains
+    from gemmfuse.chains import (
+        chain_pool,
+        layer_norm_chain,
+        softmax_chains,
+        value_chain_pool,
+        value_chains,
+    )
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.warmup import model_structures
 
     structures = [Epilogue()]  # the plain GEMM: the backward's products
     structures += [s.structure for p in PROBLEMS.values() for s in p.structures]
     structures += [c.structure for c in chain_pool() + value_chain_pool()]
-    structures += [c.structure for c in value_chains()]
+    structures += [c.structure for c in value_chains() + softmax_chains()]
     structures += [
         layer_norm_chain(affine, rms).structure for affine in (True, False) for rms in (False, True)
     ]

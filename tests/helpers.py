@@ -28,6 +28,13 @@ class Chain(nn.Module):
         return self.body(self, self.fc(x))
 
 
+def fused_kernels() -> list[str]:
+    """The fused kernels this GPU runs: the Hopper kernel (sm_90 only) and the portable one."""
+    if not torch.cuda.is_available():
+        return ["portable"]
+    return ["hopper", "portable"] if torch.cuda.get_device_capability() == (9, 0) else ["portable"]
+
+
 def small_pair(number: int, seed: int = 0, init=None):
     problem = get_problem(number)
     return build_pair(problem, list(init or problem.small_init), seed)

@@ -24,7 +24,7 @@ from gemmfuse import (
     Value,
 )
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, chain_backward
-from gemmfuse.chains import value_chain_pool, value_chains
+from gemmfuse.chains import softmax_chains, value_chain_pool, value_chains
 from gemmfuse.reference import apply_epilogue, apply_pointwise, linear_epilogue
 from gemmfuse.weight_cache import SplitWeightCache
 
@@ -173,6 +173,14 @@ def test_layer_norm(affine, rms):
         reduce=Reduction("logsumexp"),
     )
     check(epilogue, n_params=1)
+
+
+@pytest.mark.parametrize("index", range(len(softmax_chains())))
+def test_softmax(index):
+    """A softmax or log_softmax over the channels (chains.softmax_chains): PyTorch's own
+    backward of the reference, from the saved GEMM result."""
+    epilogue = softmax_chains()[index]
+    check(epilogue, n_params=len(epilogue.channel_params), seed=index)
 
 
 def test_only_what_needs_grad_is_computed():

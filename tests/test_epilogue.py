@@ -1,6 +1,8 @@
+from dataclasses import replace
+
 import pytest
 
-from gemmfuse.chains import chain_pool, value_chains
+from gemmfuse.chains import chain_pool, softmax_chains, value_chains
 from gemmfuse.epilogue import (
     POINTWISE,
     REDUCTIONS,
@@ -50,6 +52,12 @@ def test_generated_struct_flags():
     assert "kRms = false" in cuda_epilogue(chain())
     rms = Epilogue(norm=GroupNormSpec(1, layer=True, rms=True))
     assert "kNorm = true" in cuda_epilogue(rms) and "kRms = true" in cuda_epilogue(rms)
+    assert "kSoftmax = false" in cuda_epilogue(rms) and "kSoftmax = false" in cuda_epilogue(
+        Epilogue()
+    )
+    softmax, _, log_softmax = (cuda_epilogue(c) for c in softmax_chains())
+    assert "kNorm = true" in softmax and "kSoftmax = true" in softmax and "kRms = false" in softmax
+    assert "kLogSoftmax = false" in softmax and "kLogSoftmax = true" in log_softmax
 
 
 def test_structure_keeps_what_the_kernels_tell_apart():
@@ -60,6 +68,9 @@ def test_structure_keeps_what_the_kernels_tell_apart():
     assert group.structure == layer.structure
     assert rms.structure != layer.structure
     assert rms.structure == Epilogue(norm=GroupNormSpec(1, 0.5, layer=True, rms=True)).structure
+    softmax = GroupNormSpec(1, 0.0, False, layer=True, softmax=True)
+    structures = {Epilogue(norm=n).structure for n in (softmax, replace(softmax, log=True))}
+    assert len(structures | {layer.structure, rms.structure}) == 4
 
 
 @pytest.mark.parametrize(
@@ -72,6 +83,9 @@ def test_structure_keeps_what_the_kernels_tell_apart():
         (lambda: GroupNormSpec(2, eps=-1.0), "eps"),
         (lambda: GroupNormSpec(2, layer=True), "LayerNorm .* is one group"),
         (lambda: GroupNormSpec(1, rms=True), "RMSNorm .* needs layer=True"),
+        (lambda: GroupNormSpec(1, affine=False, softmax=True), "softmax .* needs layer=True"),
+        (lambda: GroupNormSpec(1, layer=True, softmax=True), "needs .* affine=False"),
+        (lambda: GroupNormSpec(1, affine=False, layer=True, log=True), "log=True .* softmax"),
         (lambda: Reduction("median"), "unknown reduction"),
         (lambda: Epilogue(post=(Pointwise("relu"),)), "post ops need a GroupNorm"),
         (lambda: Epilogue(pre=(Pointwise("add", (1.0,)),) * 9), "at most 8 float"),
@@ -168,6 +182,7 @@ def test_chain_pool_covers_the_grammar():
         ),
         Epilogue(norm=GroupNormSpec(1, 1.1920928955078125e-07, layer=True, rms=True)),
         *value_chains(),
+        *softmax_chains(),
         Epilogue(reduce=Reduction("max"), tail=(Pointwise("mish"), Pointwise("mul", (Value(0),)))),
     ],
 )

@@ -63,9 +63,7 @@ EXPECTED = {
          "[line 35: `return a + b + c`]"),
     ],
     "batched_linear_gelu": [
-        ("fc", True, "fc -> gelu -> x * 0.5",
-         "stopped at softmax (torch.softmax): not in the epilogue grammar "
-         "[line 16: `return torch.softmax(x, dim=-1)`]"),
+        ("fc", True, "fc -> gelu -> x * 0.5 -> softmax(dim=-1)", "ends at the model's output"),
     ],
     "elementwise_min_parameter": [
         ("linear", True, "linear -> minimum(x, constant) -> x - constant -> maximum(x, floor)",
@@ -111,9 +109,11 @@ EXPECTED = {
          "ends at the model's output"),
     ],
     "mixed_blocks": [
-        ("fc1", True, "fc1 -> relu",
-         "stopped at softmax (torch.softmax): not in the epilogue grammar "
-         "[line 30: `a = torch.softmax(torch.relu(self.fc1(x)), dim=1)`]"),
+        ("fc1", True, "fc1 -> relu -> softmax(dim=1)",
+         "stopped at add (operator.add): operand squeeze is computed in the forward (fused "
+         "operands are numbers, parameters, buffers and tensor attributes) "
+         "[line 31: `b = self.fc2(x.unsqueeze(1)).squeeze(1)`] "
+         "[line 36: `return a + b + c + d`]"),
         ("fc2", True, "fc2",
          "stopped at squeeze (Tensor.squeeze): not in the epilogue grammar "
          "[line 31: `b = self.fc2(x.unsqueeze(1)).squeeze(1)`]"),
@@ -161,8 +161,7 @@ EXPECTED = {
     "shared_linear": [
         ("fc", True, "fc -> relu", "stopped at fc (nn.Linear): not in the epilogue grammar "
          "[line 14: `return torch.softmax(self.fc(torch.relu(self.fc(x))), dim=-1)`]"),
-        ("fc_1", True, "fc", "stopped at softmax (torch.softmax): not in the epilogue grammar "
-         "[line 14: `return torch.softmax(self.fc(torch.relu(self.fc(x))), dim=-1)`]"),
+        ("fc_1", True, "fc -> softmax(dim=-1)", "ends at the model's output"),
     ],
     "reductions_of_one": [
         ("linear", True, "linear -> sum(dim=1, keepdim=True) -> max(dim=1, keepdim=True) -> "
@@ -497,8 +496,23 @@ def buffer(*shape):  # Chain registers plain tensors as buffers
 @pytest.mark.parametrize(
     "body, members, chain, stopped",
     [
-        (lambda s, x: torch.softmax(x, 1), {}, "fc", "stopped at softmax (torch.softmax): "
+        (lambda s, x: torch.cumsum(x, 1), {}, "fc", "stopped at cumsum (torch.cumsum): "
          "not in the epilogue grammar"),
+        (lambda s, x: torch.softmax(x, 0), {}, "fc", "stopped at softmax (torch.softmax): "
+         "softmax over dim=0, not the channels (the last dimension)"),
+        (lambda s, x: F.log_softmax(x, 1, dtype=torch.float64), {}, "fc",
+         "log_softmax with dtype= is not in the grammar"),
+        (lambda s, x: F.softmax(s.g(x), -1), {"g": nn.GroupNorm(4, 16)}, "fc -> g",
+         "stopped at softmax (F.softmax): a second norm"),
+        # every spelling of a softmax over the channels is a norm of the chain
+        (lambda s, x: F.log_softmax(x * 2.0, dim=-1).sum(1), {},
+         "fc -> x * 2.0 -> log_softmax(dim=-1) -> sum(dim=1)", "ends at the model's output"),
+        (lambda s, x: torch.tanh(x.softmax(1)), {}, "fc -> softmax(dim=1) -> tanh",
+         "ends at the model's output"),
+        (lambda s, x: torch.log_softmax(x, dim=1), {}, "fc -> log_softmax(dim=1)",
+         "ends at the model's output"),
+        (lambda s, x: s.act(x).log_softmax(-1), {"act": nn.Softmax(dim=-1)}, "fc -> act",
+         "stopped at log_softmax (Tensor.log_softmax): a second norm"),
         (lambda s, x: x.mul_(x), {}, "fc", "x *= x in place is not in the grammar"),
         (lambda s, x: x * s.g(x), {"g": nn.Identity()}, "fc", "stopped after fc: fc is also "
          "read by mul, which the chain does not reach (stopped at g (nn.Identity): not in the "
@@ -530,7 +544,10 @@ def buffer(*shape):  # Chain registers plain tensors as buffers
         (lambda s, x: (s.b.mul_(1.0), x + s.b)[1], {"b": buffer(16)}, "fc",
          "computed in the forward"),
         (lambda s, x: F.group_norm(x, 4, s.w), {"w": p(16)}, "fc", "a weight but no bias"),
-        (lambda s, x: s.act(x), {"act": nn.Softmax(1)}, "fc", "stopped at act (nn.Softmax)"),
+        (lambda s, x: s.act(x), {"act": nn.Softmax(0)}, "fc", "stopped at act (nn.Softmax): "
+         "softmax over dim=0"),
+        (lambda s, x: s.act(x), {"act": nn.LogSoftmax()}, "fc", "stopped at act "
+         "(nn.LogSoftmax): log_softmax without a dim"),
         (lambda s, x: torch.clamp(x, min=s.w), {"w": p(16)}, "fc", "argument min is computed"),
         (lambda s, x: torch.min(x, 1, True)[0] + s.t.add_(0.0), {"t": buffer(1)},
          "fc -> min(dim=1, keepdim=True)", "computed in the forward"),

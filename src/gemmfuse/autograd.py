@@ -11,8 +11,9 @@ backward needs besides the inputs:
    gradient back through it with PyTorch's formulas (epilogue.py's ``grad`` of each op;
    min/max routed as ``torch.amin`` / ``amax`` route them), summing the per-channel gradients
    over the rows as it goes. Elsewhere (CPU, float64, slabs too wide for a block's shared
-   memory) the chain is evaluated again in PyTorch (``gemmfuse.reference``) and differentiated
-   by autograd (a float32 GroupNorm's formula written out, for speed).
+   memory, a softmax over the channels) the chain is evaluated again in PyTorch
+   (``gemmfuse.reference``) and differentiated by autograd (a float32 GroupNorm's formula
+   written out, for speed).
 2. The products ``dx = dz @ W`` and ``dW = dz.T @ x`` on the tensor cores with the forward's
    split-fp16 scheme (``gemm_split`` of the plain GEMM's kernels, on operands split by rows or,
    for operands read down their columns, by ``split_cols``), where the forward's thresholds say
@@ -140,8 +141,11 @@ def _group_size(chain: Epilogue, n: int) -> int:
 
 def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether the chain backward kernel takes this call: CUDA float32 or bfloat16, a column
-    slab's working set within a block's shared memory."""
+    slab's working set within a block's shared memory, no softmax over the channels (the
+    kernel does not differentiate one)."""
     if not z.is_cuda or z.dtype not in (torch.float32, torch.bfloat16) or grad.dtype != z.dtype:
+        return False
+    if chain.norm is not None and chain.norm.softmax:
         return False
     return _kernel_fits(chain.structure, z.shape[1], _group_size(chain, z.shape[1]), z.device)
 
@@ -203,7 +207,8 @@ def chain_backward(chain: Epilogue, z, grad, tensors, needs) -> tuple[torch.Tens
 
     The chain is evaluated again from ``z`` under autograd and differentiated: PyTorch's own
     backward formulas for every op of the grammar. A float32 (or float64) chain's GroupNorm is
-    the exception (an RMSNorm keeps F.rms_norm's): its backward is written out
+    the exception (an RMSNorm and a softmax keep F.rms_norm's and F.softmax's): its backward
+    is written out
     (``_group_norm_backward``), because PyTorch's GroupNorm kernels take 0.32 ms each way on
     #62's 1024 x 8192 with groups of 16 (measured, H100), a quarter of the whole training
     step, where a grouped ``var_mean`` and a few elementwise ops take a fraction of that.
@@ -216,7 +221,12 @@ def chain_backward(chain: Epilogue, z, grad, tensors, needs) -> tuple[torch.Tens
     z = z.detach().requires_grad_()
     with torch.enable_grad():
         norm = chain.norm
-        if norm is None or norm.rms or z.dtype not in (torch.float32, torch.float64):
+        if (
+            norm is None
+            or norm.rms
+            or norm.softmax
+            or z.dtype not in (torch.float32, torch.float64)
+        ):
             out = apply_epilogue(z, chain, gn_weight, gn_bias, params)
             wanted = [z] + [t for t in leaves if t is not None and t.requires_grad]
             grads = list(torch.autograd.grad(out, wanted, grad, allow_unused=True))

@@ -265,6 +265,23 @@ def layer_norm_chain(affine: bool, rms: bool = False) -> Epilogue:
     )
 
 
+def softmax_chains() -> list[Epilogue]:
+    """The GPU tests' softmax chains: #99's GELU -> softmax over the channels; #84's
+    x * p[0] -> softmax (after its BatchNorm1d); x * p[0] -> log_softmax -> x * 0.5 -> sum over
+    the channels (keepdim): a log_softmax with ops on both sides and a reduction after it."""
+    softmax = GroupNormSpec(1, 0.0, False, layer=True, softmax=True)
+    return [
+        Epilogue(pre=(Pointwise("gelu"),), norm=softmax),
+        Epilogue(pre=(Pointwise("mul", (Param(0),)),), norm=softmax),
+        Epilogue(
+            pre=(Pointwise("mul", (Param(0),)),),
+            norm=replace(softmax, log=True),
+            post=(Pointwise("mul", (0.5,)),),
+            reduce=Reduction("sum", keepdim=True),
+        ),
+    ]
+
+
 def linear_data(gen: torch.Generator, m: int, k: int, n: int) -> tuple[torch.Tensor, ...]:
     """(x, weight, bias, gn_weight, gn_bias) on the CPU: x ~ randn(m, k), the Linear's weight and
     bias uniform in +-1/sqrt(k) as nn.Linear initialises them, the GroupNorm's affine parameters

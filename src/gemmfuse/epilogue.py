@@ -151,6 +151,12 @@ class GroupNormSpec:
     alone: give it a zero bias). ``eps`` is a number here; PyTorch's ``eps=None`` (the machine
     epsilon of the dtype F.rms_norm computes in: float64's for float64 inputs, float32's for
     the rest) is resolved by the caller.
+
+    ``softmax=True`` (with ``layer=True``, ``affine=False``) is a softmax over the channels
+    (``F.softmax`` of the last dimension): ``exp(u - max) / sum(exp(u - max))`` per row, with
+    ``log=True`` a log_softmax, ``(u - max) - log(sum(exp(u - max)))``, each as PyTorch's CUDA
+    kernels compute them. The row's statistics are its largest value and that sum, gathered
+    per tile and merged as a wide GroupNorm's moments are; ``eps`` is not read.
     """
 
     num_groups: int
@@ -158,6 +164,8 @@ class GroupNormSpec:
     affine: bool = True
     layer: bool = False
     rms: bool = False
+    softmax: bool = False
+    log: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_groups, int) or self.num_groups < 1:
@@ -168,6 +176,13 @@ class GroupNormSpec:
             raise ValueError(f"a LayerNorm (layer=True) is one group, got {self.num_groups}")
         if self.rms and not self.layer:
             raise ValueError("an RMSNorm (rms=True) normalises rows: it needs layer=True")
+        if self.log and not self.softmax:
+            raise ValueError("log=True (a log_softmax) goes with softmax=True")
+        if self.softmax and (not self.layer or self.affine or self.rms):
+            raise ValueError(
+                "a softmax over the channels (softmax=True) is a row op without affine "
+                "vectors: it needs layer=True, affine=False and rms=False"
+            )
 
 
 @dataclass(frozen=True)
@@ -258,7 +273,8 @@ class Epilogue:
 
         norm = self.norm
         if norm is not None:  # a LayerNorm is a one-group GroupNorm to the kernels
-            norm = GroupNormSpec(1, 0.0, norm.affine, layer=norm.rms, rms=norm.rms)
+            row_op = norm.rms or norm.softmax
+            norm = GroupNormSpec(1, 0.0, norm.affine, row_op, norm.rms, norm.softmax, norm.log)
         reduce = None if self.reduce is None else Reduction(self.reduce.op)
         return Epilogue(strip(self.pre), norm, strip(self.post), reduce)
 
@@ -328,7 +344,8 @@ def epilogue_spec(epilogue: "Epilogue", tail: bool = True) -> str:
     norm, reduce = epilogue.norm, epilogue.reduce
     norm_spec = "null"
     if norm is not None:
-        flags = ", ".join("true" if f else "false" for f in (norm.affine, norm.layer, norm.rms))
+        flags = (norm.affine, norm.layer, norm.rms, norm.softmax, norm.log)
+        flags = ", ".join("true" if f else "false" for f in flags)
         norm_spec = f"[{norm.num_groups}, {_number_spec(norm.eps)}, {flags}]"
     reduce_spec = "null"
     if reduce is not None:
@@ -525,7 +542,7 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
     forward (``pre``, ``post``) and backward (``pre_backward``, ``post_backward``)."""
     reduce = 0 if epilogue.reduce is None else REDUCTIONS[epilogue.reduce.op]
     plain = epilogue.structure == Epilogue()
-    rms = epilogue.norm is not None and epilogue.norm.rms
+    norm = epilogue.norm or GroupNormSpec(1, affine=False)
     sums, param_slot = column_sum_slots(epilogue)
     pre_at = _CodeCursor()
     pre = _forward_body(epilogue.pre, pre_at)
@@ -543,7 +560,11 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
             "struct GeneratedEpilogue {",
             f"  static constexpr bool kNorm = {'true' if epilogue.norm else 'false'};",
             # RMSNorm: rows scaled by 1 / sqrt(mean(u^2) + eps), no mean subtracted.
-            f"  static constexpr bool kRms = {'true' if rms else 'false'};",
+            f"  static constexpr bool kRms = {'true' if norm.rms else 'false'};",
+            # Softmax over the channels: rows scaled to exp(u - max) / sum (a log_softmax:
+            # (u - max) - log(sum)).
+            f"  static constexpr bool kSoftmax = {'true' if norm.softmax else 'false'};",
+            f"  static constexpr bool kLogSoftmax = {'true' if norm.log else 'false'};",
             f"  static constexpr int kReduce = {reduce};",
             # A plain GEMM (+ bias): the backward's matrix products run on this structure.
             f"  static constexpr bool kPlain = {'true' if plain else 'false'};",

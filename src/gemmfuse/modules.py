@@ -97,7 +97,9 @@ class ChainNorm:
     """The chain's norm: an ``nn.GroupNorm``, ``nn.LayerNorm`` or ``nn.RMSNorm`` read at each
     call, or ``F.group_norm``'s / ``F.layer_norm``'s / ``F.rms_norm``'s constant
     ``num_groups``/``eps`` with its weight and bias as operand indices (or None). ``layer``: a
-    norm over the channels (one group); ``rms``: that norm is an RMSNorm (``layer`` too)."""
+    norm over the channels (one group); ``rms``: that norm is an RMSNorm (``layer`` too);
+    ``softmax``: a softmax over the channels (``layer`` too, no module, no weight or bias;
+    ``log``: a log_softmax)."""
 
     module: nn.GroupNorm | nn.LayerNorm | nn.RMSNorm | None = None
     num_groups: int = 1
@@ -106,10 +108,14 @@ class ChainNorm:
     bias: int | None = None
     layer: bool = False
     rms: bool = False
+    softmax: bool = False
+    log: bool = False
 
     def __post_init__(self):
         if self.rms and not self.layer:
             raise TypeError("rms=True (an RMSNorm) goes with layer=True")
+        if self.softmax and not (self.layer and self.module is None and self.weight is None):
+            raise TypeError("softmax=True goes with layer=True, no module and no weight")
         kind = {nn.LayerNorm: (True, False), nn.RMSNorm: (True, True)}.get(type(self.module))
         if self.module is not None and (self.layer, self.rms) != (kind or (False, False)):
             raise TypeError(
@@ -329,7 +335,9 @@ class FusedLinear(nn.Module):
             pre=tuple(Pointwise(*op) for op in stages["pre"]),
             norm=None
             if norm is None
-            else GroupNormSpec(*norm, layer=self._norm.layer, rms=self._norm.rms),
+            else GroupNormSpec(
+                *norm, self._norm.layer, self._norm.rms, self._norm.softmax, self._norm.log
+            ),
             post=tuple(Pointwise(*op) for op in stages["post"]),
             reduce=self._reduce,
             tail=tuple(Pointwise(*op) for op in stages["tail"]),

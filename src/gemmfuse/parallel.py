@@ -187,8 +187,9 @@ def _splittable_epilogue(fused: FusedLinear, world: int) -> Epilogue:
         raise ValueError(f"out_features={n} does not split evenly over {world} ranks")
     if epilogue.norm is not None and epilogue.norm.layer:
         raise ValueError(
-            "a LayerNorm or RMSNorm normalises each row over all its channels: a column split "
-            "would need its statistics all-reduced, which parallelize does not do yet"
+            "a LayerNorm, RMSNorm or softmax normalises each row over all its channels: a "
+            "column split would need its statistics all-reduced, which parallelize does not do "
+            "yet"
         )
     if epilogue.norm is not None and epilogue.norm.num_groups % world:
         raise ValueError(

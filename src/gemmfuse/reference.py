@@ -43,7 +43,9 @@ def apply_epilogue(
     """Applies ``epilogue`` to the GEMM result ``y`` of shape (M, N), as PyTorch would."""
     y = apply_pointwise(y, epilogue.pre, params)
     norm = epilogue.norm
-    if norm is not None and norm.rms:
+    if norm is not None and norm.softmax:
+        y = (F.log_softmax if norm.log else F.softmax)(y, dim=-1)
+    elif norm is not None and norm.rms:
         y = F.rms_norm(y, y.shape[-1:], gn_weight, norm.eps)
         y = y if gn_bias is None else y + gn_bias
     elif norm is not None and norm.layer:

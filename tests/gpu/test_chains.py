@@ -33,18 +33,12 @@ from gemmfuse.chains import (
 )
 from gemmfuse.dispatch import fused_pays
 from gemmfuse.ops import fused_linear_with_path
-from helpers import float64_bar, max_abs_err, poison_allocator
+from helpers import float64_bar, fused_kernels, max_abs_err, poison_allocator
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 POOL = chain_pool()
 VALUE_POOL = value_chain_pool()
-
-
-def fused_kernels() -> list[str]:
-    if not torch.cuda.is_available():
-        return ["portable"]
-    return ["hopper", "portable"] if torch.cuda.get_device_capability() == (9, 0) else ["portable"]
 
 
 def run_chain(spec, m, k, group_size, groups, eps, seed, kernel):

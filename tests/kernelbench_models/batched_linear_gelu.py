@@ -1,5 +1,6 @@
 """A Linear on a 3-D input (batch, sequence, features) with a pointwise chain (GELU, a scale):
-fused with its leading dimensions as rows; then a softmax over the features, which stops it."""
+fused with its leading dimensions as rows, and the softmax over the features after it (a row
+op, as a LayerNorm)."""
 
 import torch
 import torch.nn as nn

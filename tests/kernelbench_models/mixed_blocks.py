@@ -1,4 +1,4 @@
-"""Fusable and unfusable blocks side by side: a chain stopped by softmax, a Linear on a 3-D
+"""Fusable and unfusable blocks side by side: a chain through a softmax, a Linear on a 3-D
 input, a chain (through x * sigmoid(x)) whose value is used twice, a Linear chain inside a
 submodule, and F.linear."""
 

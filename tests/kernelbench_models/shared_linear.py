@@ -1,5 +1,5 @@
-"""One Linear module called twice (shared weights): each call fused with its own chain, the
-weight split once between them."""
+"""One Linear module called twice (shared weights): each call fused with its own chain (the
+second's a softmax over the features), the weight split once between them."""
 
 import torch
 import torch.nn as nn

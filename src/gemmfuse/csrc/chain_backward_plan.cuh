@@ -52,9 +52,11 @@ int resident_blocks(Kernel kernel, size_t bytes) {
 // How the backward of an M x N chain is cut. In registers: slabs of 1024 columns. Else the widest
 // number of slabs (at most N / 1024, each a whole number of groups; one for logsumexp, whose
 // row-wide sum is not split). Then as many row blocks as fill the GPU. row_blocks 0: a slab's
-// working set exceeds what the device gives a block (the chain's backward runs in PyTorch).
+// working set exceeds what the device gives a block, or the chain has a softmax over the
+// channels, which the kernels do not differentiate (the chain's backward runs in PyTorch).
 template <class Epi>
 BackwardPlan chain_backward_plan_for(int m, int n, int group_size) {
+  if constexpr (Epi::kSoftmax) return {1, 0, 0, 0};
   if (backward_in_registers<Epi>(n, group_size)) {
     const int slabs = n / kWarpSlab;
     const int resident = resident_blocks(chain_backward_warp_kernel<Epi>, 0);

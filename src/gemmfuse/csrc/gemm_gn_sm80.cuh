@@ -14,7 +14,8 @@
 // generated `pre` ops and staged in shared memory as fp32; tile_epilogue.cuh does the rest.
 //
 // `Epi` is generated from the Python epilogue description (epilogue.py); it provides
-//   static constexpr bool kNorm, kRms; static constexpr int kReduce; (0 none, 1 min, 2 max, 3 sum)
+//   static constexpr bool kNorm, kRms, kSoftmax, kLogSoftmax;
+//   static constexpr int kReduce;  (0 none, 1 min, 2 max, 3 sum, 4 mean, 5 logsumexp)
 //   static __device__ float pre(float v, int col, const EpilogueParams& p);
 //   static __device__ float post(float v, int col, const EpilogueParams& p);
 // and is defined before this header is included (see fused_linear.cu).

@@ -4,8 +4,9 @@
 //   tile_epilogue_kernel) stored the pre-norm values as fp32 in args.out and, per (row, tile,
 //   group segment), the segment's mean and centred sum of squares in args.norm_stats.
 //   finish_row merges each group's segments with Chan's formula (exact for counts, no
-//   E[x^2] - E[x]^2 cancellation), then normalises, applies the affine part and the generated
-//   `post` ops, and stores the result in place (or bf16 to args.out_bf16), or reduces the row
+//   E[x^2] - E[x]^2 cancellation; a softmax's maxima and sums with merge_softmax), then
+//   normalises, applies the affine part and the generated `post` ops, and stores the result in
+//   place (or bf16 to args.out_bf16), or reduces the row
 //   into args.row_out. Merges and reductions run in a fixed order. A block takes a
 //   kFinalizeChunk-column piece of a row, or (when the chain reduces) the whole row.
 // - The epilogue path: PyTorch's own fp32 GEMM left x @ W^T + b in args.out, and
@@ -41,7 +42,32 @@ __device__ __forceinline__ Moments merge_moments(Moments a, Moments b) {
   return {n, mean, a.mean_lo + (m_err + step_err), a.m2 + b.m2 + d * d * a.n * wb};
 }
 
+// Two runs' softmax statistics (segment_softmax's, in Moments' fields: mean the largest value,
+// m2 + mean_lo the sum of exp(v - max)) as one: each sum rescaled to the larger maximum, the
+// products' and the addition's rounding errors kept in mean_lo.
+__device__ __forceinline__ Moments merge_softmax(Moments a, Moments b) {
+  if (b.n == 0.f) return a;
+  if (a.n == 0.f) return b;
+  const float top = max_nan(a.mean, b.mean);
+  const float fa = expf(a.mean - top), fb = expf(b.mean - top);
+  const float pa = a.m2 * fa, pb = b.m2 * fb;
+  float err;
+  const float sum = two_sum(pa, pb, err);
+  const float lo = err + fmaf(a.m2, fa, -pa) + fmaf(b.m2, fb, -pb) +
+                   fmaf(a.mean_lo, fa, b.mean_lo * fb);
+  return {a.n + b.n, top, lo, sum};
+}
+
+template <class Epi>
+__device__ __forceinline__ Moments merge_stats(Moments a, Moments b) {
+  if constexpr (Epi::kSoftmax)
+    return merge_softmax(a, b);
+  else
+    return merge_moments(a, b);
+}
+
 // The moments of group g from tiles t0, t0 + step, ... of its span (in tile order).
+template <class Epi>
 __device__ __forceinline__ Moments group_moments(const float4* stats, int g, int t0, int step,
                                                  const FusedArgs& args) {
   const int gs = args.group_size;
@@ -51,7 +77,7 @@ __device__ __forceinline__ Moments group_moments(const float4* stats, int g, int
     const int seg = g - (t * kTile) / gs;
     const int n = min(c_end, (t + 1) * kTile) - max(c_begin, t * kTile);
     const float4 s = stats[t * args.stats_per_tile + seg];
-    acc = merge_moments(acc, {static_cast<float>(n), s.x, s.y, s.z});
+    acc = merge_stats<Epi>(acc, {static_cast<float>(n), s.x, s.y, s.z});
   }
   return acc;
 }
@@ -78,7 +104,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
       const int groups = (c1 - 1) / gs - g0 + 1;
       if (warp_per_group) {
         for (int i = warp; i < groups; i += kFinalizeThreads / 32) {
-          Moments m = group_moments(stats, g0 + i, lane, 32, args);
+          Moments m = group_moments<Epi>(stats, g0 + i, lane, 32, args);
 #pragma unroll
           for (int off = 16; off > 0; off >>= 1) {
             const Moments o{__shfl_xor_sync(0xffffffffu, m.n, off),
@@ -86,7 +112,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
                             __shfl_xor_sync(0xffffffffu, m.mean_lo, off),
                             __shfl_xor_sync(0xffffffffu, m.m2, off)};
             // Lower lanes' tiles come first: every lane merges in the same order.
-            m = (lane & off) ? merge_moments(o, m) : merge_moments(m, o);
+            m = (lane & off) ? merge_stats<Epi>(o, m) : merge_stats<Epi>(m, o);
           }
           if (lane == 0) {
             s_mean[i] = m.mean;
@@ -96,7 +122,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
         }
       } else {
         for (int i = tid; i < groups; i += kFinalizeThreads) {
-          const Moments m = group_moments(stats, g0 + i, 0, 1, args);
+          const Moments m = group_moments<Epi>(stats, g0 + i, 0, 1, args);
           s_mean[i] = m.mean;
           s_mean_lo[i] = m.mean_lo;
           s_rstd[i] = norm_rstd<Epi, true>(m.m2, m.mean, m.mean_lo, gs, args.eps);
@@ -210,8 +236,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArg
     const int n0 = (task / spt) * kTile, g = n0 / gs + task % spt;
     const int c0 = max(g * gs, n0), c1 = min((g + 1) * gs, min(n0 + kTile, N));
     if (c0 >= c1) continue;  // the tile has fewer segments (uniform across a warp)
-    const SegmentMoments m = by_warp ? segment_moments_warp(values + c0, c1 - c0, lane)
-                                     : segment_moments<true>(values + c0, c1 - c0);
+    const SegmentMoments m = by_warp ? segment_stats_warp<Epi>(values + c0, c1 - c0, lane)
+                                     : segment_stats<Epi, true>(values + c0, c1 - c0);
     if (!by_warp || lane == 0) stats[task] = make_float4(m.mean, m.mean_lo, m.m2, 0.f);
   }
   __syncthreads();

@@ -153,19 +153,22 @@ __device__ __forceinline__ SegmentMoments segment_moments(const Values& v, int n
 // segment_moments<true> with a warp on one run v[0..n) (each lane a strided part, merged by a
 // fixed xor tree, lane 0's result taken by all): for long runs, where a thread per run leaves
 // most of a block idle on a chain of shared-memory loads. `lane`: 0..31, the whole warp calls.
-__device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, int n, int lane) {
-  auto warp_sum = [](float& sum, float& comp) {
+// A compensated sum (sum + comp) spread over a warp's lanes, merged by a fixed xor tree; lane
+// 0's result taken by all.
+__device__ __forceinline__ void warp_sum(float& sum, float& comp) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float so = __shfl_xor_sync(0xffffffffu, sum, off);
-      const float co = __shfl_xor_sync(0xffffffffu, comp, off);
-      float err;
-      sum = two_sum(sum, so, err);
-      comp += co + err;
-    }
-    sum = __shfl_sync(0xffffffffu, sum, 0);
-    comp = __shfl_sync(0xffffffffu, comp, 0);
-  };
+  for (int off = 16; off > 0; off >>= 1) {
+    const float so = __shfl_xor_sync(0xffffffffu, sum, off);
+    const float co = __shfl_xor_sync(0xffffffffu, comp, off);
+    float err;
+    sum = two_sum(sum, so, err);
+    comp += co + err;
+  }
+  sum = __shfl_sync(0xffffffffu, sum, 0);
+  comp = __shfl_sync(0xffffffffu, comp, 0);
+}
+
+__device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, int n, int lane) {
   const float shift = v[0];
   float sum = 0.f, comp = 0.f;
   for (int j = lane; j < n; j += 32) {
@@ -186,6 +189,60 @@ __device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, i
   }
   warp_sum(sq, comp);
   return {mean, mean_lo, sq + comp};
+}
+
+// A run's softmax statistics (Epi::kSoftmax) in SegmentMoments' fields: `mean` its largest value
+// (NaN where it holds one, as torch.amax gives it), `m2` + `mean_lo` the sum of exp(v - max),
+// compensated (TwoSum). Runs of one row merge with merge_softmax (norm_finalize.cuh).
+template <int kN = 0, class Values>
+__device__ __forceinline__ SegmentMoments segment_softmax(const Values& v, int n_run_time) {
+  constexpr int kUnroll = kN > 0 ? kN : 1;
+  const int n = kN > 0 ? kN : n_run_time;
+  float top = v[0];
+#pragma unroll kUnroll
+  for (int j = 1; j < n; ++j) top = max_nan(top, v[j]);
+  float sum = 0.f, comp = 0.f;
+#pragma unroll kUnroll
+  for (int j = 0; j < n; ++j) {
+    float err;
+    sum = two_sum(sum, expf(v[j] - top), err);
+    comp += err;
+  }
+  return {top, comp, sum};
+}
+
+// segment_softmax with a warp on one run v[0..n) (lanes strided, merged by xor trees).
+__device__ __forceinline__ SegmentMoments segment_softmax_warp(const float* v, int n, int lane) {
+  float top = v[0];
+  for (int j = lane; j < n; j += 32) top = max_nan(top, v[j]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    top = max_nan(top, __shfl_xor_sync(0xffffffffu, top, off));
+  float sum = 0.f, comp = 0.f;
+  for (int j = lane; j < n; j += 32) {
+    float err;
+    sum = two_sum(sum, expf(v[j] - top), err);
+    comp += err;
+  }
+  warp_sum(sum, comp);
+  return {top, comp, sum};
+}
+
+// The statistics the chain's norm needs of a run: a softmax's, or the moments.
+template <class Epi, bool kExact, int kN = 0, class Values>
+__device__ __forceinline__ SegmentMoments segment_stats(const Values& v, int n) {
+  if constexpr (Epi::kSoftmax)
+    return segment_softmax<kN>(v, n);
+  else
+    return segment_moments<kExact, kN>(v, n);
+}
+
+template <class Epi>
+__device__ __forceinline__ SegmentMoments segment_stats_warp(const float* v, int n, int lane) {
+  if constexpr (Epi::kSoftmax)
+    return segment_softmax_warp(v, n, lane);
+  else
+    return segment_moments_warp(v, n, lane);
 }
 
 // Whether `tasks` runs of n values each take a warp (segment_moments_warp) or a thread among
@@ -210,10 +267,14 @@ __device__ __forceinline__ float group_rstd(float m2, int n, float eps) {
 
 // The group's rstd from its moments: 1 / sqrt(m2 / n + eps) for a GroupNorm or LayerNorm; for
 // an RMSNorm (Epi::kRms) 1 / sqrt(mean(v^2) + eps), mean(v^2) = m2 / n + mean^2 with the mean as
-// mean + mean_lo (kExact: in double, where the float products would round twice).
+// mean + mean_lo (kExact: in double, where the float products would round twice). A softmax's
+// (segment_softmax's statistics): the sum of exp(v - max) that divides, a log_softmax's its log.
 template <class Epi, bool kExact>
 __device__ __forceinline__ float norm_rstd(float m2, float mean, float mean_lo, int n, float eps) {
-  if constexpr (!Epi::kRms) {
+  if constexpr (Epi::kSoftmax) {
+    const float sum = m2 + mean_lo;
+    return Epi::kLogSoftmax ? logf(sum) : sum;
+  } else if constexpr (!Epi::kRms) {
     return group_rstd<kExact>(m2, n, eps);
   } else if constexpr (!kExact) {
     return rsqrtf(fmaf(m2, 1.f / static_cast<float>(n), fmaf(mean, mean, eps)));
@@ -227,12 +288,16 @@ __device__ __forceinline__ float norm_rstd(float m2, float mean, float mean_lo, 
 
 // GroupNorm of one value given its group's mean (mean + mean_lo) and rstd (an RMSNorm's: the
 // value scaled, no mean subtracted), then the affine part (the channel's weight w and bias b,
-// when the norm has them) and `post`.
+// when the norm has them) and `post`. A softmax's `mean` is the row's largest value and `rstd`
+// norm_rstd's sum (or its log): PyTorch's CUDA formulas, exp(v - max) / sum and
+// (v - max) - log(sum).
 template <class Epi>
 __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, float rstd,
                                            float w, float b, int gcol, const FusedArgs& args) {
   float y;
-  if constexpr (Epi::kRms)
+  if constexpr (Epi::kSoftmax)
+    y = Epi::kLogSoftmax ? (v - mean) - rstd : expf(v - mean) / rstd;
+  else if constexpr (Epi::kRms)
     y = v * rstd;
   else
     y = ((v - mean) - mean_lo) * rstd;
@@ -295,7 +360,7 @@ __device__ __forceinline__ void group_task(float* tile, const float* w, const fl
   float y[kGs];
 #pragma unroll
   for (int j = 0; j < kGs; ++j) y[j] = v[j];
-  const SegmentMoments mom = segment_moments<kExact, kGs>(y, kGs);
+  const SegmentMoments mom = segment_stats<Epi, kExact, kGs>(y, kGs);
   const float rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, kGs, args.eps);
 #pragma unroll
   for (int j = 0; j < kGs; ++j)
@@ -370,13 +435,14 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       if (warp_per_task(gs, rows_here * segments, kThreads)) {
         for (int task = warp; task < rows_here * segments; task += kThreads / 32) {
           segment(task, r, g, c0, c1);
-          const SegmentMoments m = segment_moments_warp(tile + r * kEpiStride + c0, c1 - c0, lane);
+          const SegmentMoments m =
+              segment_stats_warp<Epi>(tile + r * kEpiStride + c0, c1 - c0, lane);
           if (lane == 0) put(r, g, m);
         }
       } else {
         for (int task = tid; task < rows_here * segments; task += kThreads) {
           segment(task, r, g, c0, c1);
-          put(r, g, segment_moments<true>(tile + r * kEpiStride + c0, c1 - c0));
+          put(r, g, segment_stats<Epi, true>(tile + r * kEpiStride + c0, c1 - c0));
         }
       }
       store(false);  // fp32, normalised in place by norm_finalize.cuh
@@ -424,8 +490,8 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       const int r = task % rows_here;
       const int c0 = (task / rows_here) * gs;
       float* v = tile + r * kEpiStride + c0;
-      const SegmentMoments mom =
-          warp_per_group ? segment_moments_warp(v, gs, lane) : segment_moments<kExact>(v, gs);
+      const SegmentMoments mom = warp_per_group ? segment_stats_warp<Epi>(v, gs, lane)
+                                                : segment_stats<Epi, kExact>(v, gs);
       const float rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, gs, args.eps);
       auto out = [&](int j) {
         return normalize<Epi>(v[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],

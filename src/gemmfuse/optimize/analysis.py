@@ -20,6 +20,8 @@ from gemmfuse.optimize.grammar import (
     _ELEMENTWISE_EXTREMES,
     _FRESH_MODULES,
     _REDUCTIONS,
+    _SOFTMAX_DEFAULTS,
+    _SOFTMAXES,
     _SWAPPED,
     _SYMBOL,
     _alias_of,
@@ -133,6 +135,7 @@ class _Analysis:
             node.target in _ACTS
             or node.target in _BINARY
             or node.target in _REDUCTIONS
+            or node.target in _SOFTMAXES
             or node.target in (F.linear, F.group_norm, F.layer_norm, F.rms_norm)
             or _spelled_linear(node, self.gm) is not None
         )
@@ -294,6 +297,28 @@ class _Analysis:
             return bound
         return self._norm_step({**bound, "bias": None}, "rms_norm", 1, "rms_norm(eps={})")
 
+    def _softmax(self, node: fx.Node, v) -> "_Step | _Refusal":
+        log, names = _SOFTMAXES[node.target]
+        bound = self._bind(node, names, tuple(_SOFTMAX_DEFAULTS[n] for n in names), v)
+        if isinstance(bound, _Refusal):
+            return bound
+        return self._softmax_step(bound["dim"], bound["dtype"], log, v)
+
+    def _softmax_step(self, dim, dtype, log: bool, v, label: str = "") -> "_Step | _Refusal":
+        """A softmax (``log``: log_softmax) over ``dim`` of the chain's value: a norm step when
+        dim is the channels (the last dimension) and no dtype is given. An nn.Softmax's dim is
+        read here, once (``label``: the module's name, as other norm modules are shown)."""
+        name = "log_softmax" if log else "softmax"
+        if dtype is not None:
+            return _Refusal(f"{name} with dtype= is not in the grammar")
+        rank = len(self.meta[v].shape)
+        if dim is None:
+            return _Refusal(f"{name} without a dim (PyTorch's implicit choice is deprecated)")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim not in (-1, rank - 1):
+            return _Refusal(f"{name} over dim={dim!r}, not the channels (the last dimension)")
+        label = label or f"{name}(dim={dim})"
+        return _Step("norm", label, name=name, args=(1, 0.0, None, None))
+
     def _row_norm_bound(self, node, v, names, defaults, what: str) -> "dict | _Refusal":
         """F.layer_norm's or F.rms_norm's arguments bound, refused unless the norm is over the
         channels alone."""
@@ -374,6 +399,9 @@ class _Analysis:
                 return self._norm_module(node, module, v)
             if type(module) is nn.BatchNorm1d:
                 return self._batch_norm(node, module, v)
+            if type(module) in (nn.Softmax, nn.LogSoftmax):
+                log = type(module) is nn.LogSoftmax
+                return self._softmax_step(module.dim, None, log, v, node.target)
             if type(module) not in MODULE_OPS:
                 return _Refusal("not in the epilogue grammar")
             name, args = MODULE_OPS[type(module)](module)
@@ -394,6 +422,8 @@ class _Analysis:
             return self._layer_norm(node, v)
         if target is F.rms_norm:
             return self._rms_norm(node, v)
+        if target in _SOFTMAXES:
+            return self._softmax(node, v)
         if target in _ACTS:
             act = _ACTS[target]
             bound = self._bind(node, act.params, act.defaults, v)
@@ -426,7 +456,8 @@ class _Analysis:
         linear = chain.gemm
         if end not in self.meta or self.meta[end].dtype != linear.dtype:
             return _Refusal(f"its result is not a {linear.dtype} tensor")
-        layer, rms = step.name in ("layer_norm", "rms_norm"), step.name == "rms_norm"
+        softmax = step.name in ("softmax", "log_softmax")
+        layer, rms = softmax or step.name in ("layer_norm", "rms_norm"), step.name == "rms_norm"
         if len(linear.shape) > 2 and step.kind != "op" and not layer:
             # The leading dimensions are flattened into rows: only ops on the features keep
             # their meaning (a GroupNorm of (B, T, N) normalises dim 1; reductions take dim 1)
@@ -444,7 +475,8 @@ class _Analysis:
                         return _Refusal(f"{a.target} is {self.meta[a].dtype}, not {linear.dtype}")
                 index = [None if a is None else chain.operand(a.target).index
                          for a in (weight, bias)]  # fmt: skip
-                chain.norm = ChainNorm(None, groups, eps, *index, layer=layer, rms=rms)
+                log = step.name == "log_softmax"
+                chain.norm = ChainNorm(None, groups, eps, *index, layer, rms, softmax, log)
             return "post"
         if step.kind == "affine":
             return self._accept_affine(chain, step, stage)

@@ -109,7 +109,18 @@ _REDUCTIONS = {
 _SIGMOIDS = (torch.sigmoid, F.sigmoid, "sigmoid")  # out-of-place forms (swish's sigmoid)
 _MULS = (operator.mul, torch.mul, torch.multiply, "mul", "multiply", operator.imul, "mul_",
          "multiply_")  # fmt: skip
-_FRESH_MODULES = {nn.Linear, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.BatchNorm1d, *MODULE_OPS}
+_FRESH_MODULES = {nn.Linear, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.BatchNorm1d,
+                  nn.Softmax, nn.LogSoftmax, *MODULE_OPS}  # fmt: skip
+# Softmax over the channels: target -> (whether a log_softmax, its parameters after the input)
+_SOFTMAXES = {
+    F.softmax: (False, ("dim", "_stacklevel", "dtype")),
+    torch.softmax: (False, ("dim", "dtype")),
+    "softmax": (False, ("dim", "dtype")),
+    F.log_softmax: (True, ("dim", "_stacklevel", "dtype")),
+    torch.log_softmax: (True, ("dim", "dtype")),
+    "log_softmax": (True, ("dim", "dtype")),
+}
+_SOFTMAX_DEFAULTS = {"dim": None, "_stacklevel": 3, "dtype": None}
 _INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.setitem)  # fmt: skip
 
@@ -395,12 +406,12 @@ def _thread_inplace(gm: fx.GraphModule) -> None:
 
 @dataclass
 class _Step:
-    """One recognised node: a pointwise op, a GroupNorm, LayerNorm or RMSNorm, or a
-    reduction."""
+    """One recognised node: a pointwise op, a GroupNorm, LayerNorm, RMSNorm or softmax over
+    the channels, or a reduction."""
 
     kind: str  # "op", "norm", "reduce" or "affine" (per-channel ops from a module: BatchNorm1d)
     label: str
-    name: str = ""  # op: IR name; norm: "group_norm", "layer_norm" or "rms_norm"
+    name: str = ""  # op: IR name; norm: "group_norm", "layer_norm", "rms_norm", "softmax"...
     args: tuple = ()  # op: floats and get_attr nodes; norm (functional): G, eps, weight, bias
     module: nn.Module | None = None
     inplace: bool = False
