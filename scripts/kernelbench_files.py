@@ -1,0 +1,98 @@
+"""KernelBench problem files exported and judged in KernelBench's own method (needs a GPU).
+
+For each problem file: ``gemmfuse export``'s standalone ModelNew (its report's chain), loaded as
+KernelBench's eval loads it (a build directory's lines prepended, then exec), Model and ModelNew
+built after the same seed; correctness as KernelBench checks it (5 trials of fresh inputs under
+no_grad, allclose atol = rtol = 1e-4), with the largest error against the float64 Model beside
+eager fp32's; then both timed with KernelBench's time_execution_with_cuda_event (autograd on,
+L2 cleared before each call, mean of --trials). A markdown table last; --json writes the rows.
+Usage: python scripts/kernelbench_files.py FILE.py [FILE.py ...] [--trials N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gemmfuse.bench import _markdown, max_abs_err
+from gemmfuse.kernelbench.export import _load, standalone_source_for_file
+from gemmfuse.kernelbench.harness import load_custom_model, time_cuda_events
+
+CUDA = torch.device("cuda")
+
+
+def _models(module, model_new_cls):
+    init = module.get_init_inputs()
+    torch.manual_seed(42)
+    ref = module.Model(*init).to(CUDA)
+    torch.manual_seed(42)
+    new = model_new_cls(*init).to(CUDA)
+    return ref, new
+
+
+def _inputs(module, seed: int):
+    torch.manual_seed(seed)
+    return [t.to(CUDA) if isinstance(t, torch.Tensor) else t for t in module.get_inputs()]
+
+
+def judge(path: Path, trials: int, build_dir: str) -> dict:
+    """One problem's row: chain, correctness, errors against float64, times."""
+    source, report = standalone_source_for_file(path)
+    chain = "; ".join(" -> ".join(e.chain) for e in report.linears if e.fused)
+    module = _load(path)
+    t = time.perf_counter()
+    ref, new = _models(module, load_custom_model(source, build_dir))
+    exact = copy.deepcopy(ref).double()
+    correct, err, err_eager = True, 0.0, 0.0
+    for trial in range(5):
+        inputs = _inputs(module, trial)
+        with torch.no_grad():
+            expect, got = ref(*inputs), new(*inputs)
+            want = exact(*[x.double() if torch.is_tensor(x) else x for x in inputs])
+        correct &= got.shape == expect.shape and torch.allclose(got, expect, atol=1e-4, rtol=1e-4)
+        err, err_eager = max(err, max_abs_err(got, want)), max(err_eager, max_abs_err(expect, want))
+    first = time.perf_counter() - t
+    inputs = _inputs(module, 0)
+    eager = time_cuda_events(ref, inputs, trials=trials)
+    ours = time_cuda_events(new, inputs, trials=trials)
+    paths = sorted({m.last_path for m in new.modules() if hasattr(m, "last_path")})
+    return {"file": path.name, "chain": chain, "correct": bool(correct), "err": err,
+            "err_eager": err_eager, "eager_ms": eager["mean"], "gemmfuse_ms": ours["mean"],
+            "speedup": eager["mean"] / ours["mean"], "paths": paths, "first_s": first}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as build_dir:
+        for path in args.files:
+            row = judge(path, args.trials, build_dir)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(f"gpu: {torch.cuda.get_device_name()} | torch {torch.__version__} | KernelBench's "
+          f"method: autograd on, L2 cleared, mean of {args.trials}")  # fmt: skip
+    header = ["problem", "fused chain", "allclose 1e-4", "max err vs fp64 (eager's)",
+              "eager ms", "gemmfuse ms", "vs eager", "paths"]  # fmt: skip
+    body = [[r["file"], r["chain"], "yes" if r["correct"] else "NO",
+             f"{r['err']:.2e} ({r['err_eager']:.2e})", f"{r['eager_ms']:.3f}",
+             f"{r['gemmfuse_ms']:.3f}", f"{r['speedup']:.2f}x", ",".join(r["paths"])]
+            for r in rows]  # fmt: skip
+    print(_markdown(header, body))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
