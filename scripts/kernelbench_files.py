@@ -68,6 +68,17 @@ def judge(path: Path, trials: int, build_dir: str) -> dict:
             "speedup": eager["mean"] / ours["mean"], "paths": paths, "first_s": first}  # fmt: skip
 
 
+def format_problem_rows(rows: list[dict]) -> str:
+    """The rows as a markdown table (performance_doc.py writes it into docs/PERFORMANCE.md)."""
+    header = ["problem", "fused chain", "allclose 1e-4", "max err vs fp64 (eager's)",
+              "eager ms", "gemmfuse ms", "vs eager", "paths"]  # fmt: skip
+    body = [[r["file"], r["chain"], "yes" if r["correct"] else "NO",
+             f"{r['err']:.2e} ({r['err_eager']:.2e})", f"{r['eager_ms']:.3f}",
+             f"{r['gemmfuse_ms']:.3f}", f"{r['speedup']:.2f}x", ",".join(r["paths"])]
+            for r in rows]  # fmt: skip
+    return _markdown(header, body)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
@@ -80,17 +91,13 @@ def main() -> int:
             row = judge(path, args.trials, build_dir)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print(f"gpu: {torch.cuda.get_device_name()} | torch {torch.__version__} | KernelBench's "
-          f"method: autograd on, L2 cleared, mean of {args.trials}")  # fmt: skip
-    header = ["problem", "fused chain", "allclose 1e-4", "max err vs fp64 (eager's)",
-              "eager ms", "gemmfuse ms", "vs eager", "paths"]  # fmt: skip
-    body = [[r["file"], r["chain"], "yes" if r["correct"] else "NO",
-             f"{r['err']:.2e} ({r['err_eager']:.2e})", f"{r['eager_ms']:.3f}",
-             f"{r['gemmfuse_ms']:.3f}", f"{r['speedup']:.2f}x", ",".join(r["paths"])]
-            for r in rows]  # fmt: skip
-    print(_markdown(header, body))
+    gpu = torch.cuda.get_device_name()
+    method = f"KernelBench's: autograd on, L2 cleared before each call, mean of {args.trials}"
+    print(f"gpu: {gpu} | torch {torch.__version__} | method: {method}")
+    print(format_problem_rows(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        data = {"gpu": gpu, "torch": torch.__version__, "method": method, "rows": rows}
+        args.json.write_text(json.dumps(data, indent=1))
     return 0 if all(r["correct"] for r in rows) else 1
 
 

@@ -1,7 +1,9 @@
 """Writes docs/PERFORMANCE.md from a benchmark JSON (python -m gemmfuse bench --json PATH).
 
 Usage: python scripts/performance_doc.py BENCH_JSON [--date YYYY-MM-DD] [--stale TEXT]
-(--stale: what has changed since the measured commit that these figures do not show).
+[--kernelbench KB_JSON] (--stale: what has changed since the measured commit that these figures
+do not show; --kernelbench: scripts/kernelbench_files.py's --json, a table of exported problem
+files judged in KernelBench's method).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import argparse
 import datetime
 import json
 from pathlib import Path
+
+from kernelbench_files import format_problem_rows
 
 from gemmfuse.bench import (
     CHAIN_GROUPS,
@@ -31,7 +35,14 @@ def main() -> None:
     parser.add_argument("bench_json")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--stale", default="", help="what the figures predate")
+    parser.add_argument("--kernelbench", help="scripts/kernelbench_files.py --json output")
+    parser.add_argument("--kernelbench-commit", default="", help="the commit it measured")
     args = parser.parse_args()
+    problems = "(not run)"
+    if args.kernelbench:
+        kb = json.loads(Path(args.kernelbench).read_text())
+        problems = (f"GPU: {kb['gpu']}; torch {kb['torch']}; commit {args.kernelbench_commit}; "
+                    f"method: {kb['method']}.\n\n{format_problem_rows(kb['rows'])}")  # fmt: skip
     stale = f"- **Not yet measured:** {args.stale}\n" if args.stale else ""
     data = json.loads(Path(args.bench_json).read_text())
     results = [Result(**r) for r in data["results"]]
@@ -74,6 +85,18 @@ cached weight splits before each step, as an optimizer step would. "bf16": the m
 with `.to(torch.bfloat16)`. The "path" column is the path the gemmfuse model took.
 
 {format_rows(harness) if harness else "(not run)"}
+
+## KernelBench problem files
+
+Each file exported (`python -m gemmfuse export`), loaded as KernelBench's eval loads a solution
+(a build directory's lines prepended, then `exec`), Model and ModelNew built after the same
+seed, checked on 5 fresh inputs under `no_grad` (allclose 1e-4, and the largest error against the
+float64 Model beside eager fp32's), then both timed in KernelBench's method
+(`scripts/kernelbench_files.py`). The chain is the export report's; a BatchNorm1d in training
+mode runs as the fused GEMM up to it, its batch statistics in PyTorch, then the rest of the
+chain on the chain kernel.
+
+{problems}
 
 ## Achieved throughput
 

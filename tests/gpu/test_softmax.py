@@ -63,14 +63,16 @@ def test_softmax_chain_matches_pytorch(index, kernel, m, k, n, spread):
 
 @pytest.mark.parametrize("m, k, n", [(1024, 8192, 8192), (257, 1000, 592)])
 def test_bf16_softmax(m, k, n):
-    """A bfloat16 model's GELU -> softmax: rounded where eager bf16 rounds, so within twice
-    eager bf16's distance from float64 (the bf16 model's own values); allclose(1e-2) to it."""
+    """A bfloat16 model's GELU -> softmax on the Hopper kernel (forced where the problem is
+    below auto's thresholds): rounded where eager bf16 rounds, so within twice eager bf16's
+    distance from float64 (the bf16 model's own values); allclose(1e-2) to it."""
     epilogue, x, w, b, _ = _case(0, m, k, n, m, dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     with torch.no_grad():
         eager, exact, _ = chain_references(x, w, b, epilogue, None, None, [])
-        got, path = fused_linear_with_path(x, w, b, epilogue)
+        got, path = fused_linear_with_path(x, w, b, epilogue, kernel="hopper" if hopper else "auto")
     assert got.dtype == torch.bfloat16 and got.shape == eager.shape
-    if torch.cuda.get_device_capability() == (9, 0):
+    if hopper:
         assert path == "fused"
     assert max_abs_err(got, exact) <= 2 * max_abs_err(eager, exact)
     torch.testing.assert_close(got.float(), eager.float(), atol=1e-2, rtol=1e-2)
