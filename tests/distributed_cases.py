@@ -174,6 +174,21 @@ def case_refuses_a_pooled_linear(mesh, device, kernel, size):
     _refused(lambda: PooledChain(64, 64), mesh, device, kernel, "channel pooling")
 
 
+class ResidualChain(nn.Module):
+    """Linear -> tanh -> + x: an operand the forward computes, read per element."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.fc = nn.Linear(n, n)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x
+
+
+def case_refuses_a_computed_operand(mesh, device, kernel, size):
+    _refused(lambda: ResidualChain(64), mesh, device, kernel, "operand the forward computes")
+
+
 def _train(model, wrap, x_full, rank, world, steps=20):
     """Losses of ``steps`` SGD steps of ``wrap(model)``, each rank on its rows of x."""
     wrapped = wrap(model)

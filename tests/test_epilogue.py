@@ -110,7 +110,9 @@ def test_tensor_arguments_read_per_channel_in_order():
     )
     assert epi.channel_params == (3, 1) and epi.scalars == (2.0, 4.0)
     code = cuda_epilogue(epi)
-    assert "(v * __ldg(p.vec[0] + col))" in code and "(v / __ldg(p.vec[1] + col))" in code
+    # each at (row, col): a row stride of 0 reads a channel vector, N an (M, N) operand
+    assert "(v * __ldg(p.vec[0] + row * p.vec_row_stride[0] + col))" in code
+    assert "(v / __ldg(p.vec[1] + row * p.vec_row_stride[1] + col))" in code
     # a float divisor is a multiplication by its float reciprocal, as PyTorch computes it
     assert "(v * (1.f / p.scalar[1]))" in code
 

@@ -146,10 +146,10 @@ def test_bad_params_raise(params, error, message):
 @pytest.mark.parametrize(
     "shape, dtype, fits",
     [((16,), torch.float32, True), ((1, 16), torch.float32, True), ((1,), torch.float32, True),
-     ((), torch.float32, True), ((5, 16), torch.float32, False), ((16, 1), torch.float32, False),
+     ((), torch.float32, True), ((5, 16), torch.float32, True), ((16, 1), torch.float32, False),
      ((1, 1, 16), torch.float32, False), ((16,), torch.float64, False)],
 )  # fmt: skip
-def test_only_per_channel_params_of_x_dtype_reach_the_kernel(shape, dtype, fits):
+def test_only_per_channel_or_per_element_params_of_x_dtype_reach_the_kernel(shape, dtype, fits):
     x, w, _, _, _ = args()
     epi = Epilogue(pre=(Pointwise("add", (Param(0),)),))
     problem = _channel_param_problem(epi, (torch.ones(shape, dtype=dtype),), x, 16)

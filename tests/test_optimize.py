@@ -34,33 +34,33 @@ EXPECTED = {
     ],
     "avg_pool_over_channels": [
         ("fc1", True, "fc1 -> avg_pool1d(4) over the channels (folded into the weights) -> gelu "
-         "-> x * 2.0 -> max(dim=1)", "stopped at add (operator.add): operand sum_1 is computed "
-         "in the forward (fused operands are numbers, parameters, buffers and tensor "
-         "attributes) [line 24: `b = torch.tanh(b).sum(dim=1)`] "
-         "[line 26: `return a + b + c.sum(dim=1)`]"),
+         "-> x * 2.0 -> max(dim=1)",
+         "stopped at add (operator.add): operand sum_1 is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 24: `b = "
+         "torch.tanh(b).sum(dim=1)`] [line 26: `return a + b + c.sum(dim=1)`]"),
         ("fc2", True, "fc2 -> avg_pool1d(3) over the channels (folded into the weights) -> tanh "
-         "-> sum(dim=1)", "stopped at add (operator.add): operand getattr_1 is computed in the "
-         "forward (fused operands are numbers, parameters, buffers and tensor attributes) "
-         "[line 26: `return a + b + c.sum(dim=1)`]"),
-        ("fc3", True, "fc3", "stopped at max_pool (channel pooling): a max pooling "
-         "(nn.MaxPool1d) is not in the grammar; an average pooling folds into the Linear's "
-         "weights [line 25: `c = self.max_pool(self.fc3(x).unsqueeze(1)).squeeze(1)`]"),
+         "-> sum(dim=1)",
+         "stopped at add (operator.add): operand getattr_1 is computed after the Linear (fused"
+         " operands computed in the forward come before it) [line 26: `return a + b + "
+         "c.sum(dim=1)`]"),
+        ("fc3", True, "fc3",
+         "stopped at max_pool (channel pooling): a max pooling (nn.MaxPool1d) is not in the "
+         "grammar; an average pooling folds into the Linear's weights [line 25: `c = "
+         "self.max_pool(self.fc3(x).unsqueeze(1)).squeeze(1)`]"),
     ],
     "batchnorm_eval": [
         ("fc1", True, "fc1 -> x * 2.0 -> bn1 (eval: (x - mean) * scale + bias) -> relu",
-         "stopped at add (operator.add): operand tanh is computed in the forward (fused "
-         "operands are numbers, parameters, buffers and tensor attributes) "
-         "[line 33: `b = torch.tanh(self.bn2(self.gn(self.fc2(x))))`] "
-         "[line 35: `return a + b + c`]"),
-        ("fc2", True, "fc2 -> gn -> bn2 (eval: (x - mean) * scale) -> tanh",
-         "stopped at add (operator.add): operand relu is computed in the forward (fused "
-         "operands are numbers, parameters, buffers and tensor attributes) "
-         "[line 32: `a = torch.relu(self.bn1(self.fc1(x) * 2.0))`] "
-         "[line 35: `return a + b + c`]"),
+         "stopped at add (operator.add): operand tanh is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 33: `b = "
+         "torch.tanh(self.bn2(self.gn(self.fc2(x))))`] [line 35: `return a + b + c`]"),
+        ("fc2", True, "fc2 -> gn -> bn2 (eval: (x - mean) * scale) -> tanh -> x + relu",
+         "stopped at add_1 (operator.add): operand relu_1 is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 34: `c = "
+         "torch.relu(torch.nn.functional.gelu(self.bn3(self.fc3(x))))`] [line 35: `return a + "
+         "b + c`]"),
         ("fc3", True, "fc3 -> bn3 (batch statistics: (x - mean) * scale + bias) -> gelu -> relu",
-         "stopped at add_1 (operator.add): operand add is computed in the forward (fused "
-         "operands are numbers, parameters, buffers and tensor attributes) "
-         "[line 35: `return a + b + c`]"),
+         "stopped at add_1 (operator.add): operand add is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 35: `return a + b + c`]"),
     ],
     "batched_linear_gelu": [
         ("fc", True, "fc -> gelu -> x * 0.5 -> softmax(dim=-1)", "ends at the model's output"),
@@ -110,23 +110,37 @@ EXPECTED = {
     ],
     "mixed_blocks": [
         ("fc1", True, "fc1 -> relu -> softmax(dim=1)",
-         "stopped at add (operator.add): operand squeeze is computed in the forward (fused "
-         "operands are numbers, parameters, buffers and tensor attributes) "
-         "[line 31: `b = self.fc2(x.unsqueeze(1)).squeeze(1)`] "
-         "[line 36: `return a + b + c + d`]"),
+         "stopped at add (operator.add): operand squeeze is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 31: `b = "
+         "self.fc2(x.unsqueeze(1)).squeeze(1)`] [line 36: `return a + b + c + d`]"),
         ("fc2", True, "fc2",
-         "stopped at squeeze (Tensor.squeeze): not in the epilogue grammar "
-         "[line 31: `b = self.fc2(x.unsqueeze(1)).squeeze(1)`]"),
-        ("fc3", True, "fc3 -> x * sigmoid(x)", "stopped after mul: mul is also read by sub, "
-         "which the chain does not reach (stopped at mean (Tensor.mean): mul is read again "
-         "after it [line 34: `c = c - c.mean(dim=1, keepdim=True)  # c used twice: the chain "
-         "stops before`])"),
+         "stopped at squeeze (Tensor.squeeze): not in the epilogue grammar [line 31: `b = "
+         "self.fc2(x.unsqueeze(1)).squeeze(1)`]"),
+        ("fc3", True, "fc3 -> x * sigmoid(x)",
+         "stopped after mul: mul is also read by sub, which the chain does not reach (stopped "
+         "at mean (Tensor.mean): mul is read again after it [line 34: `c = c - c.mean(dim=1, "
+         "keepdim=True)  # c used twice: the chain stops before`])"),
         ("block.fc", True, "block.fc -> block.norm -> tanh",
-         "stopped at linear (F.linear): not in the epilogue grammar "
-         "[line 35: `d = F.linear(self.block(x), self.proj)`]"),
-        ("linear", True, "F.linear(proj)", "stopped at add_2 (operator.add): operand add_1 is "
-         "computed in the forward (fused operands are numbers, parameters, buffers and "
-         "tensor attributes) [line 36: `return a + b + c + d`]"),
+         "stopped at linear (F.linear): not in the epilogue grammar [line 35: `d = "
+         "F.linear(self.block(x), self.proj)`]"),
+        ("linear", True, "F.linear(proj)",
+         "stopped at add_2 (operator.add): operand add_1 is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 36: `return a + b + c + d`]"),
+    ],
+    "residual_operands": [
+        ("fc1", True, "fc1 -> gelu",
+         "stopped at fc2 (nn.Linear): not in the epilogue grammar [line 25: `h = "
+         "self.fc2(F.gelu(self.fc1(self.norm(x)))) + x`]"),
+        ("fc2", True, "fc2 -> x + input x",
+         "stopped after add: add is also read by reshape, which the chain does not reach "
+         "(stopped at getattr_1 (builtins.getattr): not in the epilogue grammar [line 26: "
+         "`flat = h.reshape(-1, h.shape[-1])`])"),
+        ("proj", True, "proj -> x * sigmoid -> proj_norm -> x + reshape",
+         "stopped at head (nn.Linear): not in the epilogue grammar [line 30: `y = "
+         "torch.logsumexp(torch.mean(self.head(g) - self.shift, dim=1, keepdim=True), dim=1,`]"),
+        ("head", True, "head -> x - shift -> mean(dim=1, keepdim=True) -> "
+         "logsumexp(dim=1, keepdim=True) -> gelu -> x + detach",
+         "ends at the model's output"),
     ],
     "per_channel_operands": [
         ("fc", True, "fc -> x * scale -> x + shift -> offset - x -> tanh -> exp -> gn -> sigmoid "
@@ -520,7 +534,7 @@ def buffer(*shape):  # Chain registers plain tensors as buffers
         (lambda s, x: x + 2 * x.mean(), {}, "fc", "fc is also read by add, which the chain "
          "does not reach (stopped at mean (Tensor.mean): it reduces over more than"),
         (lambda s, x: torch.relu(x) + s.b * 2.0, {"b": p(16)}, "fc -> relu", "stopped at add "
-         "(operator.add): operand mul is computed in the forward"),
+         "(operator.add): operand mul is computed after the Linear"),
         (lambda s, x: s.g2(s.g1(x)), {"g1": nn.GroupNorm(4, 16), "g2": nn.GroupNorm(2, 16)},
          "fc -> g1", "stopped at g2 (nn.GroupNorm): a second norm"),
         (lambda s, x: x.sum(1).amax(-1), {}, "fc -> sum(dim=1)",
@@ -560,6 +574,53 @@ def test_where_chains_stop(body, members, chain, stopped):
     entry = stops(body, **members)
     assert entry.fused and " -> ".join(entry.chain) == chain
     assert stopped in entry.stopped
+
+
+class _Residual(nn.Module):
+    """fc(x) plus an operand the forward computes before the Linear (``r``): read per element
+    by the fused chain, unless the forward writes ``r`` (or the Linear's input) in place, or
+    it comes after the Linear."""
+
+    def __init__(self, write: str = ""):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.write = write
+
+    def forward(self, x):
+        r = x * 2.0
+        if self.write == "input":
+            x = x.clone()
+        y = self.fc(x)
+        if self.write == "after":
+            r = torch.tanh(x)
+        out = torch.relu(y) + r
+        if self.write == "operand":
+            r.add_(1.0)
+        if self.write == "input":
+            x.mul_(3.0)
+        return out + r
+
+
+@pytest.mark.parametrize(
+    "write, chain, stopped",
+    [("", "fc -> relu -> x + mul -> x + mul", "ends at the model's output"),
+     ("operand", "fc -> relu", "operand mul may be modified in place in the forward"),
+     ("input", "fc -> relu", "the Linear's input may be modified in place in the forward"),
+     ("after", "fc -> relu", "operand tanh is computed after the Linear")],
+)  # fmt: skip
+def test_operands_computed_in_the_forward(write, chain, stopped):
+    model = _Residual(write)
+    x = torch.randn(6, 16)
+    new, report = optimize(model, (x,))
+    (entry,) = report.linears
+    assert entry.fused and " -> ".join(entry.chain) == chain and stopped in entry.stopped, entry
+    torch.testing.assert_close(new(x.clone()), model(x.clone()), rtol=0, atol=0)
+
+
+def test_a_fused_linear_with_computed_operands_takes_them_after_x():
+    new, _ = optimize(_Residual(), (torch.randn(6, 16),))
+    with pytest.raises(TypeError, match="takes x and 1 operand"):
+        new.fc(torch.randn(6, 16))
 
 
 SWISH_FORMS = [

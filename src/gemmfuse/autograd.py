@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemmfuse.epilogue import Epilogue, column_sum_slots
+from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_epilogue, apply_pointwise
 
@@ -108,7 +108,11 @@ def chain_gradients(chain: Epilogue, z, grad, tensors, needs, kernel=True, cache
     """(dz, the gradients of ``tensors`` (gn_weight, gn_bias, *params; None where ``needs``
     says no), dz's column sum or None): the chain backward kernel where ``kernel`` allows and
     it fits, else PyTorch (:func:`chain_backward`, no column sum)."""
-    if kernel and _kernel_backward_fits(chain, z, grad):
+    if (
+        kernel
+        and _kernel_backward_fits(chain, z, grad)
+        and not _per_element_grads(chain, z, tensors[2:], needs[2:])
+    ):
         return _kernel_chain_backward(chain, z, grad, tensors, needs, cache)
     return (*chain_backward(chain, z, grad, tensors, needs), None)
 
@@ -150,6 +154,14 @@ def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) 
     return _kernel_fits(chain.structure, z.shape[1], _group_size(chain, z.shape[1]), z.device)
 
 
+def _per_element_grads(chain: Epilogue, z, params, needs) -> bool:
+    """Whether a per-element tensor argument (an (M, N) operand) wants its gradient: an (M, N)
+    tensor, which the chain backward kernel's column sums do not give (PyTorch's backward of
+    the chain does)."""
+    m, n = z.shape
+    return any(needs[i] and per_element(params[i].shape, m, n) for i in chain.channel_params)
+
+
 @functools.cache
 def _kernel_fits(structure: Epilogue, n: int, group_size: int, device: torch.device) -> bool:
     return kernel_plan(structure, 1, n, group_size, device)[1] > 0
@@ -167,10 +179,14 @@ def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().to(torch.float32).contiguous()
 
 
-def channel_vectors(epilogue: Epilogue, params, n: int) -> list[torch.Tensor]:
-    """The pre/post ops' tensor arguments as the kernels read them: dense float32 [n] vectors,
-    in generated-code order (``epilogue.channel_params``)."""
-    return [_float32(params[i].reshape(-1).expand(n)) for i in epilogue.channel_params]
+def channel_vectors(epilogue: Epilogue, params, m: int, n: int) -> list[torch.Tensor]:
+    """The pre/post ops' tensor arguments as the kernels read them, in generated-code order
+    (``epilogue.channel_params``): dense float32 [n] vectors, or a per-element operand's
+    contiguous float32 [m, n] (the kernels tell them apart by shape)."""
+    return [
+        _float32(t) if per_element(t.shape, m, n) else _float32(t.reshape(-1).expand(n))
+        for t in (params[i] for i in epilogue.channel_params)
+    ]
 
 
 def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None):
@@ -184,7 +200,7 @@ def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None)
     else:
         gn32 = _float32(gn_weight), _float32(gn_bias)
     dz, sums = extension_for(chain).chain_backward(
-        z, grad, *gn32, channel_vectors(chain, params, n), chain.scalars,
+        z, grad, *gn32, channel_vectors(chain, params, z.shape[0], n), chain.scalars,
         _group_size(chain, n), chain.norm.eps if chain.norm is not None else 0.0,
     )  # fmt: skip
     # One conversion for every per-channel gradient (the tensors share z's dtype on this path);

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from gemmfuse.epilogue import Epilogue, per_channel
+from gemmfuse.epilogue import Epilogue, per_channel, per_element
 
 K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
 TILE = 128  # kTile in csrc/fused_args.h: groups that divide it are normalised in the tile
@@ -54,13 +54,15 @@ class FallbackWarning(UserWarning):
 
 
 def _channel_param_problem(epilogue: Epilogue, params, x, n: int) -> str:
-    """Why the kernel cannot read the pre/post tensor arguments per channel ("" if it can)."""
+    """Why the kernel cannot read the pre/post tensor arguments per channel or per element
+    ("" if it can)."""
+    m = x.shape[0]
     for i in sorted(set(epilogue.channel_params)):
         t = params[i]
-        if not per_channel(tuple(t.shape), n):
+        if not (per_channel(tuple(t.shape), n) or per_element(t.shape, m, n)):
             return (
-                f"params[{i}] of shape {tuple(t.shape)} is not per channel (expected (), (1,), "
-                f"({n},) or (1, {n})), so the chain runs in PyTorch"
+                f"params[{i}] of shape {tuple(t.shape)} is neither per channel ((), (1,), "
+                f"({n},) or (1, {n})) nor per element (({m}, {n})), so the chain runs in PyTorch"
             )
         if t.dtype != x.dtype or t.device != x.device:
             return (

@@ -16,8 +16,11 @@ compiled kernel serves every value of a chain: the build cache is keyed by
 as ``sigmoid`` then ``mul`` by the stretch's input): the chain is then a graph whose values
 the kernels keep in registers, and the structure keeps the references.
 
-In ``pre`` and ``post`` a tensor operand is per channel: it must broadcast against (M, N) along
-the channels only (shape (), (1,), (N,), (1, N)); the kernel reads it at the output column.
+In ``pre`` and ``post`` a tensor operand is per channel (it broadcasts against (M, N) along the
+channels only: shape (), (1,), (N,), (1, N); the kernel reads it at the output column) or per
+element (shape (M, N) itself, say a residual ``fc2(h) + x``; the kernel reads it at the output's
+row and column). Which one is a run-time matter: the kernel reads ``vec[row * stride + col]``
+with a row stride of 0 or N, so one compiled chain serves both.
 ``tail`` ops act on the reduction's (M,) or (M, 1) result with PyTorch's own broadcasting, any
 shape allowed (for instance #75's (M, 1) + (1, C, 1, 1) -> (1, C, M, 1)); they run in PyTorch
 after the kernel, on M values.
@@ -77,6 +80,13 @@ def per_channel(shape: tuple[int, ...], n: int) -> bool:
     """Whether a tensor argument of this shape is one the kernels read per channel: it
     broadcasts against (M, n) along the channels only, (), (1,), (n,) or (1, n)."""
     return len(shape) <= 2 and math.prod(shape) in (1, n) and shape[:-1] in ((), (1,))
+
+
+def per_element(shape: tuple[int, ...], m: int, n: int) -> bool:
+    """Whether a tensor argument of this shape is one the kernels read at each (row, column):
+    the chain's full (m, n) shape itself, an operand computed elsewhere (a residual). With one
+    row it is per channel (:func:`per_channel`)."""
+    return tuple(shape) == (m, n) and m > 1
 
 
 def keeps_shape(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -238,7 +248,8 @@ class Epilogue:
 
     @property
     def channel_params(self) -> tuple[int, ...]:
-        """The ``params`` indices the kernel reads per channel, in generated-code order."""
+        """The ``params`` indices the kernel reads (per channel or per element: epilogue.py's
+        module docstring), in generated-code order."""
         return self._channel_params
 
     @property
@@ -451,7 +462,7 @@ def _op_code(op: Pointwise, at: _CodeCursor) -> tuple[str, str, str, int | None]
         if isinstance(a, Value):
             names[f"a{i}"] = f"v{a.index}"
         elif isinstance(a, Param):
-            names[f"a{i}"] = f"__ldg(p.vec[{at.vec}] + col)"
+            names[f"a{i}"] = f"__ldg(p.vec[{at.vec}] + row * p.vec_row_stride[{at.vec}] + col)"
             vec = at.vec
             at.vec += 1
         else:
@@ -549,7 +560,7 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
     post = _forward_body(epilogue.post, dataclasses.replace(pre_at))
     pre_bwd = _backward_body(epilogue.pre, _CodeCursor(), param_slot, sums)
     post_bwd = _backward_body(epilogue.post, dataclasses.replace(pre_at), param_slot, sums)
-    fwd_args = "float v, int col, const gemmfuse::EpilogueParams& p"
+    fwd_args = "float v, int row, int col, const gemmfuse::EpilogueParams& p"
     # acc: the block's column sums, slot-major, acc_stride columns a slot, then their rounding
     # errors in the same layout; acc_col: this column's.
     bwd_args = f"{fwd_args}, float d, float* acc, int acc_col, int acc_stride"

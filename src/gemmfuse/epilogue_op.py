@@ -83,7 +83,7 @@ def _epilogue_launcher(epilogue: Epilogue):
         y = z.detach().clone(memory_format=torch.contiguous_format)  # the kernel works in place
         gn = [None if t is None else t.detach().contiguous() for t in (gn_weight, gn_bias)]
         out = extension_for(epilogue).epilogue_forward(
-            y, *gn, *chain_arguments(epilogue, params, n)
+            y, *gn, *chain_arguments(epilogue, params, m, n)
         )
         return out.view(m, 1) if epilogue.reduce is not None and epilogue.reduce.keepdim else out
 

@@ -13,7 +13,9 @@ own state, never a copy of it:
   (``num_groups``, ``eps``, ``weight``, ``bias``, a LeakyReLU's slope...) at each call;
 - it reads each tensor operand (a parameter or buffer of the model) at each call from the
   module that holds it, so a buffer that ``.to()`` replaced is seen; a plain tensor attribute
-  (not a buffer) is the tensor optimize saw, as README.md says; a BatchNorm1d's operands
+  (not a buffer) is the tensor optimize saw, as README.md says; an operand the forward computes
+  (a residual ``fc2(h) + x``: :class:`ForwardInput`) is an argument of its call after x, of the
+  chain's own shape (read per element) or per channel; a BatchNorm1d's operands
   (:class:`BatchNormAffine`) are computed from the module at each call, and where it normalises
   with the batch's statistics (training mode) the call splits there: ``fused_linear`` up to it,
   the statistics, then ``fused_epilogue`` for the rest of the chain.
@@ -66,6 +68,14 @@ MODULE_OPS: dict[type, Callable[[nn.Module], tuple[str | None, tuple[float, ...]
 _STAGES = ("pre", "post", "tail")
 _MAX_EPILOGUES = 64  # distinct settings cached per module (a slope swept every call stays bounded)
 _MISSING = object()
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    """A tensor operand that the model's forward computes (a residual ``fc2(h) + x``): the
+    ``index``-th argument of the FusedLinear's call after x."""
+
+    index: int
 
 
 @dataclass(frozen=True)
@@ -221,7 +231,8 @@ class FusedLinear(nn.Module):
             tensors (``bias`` None for no bias), read at each call.
         ops, norm, reduce: the chain: pointwise :class:`ChainOp` s (stages in order), an optional
             :class:`ChainNorm`, an optional :class:`gemmfuse.Reduction` over channels.
-        operands: (module, attribute name) of each tensor operand, the ``Param`` indices' order.
+        operands: (module, attribute name) of each tensor operand, or a :class:`ForwardInput`
+            for one the forward computes, in the ``Param`` indices' order.
         pool: an average pooling over the Linear's output channels right after it, folded into
             its weight and bias (pooling.py); the chain then acts on the pooled channels.
         fallback: the original chain, called as ``fallback(x, weight, bias, *operands)``.
@@ -264,6 +275,7 @@ class FusedLinear(nn.Module):
         self._norm = norm
         self._reduce = reduce
         self._operands = tuple(operands)
+        self.forward_inputs = sum(isinstance(o, ForwardInput) for o in self._operands)
         # Not an attribute assignment: nn.Module would register the GraphModule (and with it
         # the chain's modules) a second time, adding duplicate state_dict keys.
         object.__setattr__(self, "_fallback", fallback)
@@ -304,10 +316,17 @@ class FusedLinear(nn.Module):
         """The chain with the current settings (None when they are outside the grammar)."""
         return self._state()[2]
 
-    def _state(self, weight=None):
+    def _state(self, weight=None, inputs=None):
         """(operands, GroupNorm values or None, epilogue or None) as of now; ``weight``: the
-        Linear's, where the caller has it already (its dtype resolves an RMSNorm's eps=None)."""
-        operands = [getattr(owner, name) for owner, name in self._operands]
+        Linear's, where the caller has it already (its dtype resolves an RMSNorm's eps=None);
+        ``inputs``: the call's arguments after x (None where no call is made: the forward's
+        operands are then None)."""
+        operands = [
+            (None if inputs is None else inputs[o.index])
+            if isinstance(o, ForwardInput)
+            else getattr(*o)
+            for o in self._operands
+        ]
         weight = self._linear()[0] if weight is None else weight
         dtype = getattr(weight, "dtype", torch.float32)
         norm = None if self._norm is None else self._norm.current(operands, dtype)
@@ -368,7 +387,7 @@ class FusedLinear(nn.Module):
         for i in epilogue.channel_params + epilogue.tail_params:
             t = operands[i]
             if not isinstance(t, torch.Tensor) or t.dtype != x.dtype:
-                return f"operand {self._operands[i][1]!r} is no longer a tensor of x's dtype"
+                return f"operand {_operand_name(self._operands[i])} is not a tensor of x's dtype"
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         problem = argument_problem(rows, weight, bias, epilogue, gn_weight, gn_bias, operands)
         return "" if problem is None else problem[1]
@@ -376,7 +395,8 @@ class FusedLinear(nn.Module):
     def _operands_problem(self, dtype: torch.dtype) -> str:
         """Why an operand derived from a module (a BatchNorm1d's) is not fused now on a
         ``dtype`` chain ("" when every one is)."""
-        for owner, _ in self._operands:
+        for ref in self._operands:
+            owner = ref[0] if isinstance(ref, tuple) else None
             problem = owner.problem(dtype) if isinstance(owner, BatchNormAffine) else ""
             if problem:
                 return problem
@@ -418,14 +438,33 @@ class FusedLinear(nn.Module):
             operands[at.mean] = operands[at.scale] = like.new_empty(())
         return operands
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _flat_inputs(self, operands: list, x: torch.Tensor) -> list:
+        """``operands`` as the call on a higher x's flattened rows takes them: each forward
+        input of x's leading shape (and the channels) with its leading dimensions flattened."""
+        lead = x.shape[:-1]
+        return [
+            t.reshape(-1, t.shape[-1])
+            if isinstance(o, ForwardInput) and isinstance(t, torch.Tensor) and t.shape[:-1] == lead
+            else t
+            for o, t in zip(self._operands, operands, strict=True)
+        ]
+
+    def forward(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        if len(inputs) != self.forward_inputs:
+            raise TypeError(
+                f"FusedLinear takes x and {self.forward_inputs} operand(s) computed in the "
+                f"forward, got {len(inputs)} after x"
+            )
         weight, bias = self._linear()
-        operands, norm, epilogue = self._state(weight)
+        operands, norm, epilogue = self._state(weight, inputs)
+        model_operands = operands
         gn_weight, gn_bias = _norm_vectors(norm)
         folded = self._folded(weight, bias)
         batch = self._batch_statistics()
         if batch and isinstance(x, torch.Tensor):
             operands = self._with_stand_ins(operands, x)
+        if inputs and isinstance(x, torch.Tensor) and x.dim() > 2:
+            operands = self._flat_inputs(operands, x)
         problem = (
             folded
             if isinstance(folded, str)
@@ -439,7 +478,7 @@ class FusedLinear(nn.Module):
                     stacklevel=2,
                 )
             self.last_path = "fallback"
-            return self._fallback(x, weight, bias, *operands)
+            return self._fallback(x, weight, bias, *model_operands)
         # leading dimensions as rows (a pointwise chain); a 2-D x as it is (no view node for
         # autograd to record on every call)
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -454,10 +493,10 @@ class FusedLinear(nn.Module):
         )  # fmt: skip
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         """The chain evaluated by ``gemmfuse.reference`` with the current settings: what the
         fused path computes, in plain PyTorch (``optimize`` checks it against the model)."""
-        operands, norm, epilogue = self._state()
+        operands, norm, epilogue = self._state(inputs=inputs)
         if epilogue is None:
             raise ValueError("the chain's current module settings are outside the grammar")
         folded = self._folded(*self._linear())
@@ -487,12 +526,20 @@ def _batch_norm_positions(operands, ops) -> tuple[_BatchNormAt, ...]:
     """Where each BatchNorm1d of the chain stands (its ``mean`` operand's first reader)."""
     found = []
     chain = [op for op in ops if op.stage != "tail"]
-    for i, (owner, name) in enumerate(operands):
-        if isinstance(owner, BatchNormAffine) and name == "mean":
+    for i, ref in enumerate(operands):
+        if isinstance(ref, tuple) and isinstance(ref[0], BatchNormAffine) and ref[1] == "mean":
+            owner = ref[0]
             scale = operands.index((owner, "scale"))
             position = next(k for k, op in enumerate(chain) if Param(i) in op.args)
             found.append(_BatchNormAt(owner, i, scale, position))
     return tuple(found)
+
+
+def _operand_name(ref) -> str:
+    """How a problem names an operand: its attribute, or its place among the call's inputs."""
+    if isinstance(ref, ForwardInput):
+        return f"{ref.index + 1} computed in the forward"
+    return repr(ref[1])
 
 
 def _layer_norm_problem(module: nn.LayerNorm | nn.RMSNorm | None, n: int, norm: NormValues) -> str:

@@ -74,7 +74,7 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
         cache.float32(t, slot)
         for t, slot in ((bias, "bias"), (gn_weight, "gn_weight"), (gn_bias, "gn_bias"))
     )
-    chain = chain_arguments(epilogue, params, n)
+    chain = chain_arguments(epilogue, params, m, n)
     vectors, _, group_size, eps, norm_wide = chain
     fused_z = save_z and path == "fused"  # the epilogue path's z is a copy of F.linear's
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
@@ -99,15 +99,15 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     return out, z
 
 
-def chain_arguments(epilogue: Epilogue, params, n: int) -> tuple:
-    """What every chain kernel takes after its tensors: (the pre/post ops' channel vectors,
+def chain_arguments(epilogue: Epilogue, params, m: int, n: int) -> tuple:
+    """What every chain kernel takes after its tensors: (the pre/post ops' tensor arguments,
     the chain's scalars, the group size, eps, whether groups straddle output tiles)."""
     norm = epilogue.norm
     group_size = n // norm.num_groups if norm else 1
     eps = norm.eps if norm else 0.0
     # Groups that straddle 128-channel tiles get cross-tile statistics and a second sweep.
     norm_wide = norm is not None and TILE % group_size != 0
-    return channel_vectors(epilogue, params, n), epilogue.scalars, group_size, eps, norm_wide
+    return channel_vectors(epilogue, params, m, n), epilogue.scalars, group_size, eps, norm_wide
 
 
 def records_grad(epilogue: Epilogue, params, *tensors) -> bool:

@@ -182,6 +182,11 @@ def _splittable_epilogue(fused: FusedLinear, world: int) -> Epilogue:
             "a channel pooling is folded into this Linear's weights (pooling.py): parallelize "
             "does not split a pooled Linear yet"
         )
+    if fused.forward_inputs:
+        raise ValueError(
+            "this chain reads an operand the forward computes (a residual): parallelize does "
+            "not split one yet"
+        )
     n = fused.out_features
     if n % world:
         raise ValueError(f"out_features={n} does not split evenly over {world} ranks")

@@ -361,7 +361,9 @@ def pointwise_markdown() -> str:
     unary = [d.usage for d in POINTWISE.values() if not d.tensor_arg]
     text = (
         f"Pointwise ops (`gemmfuse.POINTWISE`, one row each in `gemmfuse/pointwise.py`): "
-        f"{', '.join(binary)} {_BINARY_USAGE} (the tensor `params[i]` of the call; per channel "
-        f"in `pre`/`post`, any broadcastable shape in `tail`); {', '.join(unary)}."
+        f"{', '.join(binary)} {_BINARY_USAGE} (the tensor `params[i]` of the call; in "
+        "`pre`/`post` per channel, or of the chain's full (M, N) shape, read per element: a "
+        f"residual or a gate computed elsewhere; any broadcastable shape in `tail`); "
+        f"{', '.join(unary)}."
     )
     return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)

@@ -71,7 +71,7 @@ from model_files import build
 from gemmfuse import FusedLinear, optimize
 from gemmfuse.chains import chain_pool, layer_norm_chain, linear_data
 from gemmfuse.dispatch import fused_pays
-from gemmfuse.epilogue import Epilogue
+from gemmfuse.epilogue import Epilogue, per_channel
 from gemmfuse.jit import extension_for
 from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.harness import load_custom_model, static_check_errors, time_cuda_events
@@ -164,12 +164,15 @@ class Chain:
         return (dz @ w, dz.t() @ x, dz.sum(0), *d_rest)
 
     def _terms(self, z, grad, dtype) -> dict[int, torch.Tensor]:
-        """Per leaf index, for each tensor argument read only per channel (not by tail ops): its
+        """Per leaf index, for each tensor argument read only per channel (not by tail ops, not
+        an (M, N) operand read per element): its
         gradient's terms in ``dtype`` from z, the argument expanded to every element so that each
         term is its own gradient element."""
         m, n = z.shape
         first = 3 + sum(t is not None for t in self.gn)
-        only_channel = sorted(set(self.epilogue.channel_params) - set(self.epilogue.tail_params))
+        only_channel = sorted(i for i in set(self.epilogue.channel_params)
+                              - set(self.epilogue.tail_params)
+                              if per_channel(tuple(self.params[i].shape), n))  # fmt: skip
         if not only_channel:
             return {}
         params = [t.detach().to(dtype) for t in self.params]

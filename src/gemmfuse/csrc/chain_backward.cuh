@@ -253,14 +253,15 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
   auto norm_out = [&](int c, float xh) {
     return round_like_model(affine ? xh * __ldg(a.gn_weight + c) + __ldg(a.gn_bias + c) : xh, p);
   };
+  int row = 0;  // the row the lambdas below read (the loop's)
   auto chain_out = [&](int j) {
     const int c = c0 + j;
-    const float u = Epi::pre(zrow[j], c, p);
-    if constexpr (Epi::kNorm) return Epi::post(norm_out(c, x_hat(j, u)), c, p);
+    const float u = Epi::pre(zrow[j], row, c, p);
+    if constexpr (Epi::kNorm) return Epi::post(norm_out(c, x_hat(j, u)), row, c, p);
     return u;
   };
 
-  for (int row = blockIdx.x; row < a.M; row += gridDim.x) {
+  for (row = blockIdx.x; row < a.M; row += gridDim.x) {
     const int64_t base = static_cast<int64_t>(row) * n + c0;
     load_row(zrow, a.z, base, 1, w, a.bf16);
     if constexpr (kKind == 0)
@@ -270,12 +271,12 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
     if constexpr (Epi::kNorm) {
       // the mean, then the centred sums that refine it and give the variance
       const int segment = backward_segment(gs);
-      group_sums([&](int j, int) { return make_float2(Epi::pre(zrow[j], c0 + j, p), 0.f); },
+      group_sums([&](int j, int) { return make_float2(Epi::pre(zrow[j], row, c0 + j, p), 0.f); },
                  groups, gs, segment, smem + at.runs, mean, rstd);
       for (int g = threadIdx.x; g < groups; g += blockDim.x) mean[g] *= inv_gs;
       __syncthreads();
       group_sums([&](int j, int g) {
-        const float d = Epi::pre(zrow[j], c0 + j, p) - mean[g];
+        const float d = Epi::pre(zrow[j], row, c0 + j, p) - mean[g];
         return make_float2(d, d * d);
       }, groups, gs, segment, smem + at.runs, g_mean, gx_mean);
       for (int g = threadIdx.x; g < groups; g += blockDim.x)
@@ -322,15 +323,15 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
       else
         dv = route<kKind>(row_grad, kKind == 3 || kKind == 4 ? 0.f : chain_out(j), out, ties, n);
       if constexpr (Epi::kNorm) {
-        const float xh = x_hat(j, Epi::pre(zrow[j], c, p));
-        const float dy = Epi::post_backward(norm_out(c, xh), c, p, dv, sums, j, w);
+        const float xh = x_hat(j, Epi::pre(zrow[j], row, c, p));
+        const float dy = Epi::post_backward(norm_out(c, xh), row, c, p, dv, sums, j, w);
         if (affine) {
           column_add(sums, w + j, errors, dy * xh);
           column_add(sums, 2 * w + j, errors, dy);
         }
         grow[j] = affine ? dy * __ldg(a.gn_weight + c) : dy;
       } else {
-        const float dz = Epi::pre_backward(zrow[j], c, p, dv, sums, j, w);
+        const float dz = Epi::pre_backward(zrow[j], row, c, p, dv, sums, j, w);
         column_add(sums, j, errors, dz);
         store_float(a.dz, base + j, dz, a.bf16);
       }
@@ -340,15 +341,15 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
       __syncthreads();
       group_sums([&](int j, int g) {
         const float gj = grow[j];
-        return make_float2(gj, gj * ((Epi::pre(zrow[j], c0 + j, p) - mean[g]) * rstd[g]));
+        return make_float2(gj, gj * ((Epi::pre(zrow[j], row, c0 + j, p) - mean[g]) * rstd[g]));
       }, groups, gs, backward_segment(gs), smem + at.runs, g_mean, gx_mean);
       for (int j = threadIdx.x; j < w; j += blockDim.x) {
         const int c = c0 + j, g = group_of(j);
-        const float xh = (Epi::pre(zrow[j], c, p) - mean[g]) * rstd[g];
+        const float xh = (Epi::pre(zrow[j], row, c, p) - mean[g]) * rstd[g];
         // an RMSNorm's output does not shift with its input: no mean(g) term
         const float g_term = Epi::kRms ? 0.f : g_mean[g] * inv_gs;
         const float du = rstd[g] * (grow[j] - g_term - xh * (gx_mean[g] * inv_gs));
-        const float dz = Epi::pre_backward(zrow[j], c, p, du, sums, j, w);
+        const float dz = Epi::pre_backward(zrow[j], row, c, p, du, sums, j, w);
         column_add(sums, j, errors, dz);
         store_float(a.dz, base + j, dz, a.bf16);
       }

@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
           dv[i] = load_float(a.grad, row * a.grad_row_stride + (c + i) * a.grad_col_stride, a.bf16);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) u[i] = Epi::pre(zv[i], c + i, p);
+      for (int i = 0; i < 4; ++i) u[i] = Epi::pre(zv[i], row, c + i, p);
 
       float mean = 0.f, rstd = 1.f;
       if constexpr (Epi::kNorm) {
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         y[i] = round_like_model(affine ? xh[i] * gw[i] + gb[i] : xh[i], p);
       }
       auto chain_out = [&](int i) {
-        if constexpr (Epi::kNorm) return Epi::post(y[i], c + i, p);
+        if constexpr (Epi::kNorm) return Epi::post(y[i], row, c + i, p);
         return u[i];
       };
 
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         RowAcc sg{0.f, 0.f}, sgx{0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float dy = Epi::post_backward(y[i], c + i, p, dv[i], acc, i, 4);
+          const float dy = Epi::post_backward(y[i], row, c + i, p, dv[i], acc, i, 4);
           if (affine) {
             column_add(acc, 4 + i, kErrors, dy * xh[i]);
             column_add(acc, 8 + i, kErrors, dy);
@@ -171,13 +171,13 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float du = rstd * (g[i] - g_mean - xh[i] * gx_mean);
-          dz[i] = Epi::pre_backward(zv[i], c + i, p, du, acc, i, 4);
+          dz[i] = Epi::pre_backward(zv[i], row, c + i, p, du, acc, i, 4);
           column_add(acc, i, kErrors, dz[i]);
         }
       } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          dz[i] = Epi::pre_backward(zv[i], c + i, p, dv[i], acc, i, 4);
+          dz[i] = Epi::pre_backward(zv[i], row, c + i, p, dv[i], acc, i, 4);
           column_add(acc, i, kErrors, dz[i]);
         }
       }

@@ -12,11 +12,14 @@ constexpr int kMaxParams = 8;
 constexpr int kTile = 128;       // output tile side of every fused kernel
 constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) takes 1 to this
 
-// Run-time arguments of the epilogue ops: floats (a LeakyReLU slope, a multiplier) and
-// per-channel fp32 vectors (indexed by output column). The generated epilogue reads them by
-// position, so one compiled kernel serves every value of a chain's arguments.
+// Run-time arguments of the epilogue ops: floats (a LeakyReLU slope, a multiplier) and fp32
+// tensors read at (row, col) as vec[i][row * vec_row_stride[i] + col]: per channel (row stride
+// 0, an [N] vector) or per element (an [M, N] operand computed elsewhere, a residual). The
+// generated epilogue reads them by position, so one compiled kernel serves every value and
+// either kind of a chain's tensor arguments.
 struct EpilogueParams {
   const float* vec[kMaxParams];
+  int64_t vec_row_stride[kMaxParams];
   float scalar[kMaxParams];
   // A bf16 model: round to bf16 wherever PyTorch's bf16 ops would (after the Linear, the
   // GroupNorm and each pointwise op), so the result matches eager bf16, not just fp32 math.

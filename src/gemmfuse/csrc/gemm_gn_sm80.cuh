@@ -16,8 +16,8 @@
 // `Epi` is generated from the Python epilogue description (epilogue.py); it provides
 //   static constexpr bool kNorm, kRms, kSoftmax, kLogSoftmax;
 //   static constexpr int kReduce;  (0 none, 1 min, 2 max, 3 sum, 4 mean, 5 logsumexp)
-//   static __device__ float pre(float v, int col, const EpilogueParams& p);
-//   static __device__ float post(float v, int col, const EpilogueParams& p);
+//   static __device__ float pre(float v, int row, int col, const EpilogueParams& p);
+//   static __device__ float post(float v, int row, int col, const EpilogueParams& p);
 // and is defined before this header is included (see fused_linear.cu).
 #pragma once
 #include <cstdint>
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
           const int gcol = min(tile_n + c, args.N - 1);
           const float z = gemm_value(acc[i][j][half * 2 + e], a_inv, column_terms(gcol, args), args);
           save_gemm_value(z, tile_m + r, tile_n + c, args);
-          tile[r * kEpiStride + c] = Epi::pre(z, gcol, args.params);
+          tile[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
         }
       }
     }

@@ -403,7 +403,8 @@ __global__ void __launch_bounds__(kThreads, 1)
               const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
               const float z = gemm_value(acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, args);
               save_gemm_value(z, tile_m + r, n0 + c, args);
-              staging[r * kEpiStride + c] = Epi::pre(z, gcol, args.params);
+              const int grow = min(tile_m + r, args.M - 1);
+              staging[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
             }
           }
         }

@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
       c += part.y + err;
     }
     tile[m * kEpiStride + col] =
-        epilogue_input<Epi>(compensated_value(s, c), 1.f, n0 + col, args);
+        epilogue_input<Epi>(compensated_value(s, c), 1.f, m, n0 + col, args);
   }
   if (tid == 0) g.counter[blockIdx.x] = 0;  // ready for the next launch
   __syncthreads();

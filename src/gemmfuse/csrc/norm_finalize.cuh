@@ -134,7 +134,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
       float y = row[c];
       if constexpr (Epi::kNorm) {
         const int i = c / gs - g0;
-        y = normalize<Epi>(y, s_mean[i], s_mean_lo[i], s_rstd[i], c, args);
+        y = normalize<Epi>(y, s_mean[i], s_mean_lo[i], s_rstd[i], r, c, args);
       }
       if constexpr (kind == 0) {
         if (args.out_bf16 != nullptr)
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedAr
     const int r = idx / kTile, c = idx % kTile;
     if (c < cols_here)
       tile[r * kEpiStride + c] = epilogue_input<Epi>(
-          args.out[static_cast<int64_t>(m0 + r) * args.N + n0 + c], 1.f, n0 + c, args);
+          args.out[static_cast<int64_t>(m0 + r) * args.N + n0 + c], 1.f, m0 + r, n0 + c, args);
   }
   __syncthreads();
   const TileCoord coord{m0, n0, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArg
   float* values = reinterpret_cast<float*>(row_smem + n_tiles * spt);  // [N]
   float* row = args.out + static_cast<int64_t>(blockIdx.x) * N;
   for (int c = tid; c < N; c += kFinalizeThreads) {
-    const float v = epilogue_input<Epi>(row[c], 1.f, c, args);
+    const float v = epilogue_input<Epi>(row[c], 1.f, static_cast<int>(blockIdx.x), c, args);
     values[c] = v;
     row[c] = v;  // finish_row reads the pre-norm values from the row (this block's own writes)
   }

@@ -51,15 +51,15 @@ __device__ __forceinline__ void save_gemm_value(float z, int row, int col, const
 }
 
 template <class Epi>
-__device__ __forceinline__ float epilogue_input(float acc, float a_inv, ColumnTerms col, int gcol,
-                                                const FusedArgs& args) {
-  return Epi::pre(gemm_value(acc, a_inv, col, args), gcol, args.params);
+__device__ __forceinline__ float epilogue_input(float acc, float a_inv, ColumnTerms col, int grow,
+                                                int gcol, const FusedArgs& args) {
+  return Epi::pre(gemm_value(acc, a_inv, col, args), grow, gcol, args.params);
 }
 
 template <class Epi>
-__device__ __forceinline__ float epilogue_input(float acc, float a_inv, int gcol,
+__device__ __forceinline__ float epilogue_input(float acc, float a_inv, int grow, int gcol,
                                                 const FusedArgs& args) {
-  return epilogue_input<Epi>(acc, a_inv, column_terms(gcol, args), gcol, args);
+  return epilogue_input<Epi>(acc, a_inv, column_terms(gcol, args), grow, gcol, args);
 }
 
 // Where a tile sits: its origin and its index in the grid of tiles.
@@ -293,7 +293,8 @@ __device__ __forceinline__ float norm_rstd(float m2, float mean, float mean_lo, 
 // (v - max) - log(sum).
 template <class Epi>
 __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, float rstd,
-                                           float w, float b, int gcol, const FusedArgs& args) {
+                                           float w, float b, int grow, int gcol,
+                                           const FusedArgs& args) {
   float y;
   if constexpr (Epi::kSoftmax)
     y = Epi::kLogSoftmax ? (v - mean) - rstd : expf(v - mean) / rstd;
@@ -302,15 +303,15 @@ __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, f
   else
     y = ((v - mean) - mean_lo) * rstd;
   if (args.gn_weight != nullptr) y = y * w + b;
-  return Epi::post(round_like_model(y, args.params), gcol, args.params);
+  return Epi::post(round_like_model(y, args.params), grow, gcol, args.params);
 }
 
 template <class Epi>
 __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, float rstd,
-                                           int gcol, const FusedArgs& args) {
+                                           int grow, int gcol, const FusedArgs& args) {
   const bool affine = args.gn_weight != nullptr;
   return normalize<Epi>(v, mean, mean_lo, rstd, affine ? __ldg(args.gn_weight + gcol) : 0.f,
-                        affine ? __ldg(args.gn_bias + gcol) : 0.f, gcol, args);
+                        affine ? __ldg(args.gn_bias + gcol) : 0.f, grow, gcol, args);
 }
 
 // Writes n finished values of one output row, starting at element `at` of the output: 16 bytes
@@ -364,7 +365,7 @@ __device__ __forceinline__ void group_task(float* tile, const float* w, const fl
   const float rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, kGs, args.eps);
 #pragma unroll
   for (int j = 0; j < kGs; ++j)
-    y[j] = normalize<Epi>(y[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],
+    y[j] = normalize<Epi>(y[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j], tc.m0 + r,
                           tc.n0 + c0 + j, args);
   if constexpr (Epi::kReduce != 0) {
     RowAcc acc = row_acc_empty<Epi::kReduce>();
@@ -495,7 +496,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       const float rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, gs, args.eps);
       auto out = [&](int j) {
         return normalize<Epi>(v[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],
-                              tc.n0 + c0 + j, args);
+                              tc.m0 + r, tc.n0 + c0 + j, args);
       };
       const int j0 = warp_per_group ? lane : 0, j_step = warp_per_group ? 32 : 1;
       if constexpr (kind != 0) {

@@ -27,6 +27,13 @@ eval mode on the (M, N) value is per-channel ops read from the module at each ca
 (``modules.BatchNormAffine``); in training mode (or without running statistics) the same ops
 with the batch's statistics, the fused call splitting there (``modules.FusedLinear``).
 
+A binary op's other operand may be a number, a parameter, buffer or tensor attribute, or a
+tensor the forward computes before the Linear, of the chain's own shape (read per element: a
+residual ``fc2(h) + x``) or per channel, or any shape after the reduction; such a tensor becomes
+an argument of the fused call after x (``modules.ForwardInput``), and the call runs where the
+chain ends, so the chain stops there if that tensor or the Linear's input may be written in
+place anywhere in the forward.
+
 A chain stops at the first node that is not in the grammar, whose result has several users
 (``x + x`` excepted, and ``x * sigmoid(x)``: x used by a sigmoid that only the multiplication
 uses, the op ``swish``), that changes the (M, N) shape before the reduction or the dtype anywhere,

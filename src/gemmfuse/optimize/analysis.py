@@ -53,7 +53,8 @@ class _Chain:
     ops: list[ChainOp] = field(default_factory=list)
     norm: ChainNorm | None = None
     reduce: Reduction | None = None
-    # get_attr targets, or (owner, attribute) of a tensor derived at each call; Param order
+    # get_attr targets, (owner, attribute) of a tensor derived at each call, or the node of a
+    # tensor the forward computes (an argument of the fused call); Param order
     operands: list = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
     stopped: str = ""
@@ -63,6 +64,11 @@ class _Chain:
     @property
     def end(self) -> fx.Node:
         return self.nodes[-1] if self.nodes else self.linear
+
+    @property
+    def forward_operands(self) -> list[fx.Node]:
+        """The operands the forward computes, in Param order: the fused call's arguments."""
+        return [o for o in self.operands if isinstance(o, fx.Node)]
 
     def operand(self, target) -> Param:
         if target not in self.operands:
@@ -120,7 +126,9 @@ class _Analysis:
     def __init__(self, gm: fx.GraphModule, meta: dict[fx.Node, _Meta]):
         self.gm = gm
         self.meta = meta
-        self.mutated = self._mutated_attributes()
+        self.written = self._written_nodes()
+        self.mutated = {n.target for n in self.written if n.op == "get_attr"}
+        self.linear: fx.Node | None = None  # the Linear of the chain being followed
         self.stretch = _Stretch()  # of the chain being followed
         # A node's place in the graph (the graph is not rewritten while chains are found)
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}.__getitem__
@@ -140,10 +148,10 @@ class _Analysis:
             or _spelled_linear(node, self.gm) is not None
         )
 
-    def _mutated_attributes(self) -> set[str]:
-        """get_attr targets that some in-place op may write: through any node that can alias
-        its input, back to the attribute (chains never take those as operands)."""
-        mutated = set()
+    def _written_nodes(self) -> set[fx.Node]:
+        """The nodes whose values some in-place op may write: through any node that can alias
+        its input, back to a get_attr or placeholder (chains never take those as operands)."""
+        written = set()
         for node in self.gm.graph.nodes:
             if not _is_inplace(node, self.gm) or not node.args:
                 continue
@@ -153,13 +161,14 @@ class _Analysis:
                 if not isinstance(a, fx.Node) or a in seen:
                     continue
                 seen.add(a)
+                written.add(a)
                 if a.op == "get_attr":
-                    mutated.add(a.target)
-                elif _is_inplace(a, self.gm) and a.args:
+                    continue
+                if _is_inplace(a, self.gm) and a.args:
                     stack.append(a.args[0])  # its result is its first argument
                 elif a.op != "placeholder" and not self._fresh(a):
                     stack.extend(a.all_input_nodes)  # may alias any input
-        return mutated
+        return written
 
     # -- recognising one node
 
@@ -196,6 +205,26 @@ class _Analysis:
                 return _Refusal(f"operand {o.target} is modified in place in the forward")
             return o
         return _number(o, "the operand")
+
+    def _forward_operand(self, o: fx.Node) -> "fx.Node | _Refusal":
+        """An operand the forward computes (a residual), taken as an argument of the fused
+        call, which then runs where the chain ends: computed before the chain's Linear (so not
+        from the chain's values, which are gone once fused, nor inside another chain that
+        could claim the same node), and neither it nor the Linear's input possibly written in
+        place in the forward (each is read where the chain ends, not where the model reads it).
+        """
+        if o not in self.meta:
+            return _Refusal(f"operand {o.name} is not a tensor{_source(o)}")
+        if self.order(o) > self.order(self.linear):
+            return _Refusal(
+                f"operand {o.name} is computed after the Linear (fused operands computed in the "
+                f"forward come before it){_source(o)}"
+            )
+        x = _linear_input(self.linear, self.gm)
+        for node, what in ((o, f"operand {o.name}"), (x, "the Linear's input")):
+            if node in self.written:
+                return _Refusal(f"{what} may be modified in place in the forward{_source(node)}")
+        return o
 
     def _binary(self, node: fx.Node, v, op: str = "") -> "_Step | _Refusal":
         """A binary op of the chain's value and an operand (``op``: the IR op where the
@@ -237,7 +266,10 @@ class _Analysis:
                 return _Refusal("an in-place op on a value the chain reads twice")
             value, shown = self.stretch.values[other], self.stretch.names.get(other, other.name)
             return _Step("op", _op_label(name, (shown,)), name=name, args=(value,))
-        operand = self._operand(other)
+        if isinstance(other, fx.Node) and other.op != "get_attr":
+            operand = self._forward_operand(other)
+        else:
+            operand = self._operand(other)
         if isinstance(operand, _Refusal):
             return operand
         return _Step("op", _op_label(name, (operand,)), name=name, args=(operand,),
@@ -501,6 +533,8 @@ class _Analysis:
             n = linear.shape[-1]
             for a in step.args:
                 shape = tuple(self.meta[a].shape) if isinstance(a, fx.Node) else ()
+                if isinstance(a, fx.Node) and a.op != "get_attr" and shape == tuple(linear.shape):
+                    continue  # computed in the forward, read per element (a residual)
                 if not per_channel(shape, n):
                     # ops.py would route such a chain to PyTorch on every call
                     return _Refusal(
@@ -515,8 +549,8 @@ class _Analysis:
         if step.module is not None:
             chain.ops.append(ChainOp(stage, module=step.module))
         else:
-            args = tuple(chain.operand(a.target) if isinstance(a, fx.Node) else a
-                         for a in step.args)  # fmt: skip
+            args = tuple(chain.operand(a.target if a.op == "get_attr" else a)
+                         if isinstance(a, fx.Node) else a for a in step.args)  # fmt: skip
             chain.ops.append(ChainOp(stage, step.name, args))
         return stage
 
@@ -572,6 +606,7 @@ class _Analysis:
         be read again further on (a :class:`gemmfuse.Value` argument, in registers); the chain
         ends at the last node where every value it holds is read by the chain alone."""
         chain = _Chain(linear, path, _linear_input(linear, self.gm), labels=[label])
+        self.linear = linear
         chain.gemm = self.meta[linear]
         stage, v = "pre", linear
         folded = self._fold_pool(chain)

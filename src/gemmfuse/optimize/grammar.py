@@ -422,7 +422,9 @@ class _Step:
 def _op_label(name: str, args: tuple) -> str:
     shown = [
         a if isinstance(a, str)  # a name given by the caller
-        else (a.target if a.op == "get_attr" else a.name) if isinstance(a, fx.Node)
+        else a.target if isinstance(a, fx.Node) and a.op == "get_attr"
+        else f"input {a.name}" if isinstance(a, fx.Node) and a.op == "placeholder"
+        else a.name if isinstance(a, fx.Node)  # computed in the forward
         else repr(a)
         for a in args
     ]  # fmt: skip

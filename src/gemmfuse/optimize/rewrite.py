@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gemmfuse.dispatch import KERNELS, PRECISIONS
-from gemmfuse.modules import FusedLinear
+from gemmfuse.modules import ForwardInput, FusedLinear
 from gemmfuse.optimize.analysis import _Analysis, _Chain
 from gemmfuse.optimize.grammar import (
     _attribute,
@@ -104,18 +104,23 @@ def _fallback(gm: fx.GraphModule, chain: _Chain) -> fx.GraphModule:
     x, weight, bias = (graph.placeholder(n) for n in ("x", "weight", "bias"))
     operands = {t: graph.placeholder(f"operand_{i}") for i, t in enumerate(chain.operands)}
     env = {chain.linear: graph.call_function(F.linear, (x, weight, bias))}
+
+    def mapped(a: fx.Node) -> fx.Node:  # a chain value, a computed operand, or an attribute's
+        return env[a] if a in env else operands[a] if a in operands else operands[a.target]
+
     for node in chain.nodes:
-        env[node] = graph.node_copy(node, lambda a: env[a] if a in env else operands[a.target])
+        env[node] = graph.node_copy(node, mapped)
     graph.output(env[chain.end])
     modules = {n.target: gm.get_submodule(n.target) for n in chain.nodes if n.op == "call_module"}
     return fx.GraphModule(modules, graph, class_name="FusedLinearFallback")
 
 
-def _verify(fused: FusedLinear, x, expected: torch.Tensor) -> str:
-    """Why fused's reference does not reproduce the model's value ("" when it does): equal
-    shape, dtype and device, and close within ``torch.testing.assert_close``'s default
-    tolerances for the dtype (NaN equal to NaN). A chain that raises propagates."""
-    got = fused.reference(x)
+def _verify(fused: FusedLinear, x, inputs, expected: torch.Tensor) -> str:
+    """Why fused's reference on x (and the operands the forward computed, ``inputs``) does not
+    reproduce the model's value ("" when it does): equal shape, dtype and device, and close
+    within ``torch.testing.assert_close``'s default tolerances for the dtype (NaN equal to
+    NaN). A chain that raises propagates."""
+    got = fused.reference(x, *inputs)
     if not isinstance(got, torch.Tensor):
         return f"the chain returned {type(got).__name__}, not a tensor"
     for what, a, b in (
@@ -208,6 +213,8 @@ def optimize(
         v = node
         while v is not None:
             keep.add(v)
+            # and what it reads that the forward computes: an operand of the fused call
+            keep.update(i for i in v.all_input_nodes if i.op != "get_attr")
             v = _next_in_chain(gm, v, order)
     # The example run must leave the model as it was: a forward that writes its buffers
     # (BatchNorm's running statistics in training mode, a counter) would otherwise take the
@@ -259,9 +266,14 @@ def optimize(
 
     verify = all(t.device.type != "meta" for t in recorder.values.values())
     splits = {}  # a shared Linear module's target -> its calls' weight split cache
+    fused_at: dict[fx.Node, fx.Node] = {}  # a swapped chain's end -> its FusedLinear call
     for node, chain in list(decisions.items()):
         if not isinstance(chain, _Chain):
             continue
+        # an operand computed in the forward may be an earlier swapped chain's end: its call now
+        computed = [recorder.values.get(o) for o in chain.forward_operands]
+        chain.operands = [fused_at.get(o, o) if isinstance(o, fx.Node) else o
+                          for o in chain.operands]  # fmt: skip
         if chain.linear.op == "call_module" and chain.linear.target not in shared:
             target = chain.path
             parent, name = _owner(gm, target)
@@ -278,7 +290,7 @@ def optimize(
             ops=chain.ops,
             norm=chain.norm,
             reduce=chain.reduce,
-            operands=[t if isinstance(t, tuple) else _owner(gm, t) for t in chain.operands],
+            operands=_operand_refs(gm, chain),
             pool=chain.pool,
             fallback=_fallback(gm, chain),
             labels=chain.labels,
@@ -291,7 +303,8 @@ def optimize(
         mismatch = ""
         if verify:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
-                mismatch = _verify(fused, recorder.values[chain.input], recorder.values[chain.end])
+                x, end = recorder.values[chain.input], recorder.values[chain.end]
+                mismatch = _verify(fused, x, computed, end)
         report = LinearReport(
             chain.path,
             not mismatch,
@@ -306,9 +319,13 @@ def optimize(
         if mismatch:
             continue
         parent._modules[name] = fused
-        with graph.inserting_before(node):
-            call = graph.call_module(target, (_linear_input(node, gm),))
+        # where the Linear was; with operands the forward computes, where the chain ends (they
+        # may come later; analysis.py checked that no in-place op makes the move matter)
+        inputs = chain.forward_operands
+        with graph.inserting_before(chain.end if inputs else node):
+            call = graph.call_module(target, (_linear_input(node, gm), *inputs))
         chain.end.replace_all_uses_with(call)
+        fused_at[chain.end] = call  # a later chain's operand computed in the forward
         transposed = node.args[-1] if _spelled_linear(node, gm) is not None else None
         for n in reversed([node, *chain.nodes]):
             graph.erase_node(n)
@@ -320,6 +337,19 @@ def optimize(
     graph.lint()
     gm.recompile()
     return gm, OptimizeReport(type(model).__name__, tuple(decisions.values()))
+
+
+def _operand_refs(gm: fx.GraphModule, chain: _Chain) -> list:
+    """FusedLinear's operands for the chain's: (owner, name) of an attribute, a derived
+    tensor's (owner, name) as it is, a :class:`ForwardInput` for a node the forward computes."""
+    refs, computed = [], 0
+    for t in chain.operands:
+        if isinstance(t, fx.Node):
+            refs.append(ForwardInput(computed))
+            computed += 1
+        else:
+            refs.append(t if isinstance(t, tuple) else _owner(gm, t))
+    return refs
 
 
 def _functional_tensors(gm: fx.GraphModule, node: fx.Node) -> dict:
