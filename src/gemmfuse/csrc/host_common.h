@@ -113,11 +113,12 @@ inline void set_channel_params(gemmfuse::FusedArgs& args, const std::vector<at::
   for (size_t i = 0; i < vec_params.size(); ++i) {
     const at::Tensor& t = vec_params[i];
     const bool per_element = t.dim() == 2 && t.size(0) == args.M && t.size(1) == args.N && args.M > 1;
-    if (per_element)
+    if (per_element) {
       TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous(),
                   "gemmfuse: an [M, N] epilogue tensor argument must be contiguous float32 on CUDA");
-    else
+    } else {
       check_vector(t, args.N, "epilogue tensor argument");
+    }
     args.params.vec[i] = t.data_ptr<float>();
     args.params.vec_row_stride[i] = per_element ? args.N : 0;
   }
