@@ -211,6 +211,8 @@ def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None)
     grads += [None] * len(params)
     for slot, i in enumerate(chain.channel_params, start=first):
         shape = params[i].shape
+        if per_element(shape, *z.shape):
+            continue  # its column sums are no gradient; none is wanted (chain_gradients)
         g = sums[slot].sum().to(z.dtype) if math.prod(shape) == 1 else rounded[slot]
         grads[2 + i] = g.reshape(shape) if grads[2 + i] is None else grads[2 + i] + g.reshape(shape)
     return dz, [g if need else None for g, need in zip(grads, needs, strict=True)], rounded[0]
