@@ -7,7 +7,9 @@ random-chain pool's and the hand-written test models'), one process per structur
 at once as there are cores, times a second process's load from the cache, runs the GPU tests
 (pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
-[--no-tests] [-k EXPR] (-k selects GPU tests as pytest's -k does).
+[--no-tests] [-k EXPR] (-k selects GPU tests as pytest's -k does). Where the tree travels
+without its own .git (the device tool's copy carries a stale one), set GEMMFUSE_COMMIT to the
+commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Writes docs/PERFORMANCE.md from a benchmark JSON (python -m gemmfuse bench --json PATH).
 
 Usage: python scripts/performance_doc.py BENCH_JSON [--date YYYY-MM-DD] [--stale TEXT]
-[--kernelbench KB_JSON] (--stale: what has changed since the measured commit that these figures
-do not show; --kernelbench: scripts/kernelbench_files.py's --json, a table of exported problem
-files judged in KernelBench's method).
+[--kernelbench KB_JSON --kernelbench-commit C ...] [--mlp-block JSON --mlp-block-commit C]
+(--stale: what has changed since the measured commit that these figures do not show;
+--kernelbench, repeatable: scripts/kernelbench_files.py's --json, a table of exported problem
+files judged in KernelBench's method, each with the commit it measured; --mlp-block:
+scripts/mlp_block.py's --json). The measured JSON files are kept in docs/measurements/.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 from pathlib import Path
 
 from kernelbench_files import format_problem_rows
+from mlp_block import format_rows as format_mlp_rows
 
 from gemmfuse.bench import (
     CHAIN_GROUPS,
@@ -30,19 +33,49 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md"
 FLOP = 2 * 1024 * 8192 * 8192  # both problems: M=1024, K=N=8192
 
 
+def _problem_table(kb: dict, commit: str) -> str:
+    """One kernelbench_files.py run's rows as a table under its GPU, commit and method (and
+    where the rows came from, when the run's own JSON was not kept: ``kb["source"]``)."""
+    source = f" {kb['source']}" if kb.get("source") else ""
+    return (f"GPU: {kb['gpu']}; torch {kb['torch']}; commit {commit}; method: {kb['method']}."
+            f"{source}\n\n{format_problem_rows(kb['rows'])}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("bench_json")
     parser.add_argument("--date", default=datetime.date.today().isoformat())
     parser.add_argument("--stale", default="", help="what the figures predate")
-    parser.add_argument("--kernelbench", help="scripts/kernelbench_files.py --json output")
-    parser.add_argument("--kernelbench-commit", default="", help="the commit it measured")
+    parser.add_argument(
+        "--kernelbench",
+        action="append",
+        default=[],
+        help="scripts/kernelbench_files.py --json output (repeatable)",
+    )
+    parser.add_argument(
+        "--kernelbench-commit",
+        action="append",
+        default=[],
+        help="the commit each --kernelbench measured, in order",
+    )
+    parser.add_argument("--mlp-block", help="scripts/mlp_block.py --json output")
+    parser.add_argument("--mlp-block-commit", default="", help="the commit it measured")
     args = parser.parse_args()
-    problems = "(not run)"
-    if args.kernelbench:
-        kb = json.loads(Path(args.kernelbench).read_text())
-        problems = (f"GPU: {kb['gpu']}; torch {kb['torch']}; commit {args.kernelbench_commit}; "
-                    f"method: {kb['method']}.\n\n{format_problem_rows(kb['rows'])}")  # fmt: skip
+    if len(args.kernelbench_commit) != len(args.kernelbench):
+        parser.error("give one --kernelbench-commit for each --kernelbench")
+    problems = (
+        "\n\n".join(
+            _problem_table(json.loads(Path(path).read_text()), commit)
+            for path, commit in zip(args.kernelbench, args.kernelbench_commit, strict=True)
+        )
+        or "(not run)"
+    )
+    mlp = "(not run)"
+    if args.mlp_block:
+        block = json.loads(Path(args.mlp_block).read_text())
+        mlp = (f"GPU: {block['gpu']}; commit {args.mlp_block_commit}; method: CUDA events, L2 "
+               "cleared before each call, mean of 100, autograd on (parameters require grad)."
+               f"\n\n{format_mlp_rows(block['rows'])}")  # fmt: skip
     stale = f"- **Not yet measured:** {args.stale}\n" if args.stale else ""
     data = json.loads(Path(args.bench_json).read_text())
     results = [Result(**r) for r in data["results"]]
@@ -97,6 +130,18 @@ mode runs as the fused GEMM up to it, its batch statistics in PyTorch, then the 
 chain on the chain kernel.
 
 {problems}
+
+## A transformer MLP block
+
+`LayerNorm -> Linear -> GELU -> Linear -> + residual` on (batch, sequence, d_model) float32
+tokens, as a user's model writes it (`scripts/mlp_block.py`): `optimize` fuses fc1 with its GELU
+and fc2 with the residual add (the (M, N) residual read per element by fc2's epilogue, the rows
+of batch and sequence flattened); the LayerNorm before fc1 is PyTorch's. Errors against the
+float64 block: the output's largest, and the worst gradient's (x's and every parameter's,
+relative to its own largest element), each beside eager fp32's. "training step": forward and
+backward of the output's sum.
+
+{mlp}
 
 ## Achieved throughput
 
