@@ -121,14 +121,17 @@ def test_odd_shapes(number, m, k, group, n, kernel):
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize(
     "m,k,n,groups",
-    [(257, 1000, 592, 37), (2048, 64, 4096, 64), (3, 8, 256, 2), (300, 128, 384, 3)],
-)
+    [(257, 1000, 592, 37), (2048, 64, 4096, 64), (3, 8, 256, 2), (300, 128, 384, 3),
+     (4396, 64, 640, 2)],
+)  # fmt: skip
 def test_hopper_tile_walk_on_exact_operands(number, precision, m, k, n, groups):
     """Both Hopper variants against eager on operands in quarters from -1 to 1: every product
     and partial sum is exact in fp16 and fp32, so the one-pass variant (precision="tf32") is
     exact too and both must be allclose. The shapes cover row and 256-column tiles cut by M and
-    N, a single k-tile, and more tiles than resident blocks (later rounds of the one-pass
-    variant's persistent walk, whose pipeline phases carry over from tile to tile)."""
+    N, a single k-tile, more tiles than resident blocks (later rounds of the one-pass
+    variant's persistent walk, whose pipeline phases carry over from tile to tile), and 35 row
+    tiles: the walk's bands of 16 row tiles, the last one cut short (3), with a group and #75's
+    row minimum straddling column tiles."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel needs an sm_90 GPU")
     init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
@@ -257,7 +260,8 @@ def test_reduction_counters_survive_many_calls(kernel):
 
 @pytest.mark.parametrize("number", [62, 75])
 @pytest.mark.parametrize(
-    "m,k,n,groups", [(1024, 8192, 8192, 512), (257, 1000, 592, 37), (3, 8, 256, 2)]
+    "m,k,n,groups",
+    [(1024, 8192, 8192, 512), (257, 1000, 592, 37), (3, 8, 256, 2), (4396, 64, 640, 2)],
 )
 def test_bf16_model(number, m, k, n, groups):
     """KernelBench's bf16 mode: Model and ModelNew converted with .to(bfloat16), tolerance 1e-2.

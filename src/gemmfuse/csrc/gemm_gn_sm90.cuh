@@ -6,9 +6,10 @@
 // warpgroup after them streams the operand tiles of each 64-wide k-tile (128-byte swizzled)
 // into a shared-memory ring with cp.async.bulk.tensor, completing on a "full" mbarrier per
 // stage; the consumers free a stage through its "empty" mbarrier. setmaxnreg moves registers
-// from the producer to the consumers. A block walks output tiles in TileWalk's order (row tiles
-// fastest, so the blocks running at once share W's column panels in L2); the epilogue's fp32
-// tile reuses the ring, so the producer starts a block's next tile once its epilogue is done.
+// from the producer to the consumers. A block walks output tiles in TileWalk's order (bands of
+// row tiles, row tiles fastest within a band, so the blocks running at once share their x and W
+// panels in L2); the epilogue's fp32 tile reuses the ring, so the producer starts a block's
+// next tile once its epilogue is done.
 // - Split (fp32-accurate): 128x128 tiles, one per block; a stage holds x hi, x lo, W hi, W lo
 //   (16 KB each), 3 stages. Per k-tile each consumer issues 12 wgmma.m64n128k16 (hi*lo, lo*hi,
 //   hi*hi for each 16-wide k step) into a tensor-core accumulator that the first of them
@@ -43,6 +44,9 @@ constexpr int kConsumers = 2;                         // math warpgroups, 64 row
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr int kThreads = kConsumerThreads + 128;      // + the producer warpgroup
 constexpr int kStagingBytes = kTile * kEpiStride * 4;  // the epilogue's fp32 128x128 tile
+// Row tiles per band of TileWalk. Measured flat from 2 to 32 (#40, #37, #45, #39 at KernelBench's
+// sizes, H100, 2026-11-24), and 15-25% slower with all row tiles in one band.
+constexpr int kWalkBand = 16;
 
 // Per variant (see the top of the file): tile width, ring depth and grid.
 template <bool kSplit>
@@ -227,10 +231,24 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
     wgmma_m64n256k16_f16(d, desc_a, desc_b, scale_d);
 }
 
-// The order of the output tiles: tile t is row tile t % m_tiles of column tile t / m_tiles.
+// The order of the output tiles: bands of `band` row tiles, one after the other; within a band,
+// row tiles fastest, then column tiles. The blocks running at once (about one wave of 132) then
+// cover a band's rows times a few column tiles, so the operand panels they read are some
+// band + 132 / band of them, each read from HBM once and shared in L2. A walk over all row
+// tiles at once (band = m_tiles) reads every x panel again for each column tile when M is
+// large: at 16384 x 4096 x 4096, 128 row panels of 2 MB per wave, past HBM's bandwidth.
 struct TileWalk {
   int m_tiles;
   int tiles;  // m_tiles * column tiles
+  int band;   // row tiles per band, at most m_tiles
+
+  // (row tile, column tile) of tile t.
+  __device__ __forceinline__ int2 coords(int t) const {
+    const int n_tiles = tiles / m_tiles, per_band = band * n_tiles;
+    const int first = t / per_band * band, rows = min(m_tiles - first, band);
+    const int r = t - first * n_tiles;  // the tile's place in its band
+    return make_int2(first + r % rows, r / rows);
+  }
 };
 
 // kSplit: hi*lo + lo*hi + hi*hi with promotion after every k-tile (fp32-accurate), or one
@@ -278,7 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       int it = 0;  // k-tiles loaded so far, across tiles: picks the stage and its phase
       int done = 0;
       for (int t = blockIdx.x; t < walk.tiles; t += gridDim.x, ++done) {
-        const int tile_m = (t % walk.m_tiles) * kTile, tile_n = (t / walk.m_tiles) * V::kBlockN;
+        const int2 tile = walk.coords(t);
+        const int tile_m = tile.x * kTile, tile_n = tile.y * V::kBlockN;
         if (done > 0) mbar_wait(&epilogue_done, (done - 1) & 1);  // the ring is free again
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % kStages;
@@ -318,8 +337,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     int it = 0;
     for (int t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
-      const int m_idx = t % walk.m_tiles, tile_m = m_idx * kTile;
-      const int tile_n = (t / walk.m_tiles) * V::kBlockN;
+      const int2 tile = walk.coords(t);
+      const int m_idx = tile.x, tile_m = m_idx * kTile, tile_n = tile.y * V::kBlockN;
       float acc[V::kAccRegs];
 #pragma unroll
       for (int i = 0; i < V::kAccRegs; ++i) acc[i] = 0.f;
@@ -457,7 +476,7 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
   const int m_tiles = (args.M + kTile - 1) / kTile;
   const int n_tiles = (args.N + V::kBlockN - 1) / V::kBlockN;
   if (int64_t{m_tiles} * n_tiles >= (int64_t{1} << 31)) return cudaErrorInvalidConfiguration;
-  const TileWalk walk{m_tiles, m_tiles * n_tiles};
+  const TileWalk walk{m_tiles, m_tiles * n_tiles, std::min(m_tiles, kWalkBand)};
   int blocks = walk.tiles;
   if constexpr (V::kPersistent) {
     // As many blocks as can be resident at once (per device, found once): each walks every
