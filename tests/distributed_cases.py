@@ -189,6 +189,21 @@ def case_refuses_a_computed_operand(mesh, device, kernel, size):
     _refused(lambda: ResidualChain(64), mesh, device, kernel, "operand the forward computes")
 
 
+class BatchNormChain(nn.Module):
+    """Linear -> BatchNorm1d -> ReLU: per-channel operands computed from the module per call."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(n, n), nn.BatchNorm1d(n)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.fc(x)))
+
+
+def case_refuses_a_batch_norm(mesh, device, kernel, size):
+    _refused(lambda: BatchNormChain(64), mesh, device, kernel, "BatchNorm1d follows the Linear")
+
+
 def _train(model, wrap, x_full, rank, world, steps=20):
     """Losses of ``steps`` SGD steps of ``wrap(model)``, each rank on its rows of x."""
     wrapped = wrap(model)

@@ -80,10 +80,10 @@ def _epilogue_launcher(epilogue: Epilogue):
 
     def launch(z, gn_weight, gn_bias, params):
         m, n = z.shape
-        y = z.detach().clone(memory_format=torch.contiguous_format)  # the kernel works in place
+        y = z.detach().contiguous()  # read, not written: the kernel writes a new tensor
         gn = [None if t is None else t.detach().contiguous() for t in (gn_weight, gn_bias)]
         out = extension_for(epilogue).epilogue_forward(
-            y, *gn, *chain_arguments(epilogue, params, m, n)
+            y, *gn, *chain_arguments(epilogue, params, m, n), False
         )
         return out.view(m, 1) if epilogue.reduce is not None and epilogue.reduce.keepdim else out
 

@@ -175,14 +175,16 @@ class BatchNormAffine:
             return f"its batch statistics are fused for float32 chains, not {dtype}"
         return ""
 
+    # mean and scale: the eval-mode operands; None while the batch's statistics stand in for
+    # them (batch_operands), so a training step does not compute them for nothing.
     @property
-    def mean(self) -> torch.Tensor:
-        return self.module.running_mean
+    def mean(self) -> torch.Tensor | None:
+        return None if self.uses_batch_statistics else self.module.running_mean
 
     @property
     def scale(self) -> torch.Tensor | None:
         m = self.module
-        if m.running_var is None:
+        if self.uses_batch_statistics:
             return None
         rstd = 1.0 / torch.sqrt(m.running_var.double() + m.eps)
         scale = rstd if m.weight is None else m.weight.double() * rstd

@@ -80,10 +80,10 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
     if path == "epilogue" and not save_z and gemv_fits(x, weight):
         out = ext.gemv_forward(x, weight, bias, gn_weight, gn_bias, *chain)
-    elif path == "epilogue":  # the chain kernel works in place: z keeps its own copy
+    elif path == "epilogue":  # in place on F.linear's y, unless y is z, kept for the backward
         y = F.linear(x, weight, bias)
-        z = y.clone() if save_z else None
-        out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain)
+        z = y if save_z else None
+        out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z)
     elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core product
         w = weight if weight.is_contiguous() else weight.contiguous()
         out = ext.fused_forward_bf16(x, w, bias, gn_weight, gn_bias, *chain, z)

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from gemmfuse.epilogue import Epilogue, per_channel
-from gemmfuse.modules import FusedLinear
+from gemmfuse.modules import BatchNormAffine, FusedLinear
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.reference import apply_pointwise
 from gemmfuse.weight_cache import SplitWeightCache
@@ -187,6 +187,11 @@ def _splittable_epilogue(fused: FusedLinear, world: int) -> Epilogue:
             "this chain reads an operand the forward computes (a residual): parallelize does "
             "not split one yet"
         )
+    owners = [ref[0] for ref in fused._operands if isinstance(ref, tuple)]
+    if any(isinstance(owner, BatchNormAffine) for owner in owners):
+        # Its batch statistics would need all M rows on each rank, and its operands are
+        # computed per call, not parameters a rank could hold a slice of.
+        raise ValueError("a BatchNorm1d follows the Linear: parallelize does not split one yet")
     n = fused.out_features
     if n % world:
         raise ValueError(f"out_features={n} does not split evenly over {world} ranks")

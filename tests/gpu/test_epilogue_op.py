@@ -65,6 +65,36 @@ def test_kernel_matches_float64_as_eager_does(index):
         assert max_abs_err(got, want) <= 2 * max_abs_err(theirs, want) + ulp, (epilogue, i)
 
 
+# (chain, M, N, z's offset in its storage): pointwise chains in fours, and one value at a time
+# (a width not a multiple of 4; rows off a 16-byte boundary); a GroupNorm within tiles, with
+# and without a reduction; groups wider than a tile in rows up to 2048 (one block a row) and
+# longer (tiles, then the finalize kernel).
+LAYOUTS = [(4, 64, 512, 0), (3, 37, 301, 0), (4, 64, 512, 1), (1, 33, 1024, 0), (2, 64, 512, 1),
+           (0, 37, 302, 0), (0, 5, 4100, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("index, m, n, offset", LAYOUTS)
+def test_kernel_leaves_its_input_as_it_was(index, m, n, offset):
+    """The kernel reads z and writes a new tensor: z keeps its values, and the output is the
+    float64 chain's within eager fp32's own error (twice, plus one ulp)."""
+    epilogue = CHAINS[index]
+    z, *rest = _tensors(epilogue, m + n, m, n)
+    storage = torch.full((offset + m * n,), float("nan"), device=CUDA)
+    z_view = storage[offset:].view(m, n)
+    z_view.copy_(z)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        got, path = fused_epilogue_with_path(z_view, epilogue, *rest[:2], params=rest[2:])
+    assert path == "epilogue"
+    assert torch.equal(z_view, z), "the input was written"
+    eager = apply_epilogue(z, epilogue, *rest[:2], rest[2:])
+    doubles = [None if t is None else t.double() for t in rest]
+    exact = apply_epilogue(z.double(), epilogue, *doubles[:2], doubles[2:])
+    ulp = torch.finfo(torch.float32).eps * exact.abs().max().item()
+    assert not got.isnan().any()
+    assert max_abs_err(got, exact) <= 2 * max_abs_err(eager, exact) + ulp
+
+
 class _Gemm41(nn.Module):
     """KernelBench #41's chain (Linear -> BatchNorm1d -> GELU -> ReLU) at a size the fused
     kernel takes."""

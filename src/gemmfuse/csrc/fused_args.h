@@ -46,6 +46,9 @@ struct FusedArgs {
   const float* gn_weight;    // [N] or nullptr (GroupNorm without affine)
   const float* gn_bias;      // [N] or nullptr
   float* out;                // [M, N] when the epilogue does not reduce (fp32 models)
+  // The epilogue path's input [M, N] (contiguous fp32) when it is not `out` itself; nullptr: the
+  // chain is applied to `out` in place. The GEMM kernels leave it nullptr.
+  const float* epilogue_in;
   __nv_bfloat16* out_bf16;   // [M, N] when it does not reduce (bf16 models)
   float* row_partial;        // [N tiles, M] when it reduces ([2, N tiles, M] for sum/mean/lse)
   float* row_out;            // [M] when it reduces

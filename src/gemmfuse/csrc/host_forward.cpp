@@ -87,22 +87,27 @@ at::Tensor fused_forward_bf16(int64_t table, at::Tensor x, at::Tensor w,
 }
 
 // The epilogue path: y = x @ W^T + b [M, N] float32, computed by PyTorch (its fp32 GEMM, bias
-// included) -> the chain applied to y in place ([M, N]), or its reduction ([M]).
+// included), or any (M, N) value -> the chain of y ([M, N]), or its reduction ([M]). in_place:
+// the chain's values overwrite y (which is returned); else y is left as it is and a new tensor
+// holds them.
 at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
                             std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
-                            bool norm_wide) {
+                            bool norm_wide, bool in_place) {
   TORCH_CHECK(y.is_cuda() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous(),
               "gemmfuse: y must be a contiguous 2-D float32 CUDA tensor");
   gemmfuse::FusedArgs args = chain_args(y.size(0), y.size(1), std::nullopt, gn_weight, gn_bias,
                                         vec_params, scalar_params, group_size, eps, norm_wide);
   c10::cuda::CUDAGuard guard(y.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
-  args.out = y.data_ptr<float>();
+  if (in_place)
+    args.out = y.data_ptr<float>();
+  else
+    args.epilogue_in = y.data_ptr<float>();  // allocate_outputs gives `out` where one is needed
   const gemmfuse::ChainTable& t = chain(table);
   const auto outputs = allocate_outputs(t, args, y, at::kFloat, stream);
   check_cuda(t.launch_epilogue_only(args, stream), "epilogue kernel launch");
-  return t.reduce_kind != 0 ? outputs.front() : y;
+  return t.reduce_kind != 0 || !in_place ? outputs.front() : y;
 }
 
 // The epilogue path at a few rows (M <= kGemvMaxRows): x [M, K] and W [N, K] float32 (K a
