@@ -127,7 +127,9 @@ seed, checked on 5 fresh inputs under `no_grad` (allclose 1e-4, and the largest 
 float64 Model beside eager fp32's), then both timed in KernelBench's method
 (`scripts/kernelbench_files.py`). The chain is the export report's; a BatchNorm1d in training
 mode runs as the fused GEMM up to it, its batch statistics in PyTorch, then the rest of the
-chain on the chain kernel.
+chain on the chain kernel. Each run below ran on the machine its device call got: rows whose
+kernels did not change between two runs differ by up to some 20% between them, in either
+direction, so compare the rows of one table.
 
 {problems}
 
