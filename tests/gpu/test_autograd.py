@@ -372,6 +372,11 @@ def test_hard_data_gradients(data):
 # Found at fbd6c18 on an H100 (2026-11-23), failing the bar before term_noise joined it: "leaf
 # 5", rsub's scalar before one 200-channel GroupNorm, whose terms cancel 770-fold (docstring)
 @example(index=1, m=130, k=300, group_size=200, groups=1, seed=185209080, kernel="auto")
+# Found at 8435dbd on an H100 (2026-11-24), failing, not yet resolved: "leaf 5", div's scalar
+# tensor before three 200-channel groups (the Hopper kernel forced, so the allclose count alone
+# applies): -0.0029 against float64's -0.0031 from our own z, where eager's -0.0032 is within
+# allclose of its own reference.
+@example(index=7, m=130, k=1024, group_size=200, groups=3, seed=0, kernel="hopper")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]
     gen = torch.Generator().manual_seed(seed)
