@@ -54,7 +54,13 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   c295f90): a scalar mul[t] before a one-group GroupNorm, 80 terms up to 3.3e-2 summing to
   -5.7e-6: ours 1.9e-3 relative, eager 7.4e-5, PyTorch's fp32 ops on the CPU 1.5e-3 with
   the same terms summed exactly (emulating the kernel's formula there: 1.7e-3). The bar was
-  the relative one below; it stays for every other gradient.
+  the relative one below; it stays for every other gradient. The allclose count of the last
+  rule below is taken here against the most of three fp32 draws (eager's; PyTorch's CUDA and
+  CPU ops from the exactly rounded z), not eager's alone. Measured (hypothesis, pinned below,
+  8435dbd): a scalar div[t] before three GroupNorm groups, terms cancelling 2.8-million-fold:
+  float64 -3.07e-3, ours -2.9e-3 (outside allclose), eager -3.2e-3 (inside), PyTorch's CPU
+  fp32 ops on the same z -3.50e-3 (outside; the fp32 terms summed exactly: -3.50e-3, so the
+  terms themselves carry it: the group statistics' rounding is common to a group's terms).
 - no more elements outside allclose(1e-4) of that float64 reference than eager has.
 - bfloat16 models: gradients no further from float64 (relative L2) than 1.5x eager bf16's.
 """
@@ -264,7 +270,11 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
             # Terms cancelling a thousandfold: held to a few ulps of the terms themselves
             bound = 4 * EPS * magnitudes[i]
             assert ((g.double() - ref_ours[i]).abs() <= bound).all(), line
-            assert off_allclose(g, ref_ours[i]) <= off_allclose(eager[i], ref_eager[i]), line
+            # The allclose count against the most of PyTorch's fp32 draws (eager; its CUDA and
+            # CPU ops from the rounded z), not eager's alone: one draw of this noise is no bar
+            draws = [off_allclose(eager[i], ref_eager[i]), off_allclose(alone[i], ref_rounded[i])]
+            draws.append(off_allclose(alone_cpu[i], ref_rounded[i].cpu()))
+            assert off_allclose(g, ref_ours[i]) <= max(draws), f"{line}; fp32 draws off {draws}"
             continue
         if bar_on:
             assert err <= err_eager + floor + 3 * sigma, line
@@ -372,10 +382,10 @@ def test_hard_data_gradients(data):
 # Found at fbd6c18 on an H100 (2026-11-23), failing the bar before term_noise joined it: "leaf
 # 5", rsub's scalar before one 200-channel GroupNorm, whose terms cancel 770-fold (docstring)
 @example(index=1, m=130, k=300, group_size=200, groups=1, seed=185209080, kernel="auto")
-# Found at 8435dbd on an H100 (2026-11-24), failing, not yet resolved: "leaf 5", div's scalar
-# tensor before three 200-channel groups (the Hopper kernel forced, so the allclose count alone
-# applies): -0.0029 against float64's -0.0031 from our own z, where eager's -0.0032 is within
-# allclose of its own reference.
+# Found at 8435dbd on an H100 (2026-11-24), failing the allclose count against eager's draw
+# alone: "leaf 5", div's scalar tensor before three 200-channel groups, terms cancelling
+# 2.8-million-fold (module docstring): ours -0.0029 against float64's -0.0031 from our own z,
+# eager's -0.0032 within allclose of its own reference, PyTorch's CPU fp32 ops -0.0035.
 @example(index=7, m=130, k=1024, group_size=200, groups=3, seed=0, kernel="hopper")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]

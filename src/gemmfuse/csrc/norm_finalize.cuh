@@ -184,6 +184,11 @@ cudaError_t launch_norm_finalize(const FusedArgs& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The epilogue path's input: args.epilogue_in, or args.out itself (in place).
+__device__ __forceinline__ const float* epilogue_source(const FusedArgs& args) {
+  return args.epilogue_in != nullptr ? args.epilogue_in : args.out;
+}
+
 // The epilogue path: args.out holds x @ W^T + b from PyTorch's GEMM (args.bias is null). A
 // block stages one kTile x kTile tile of it (rows past M not even in shared memory), applies
 // `pre`, and runs the GEMM kernels' own tile_epilogue on it: the same statistics, merges and
@@ -195,7 +200,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedAr
   extern __shared__ float tile[];
   const int m0 = blockIdx.x * kTile, n0 = blockIdx.y * kTile, tid = threadIdx.x;
   const int rows_here = min(kTile, args.M - m0), cols_here = min(kTile, args.N - n0);
-  const float* in = args.epilogue_in != nullptr ? args.epilogue_in : args.out;
+  const float* in = epilogue_source(args);
   for (int idx = tid; idx < rows_here * kTile; idx += kFinalizeThreads) {
     const int r = idx / kTile, c = idx % kTile;
     if (c < cols_here)
@@ -226,8 +231,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArg
   float4* stats = row_smem;                                            // [n_tiles, spt]
   float* values = reinterpret_cast<float*>(row_smem + n_tiles * spt);  // [N]
   float* row = args.out + static_cast<int64_t>(blockIdx.x) * N;
-  const float* in = (args.epilogue_in != nullptr ? args.epilogue_in : args.out) +
-                    static_cast<int64_t>(blockIdx.x) * N;
+  const float* in = epilogue_source(args) + static_cast<int64_t>(blockIdx.x) * N;
   for (int c = tid; c < N; c += kFinalizeThreads) {
     const float v = epilogue_input<Epi>(in[c], 1.f, static_cast<int>(blockIdx.x), c, args);
     values[c] = v;
@@ -256,24 +260,26 @@ __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArg
 // kernel moved 1.1 TB/s on 16384 x 4096 values, a BatchNorm1d's rest of #39's chain).
 template <class Epi>
 __global__ void __launch_bounds__(kFinalizeThreads) pointwise_epilogue_kernel(FusedArgs args) {
-  const float* in = args.epilogue_in != nullptr ? args.epilogue_in : args.out;
+  const float* in = epilogue_source(args);
   const int64_t n = args.N, total = static_cast<int64_t>(args.M) * n;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  auto value = [&](float v, int64_t i) {
-    return epilogue_input<Epi>(v, 1.f, static_cast<int>(i / n), static_cast<int>(i % n), args);
+  auto value = [&](float v, int row, int col) {
+    return epilogue_input<Epi>(v, 1.f, row, col, args);
   };
   const bool quads = n % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(args.out) % 16 == 0;
-  if (quads) {  // four values of one row (n % 4 == 0)
+  if (quads) {  // four values of one row (n % 4 == 0): one division for the four
     for (int64_t q = first; q < total / 4; q += step) {
       const float4 v = reinterpret_cast<const float4*>(in)[q];
-      const int64_t i = q * 4;
-      reinterpret_cast<float4*>(args.out)[q] =
-          make_float4(value(v.x, i), value(v.y, i + 1), value(v.z, i + 2), value(v.w, i + 3));
+      const int row = static_cast<int>(q * 4 / n), col = static_cast<int>(q * 4 % n);
+      reinterpret_cast<float4*>(args.out)[q] = make_float4(
+          value(v.x, row, col), value(v.y, row, col + 1), value(v.z, row, col + 2),
+          value(v.w, row, col + 3));
     }
   } else {
-    for (int64_t i = first; i < total; i += step) args.out[i] = value(in[i], i);
+    for (int64_t i = first; i < total; i += step)
+      args.out[i] = value(in[i], static_cast<int>(i / n), static_cast<int>(i % n));
   }
 }
 
@@ -284,7 +290,8 @@ cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
   if constexpr (!Epi::kNorm && Epi::kReduce == 0) {
     const int64_t work = (static_cast<int64_t>(args.M) * args.N + 3) / 4;
-    const int blocks = static_cast<int>(std::min<int64_t>((work + kFinalizeThreads - 1) / kFinalizeThreads, 8192));
+    const int blocks =
+        static_cast<int>(std::min<int64_t>((work + kFinalizeThreads - 1) / kFinalizeThreads, 8192));
     pointwise_epilogue_kernel<Epi><<<blocks, kFinalizeThreads, 0, stream>>>(args);
     return cudaGetLastError();
   }

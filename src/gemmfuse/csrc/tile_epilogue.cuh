@@ -78,6 +78,43 @@ struct SegmentMoments {
   float mean, mean_lo, m2;
 };
 
+// kWays compensated sums (TwoSum, the rounding errors gathered in comp) fed kWays values at a
+// time by for_each_way, so that kWays independent chains are in flight; total() merges them by
+// TwoSum too.
+template <int kWays>
+struct CompensatedSums {
+  float sum[kWays] = {}, comp[kWays] = {};
+  __device__ __forceinline__ void add(int way, float value, float extra = 0.f) {
+    float err;
+    sum[way] = two_sum(sum[way], value, err);
+    comp[way] += err + extra;
+  }
+  __device__ __forceinline__ float total(float& comp_out) const {
+    float s = sum[0], c = comp[0];
+#pragma unroll
+    for (int w = 1; w < kWays; ++w) {
+      float err;
+      s = two_sum(s, sum[w], err);
+      c += comp[w] + err;
+    }
+    comp_out = c;
+    return s;
+  }
+};
+
+// f(j, way) for j in [first, n): kWays at a time with way = j - first's place among them (a
+// constant once unrolled, so CompensatedSums' arrays stay in registers), the rest on way 0.
+template <int kWays, int kUnroll, class F>
+__device__ __forceinline__ void for_each_way(int first, int n, F f) {
+  int j = first;
+#pragma unroll kUnroll
+  for (; j + kWays <= n; j += kWays) {
+#pragma unroll
+    for (int w = 0; w < kWays; ++w) f(j + w, w);
+  }
+  for (; j < n; ++j) f(j, 0);
+}
+
 // The mean of n values whose differences from `shift` sum to sum + comp (a compensated sum), as
 // mean + mean_lo: mean - shift = (sum + comp) / n = d + d_lo, the division's remainder from an
 // fma, and mean = shift + d with TwoSum's error going to mean_lo.
@@ -128,24 +165,22 @@ __device__ __forceinline__ SegmentMoments segment_moments(const Values& v, int n
     if (j < n) q0 = fmaf(v[j] - mean, v[j] - mean, q0);
     return {mean, 0.f, q0 + q1};
   } else {
-    float sum = 0.f, comp = 0.f;
-#pragma unroll kUnroll
-    for (int j = 1; j < n; ++j) {
-      float err;
-      sum = two_sum(sum, v[j] - shift, err);
-      comp += err;
-    }
+    // Four compensated sums side by side, each over every fourth value, merged exactly at the
+    // end: one chain waits on each TwoSum (and, from shared memory, each load) in turn, which
+    // left a thread per 64-value group latency-bound (ncu, #37's epilogue, 2026-11-24).
+    constexpr int kWays = 4, kSteps = kN > 0 ? kN / kWays : 1;
+    CompensatedSums<kWays> sums;
+    for_each_way<kWays, kSteps>(1, n, [&](int j, int w) { sums.add(w, v[j] - shift); });
+    float comp;
+    const float sum = sums.total(comp);
     float mean_lo;
     const float mean = shifted_mean(shift, sum, comp, n, mean_lo);
-    float sq = 0.f;
-    comp = 0.f;
-#pragma unroll kUnroll
-    for (int j = 0; j < n; ++j) {
+    CompensatedSums<kWays> squares;
+    for_each_way<kWays, kSteps>(0, n, [&](int j, int w) {
       const float dj = (v[j] - mean) - mean_lo, p = dj * dj;
-      float err;
-      sq = two_sum(sq, p, err);
-      comp += err + fmaf(dj, dj, -p);
-    }
+      squares.add(w, p, fmaf(dj, dj, -p));
+    });
+    const float sq = squares.total(comp);
     return {mean, mean_lo, sq + comp};
   }
 }
@@ -390,6 +425,9 @@ __device__ __forceinline__ void group_tasks(float* tile, const float* w, const f
 // `tid` runs over kThreads threads that all call this; `sync()` is a barrier among exactly them.
 // kExact: the fp32-accurate statistics (segment_moments). kRegisterGroups: groups of 8, 16 and
 // 32 in registers (group_task); off where registers are scarce and rows few (the few-rows GEMV).
+// Groups of 64 stay in shared memory: in registers (a thread storing its group's run of the
+// row) #37's fused kernel took 3.7 ms with autograd on against 3.2 (H100, 2026-11-24), the
+// runs' 16-byte pieces of 32 rows per store beside z's stores.
 template <class Epi, int kThreads, bool kExact, bool kRegisterGroups = true, class Sync>
 __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args, TileCoord tc,
                                               int tid, Sync sync) {
@@ -512,6 +550,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
           continue;
         }
       }
+#pragma unroll 4
       for (int j = j0; j < gs; j += j_step) v[j] = out(j);
     }
     sync();
