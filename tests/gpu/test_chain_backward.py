@@ -226,6 +226,33 @@ def test_strided_gradient():
     check(chain_62(4), z, wide.t(), affine(64, g), "transposed grad")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_register_kernel_gradient_layouts(dtype):
+    """The register kernel reads a row's four gradient values as one vector where the layout
+    allows (unit column stride, rows and base aligned to four values) and one by one elsewhere:
+    a gradient view starting one value in, rows 1026 values apart, and a transposed one give
+    the contiguous gradient's result exactly."""
+    g = torch.Generator().manual_seed(11)
+    chain, m, n = chain_62(64), 8, 1024
+    assert kernel_plan(chain.structure, m, n, 16, CUDA)[2] == 1
+    z = torch.randn(m, n, generator=g).to(CUDA, dtype)
+    grad = torch.randn(m, n, generator=g).to(CUDA, dtype)
+    tensors = [t.to(dtype) for t in affine(n, g)]
+    shifted = torch.empty(m * n + 1, device=CUDA, dtype=dtype)[1:].view(m, n)
+    padded = torch.empty(m, n + 2, device=CUDA, dtype=dtype)[:, :n]
+    transposed = torch.empty(n, m, device=CUDA, dtype=dtype).t()
+    expect = _kernel_chain_backward(chain, z, grad, tensors, [True, True])
+    for label, layout in (("shifted", shifted), ("padded", padded), ("transposed", transposed)):
+        layout.copy_(grad)
+        dz, grads, db = _kernel_chain_backward(chain, z, layout, tensors, [True, True])
+        assert torch.equal(dz, expect[0]), label
+        assert torch.equal(db, expect[2]), label
+        for got, want in zip(grads, expect[1], strict=True):
+            assert torch.equal(got, want), label
+    if dtype == torch.float32:
+        check(chain, z, padded, tensors, "padded gradient rows")
+
+
 def test_bf16_at_most_eager_bf16s_error():
     """A bfloat16 model's chain: z, grad and dz in bf16, the arithmetic in fp32."""
     chain = chain_62(16)

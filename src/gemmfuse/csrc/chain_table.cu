@@ -5,14 +5,28 @@
 namespace gemmfuse {
 namespace {
 
+// Whether this device is sm_90 (asked once per device: each forward waits on it before its launch).
+cudaError_t is_hopper(int device, bool& hopper) {
+  static int known[64] = {};  // 0 unknown, 1 sm_90, 2 another
+  if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
+  if (known[device] == 0) {
+    int major = 0, minor = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    if (err != cudaSuccess) return err;
+    known[device] = major == 9 && minor == 0 ? 1 : 2;
+  }
+  hopper = known[device] == 1;
+  return cudaSuccess;
+}
+
 cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream) {
-  int device = 0, major = 0, minor = 0;
+  int device = 0;
+  bool hopper = false;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (err == cudaSuccess) err = is_hopper(device, hopper);
   if (err != cudaSuccess) return err;
   // The library is compiled for exactly this device, so on 9.0 the sm_90a kernel bodies are present.
-  const bool hopper = major == 9 && minor == 0;
   if ((kernel == 2 || args.bf16) && !hopper) return cudaErrorInvalidDeviceFunction;
   if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
   if (args.bf16)

@@ -28,6 +28,9 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <set>
+#include <utility>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_fp16.h>
@@ -465,13 +468,31 @@ inline cudaError_t encode_operand(CUtensorMap* map, const void* base, int rows, 
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// Raises a kernel's dynamic shared-memory limit to `bytes` on `device`, once: the call costs
+// microseconds and every forward waits on it before its launch. Keyed by the kernel's address,
+// not a template static: every chain's library instantiates the kernels with a struct of the
+// same name (GeneratedEpilogue), and such a static may be one object for the whole process
+// (chain_backward_plan.cuh's resident_blocks says how that failed once).
+inline cudaError_t raise_smem_once(const void* kernel, int bytes, int device) {
+  static std::mutex lock;
+  static std::set<std::pair<int, const void*>> raised;
+  std::lock_guard<std::mutex> guard(lock);
+  if (raised.count({device, kernel})) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) raised.insert({device, kernel});
+  return err;
+}
+
 template <class Epi, bool kSplit, bool kBf16>
 cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
                           cudaStream_t stream) {
   using V = Variant<kSplit>;
   auto kernel = fused_gemm_gn_sm90_kernel<Epi, kSplit, kBf16>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         V::kSmemBytes);
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 64) return cudaErrorInvalidDevice;
+  err = raise_smem_once(reinterpret_cast<const void*>(kernel), V::kSmemBytes, device);
   if (err != cudaSuccess) return err;
   const int m_tiles = (args.M + kTile - 1) / kTile;
   const int n_tiles = (args.N + V::kBlockN - 1) / V::kBlockN;
@@ -482,10 +503,6 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
     // As many blocks as can be resident at once (per device, found once): each walks every
     // grid-th tile.
     static int resident[64] = {};
-    int device = 0;
-    err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    if (device >= 64) return cudaErrorInvalidDevice;
     if (resident[device] == 0) {
       int per_sm = 0, sms = 0;
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, V::kSmemBytes);
