@@ -177,6 +177,46 @@ def optimize(
             values) and what the forward raises on ``example_inputs`` reach the caller as they
             are.
     """
+    _check_arguments(model, example_inputs, kernel, precision, forward)
+    # Tracing, the example run and the checks draw on a fork of the random state: a model with
+    # random ops sees the same random numbers after optimize as without it.
+    devices = _cuda_devices(example_inputs, model.parameters(), model.buffers())
+    with torch.random.fork_rng(devices=devices):
+        gm = _trace(model, forward)
+    _thread_inplace(gm)
+    linears = _linear_calls(gm)
+    # The example run must leave the model as it was: a forward that writes its buffers
+    # (BatchNorm's running statistics in training mode, a counter) would otherwise take the
+    # step twice when the caller then runs the result, so it runs on copies of them (see
+    # _Recorder).
+    recorder = _Recorder(gm, _values_to_record(gm, linears), model.buffers())
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        recorder.run(*example_inputs)
+
+    calls = {}
+    for node in linears:
+        calls[node.target] = calls.get(node.target, 0) + 1
+    # A Linear module called more than once: each call gets its own FusedLinear, a new
+    # submodule reading the module's tensors (as for F.linear), the module itself kept.
+    shared = {n.target for n in linears if n.op == "call_module" and calls[n.target] > 1}
+    decisions = _decide(gm, _Analysis(gm, recorder.meta), linears, shared)
+    chains = [c for c in decisions.values() if isinstance(c, _Chain)]
+    _adopt_model_state(model, gm, {c.path for c in chains if _in_place(c, shared)})
+
+    swap = _Swapper(gm, recorder, devices, shared, kernel, precision)
+    for node, chain in list(decisions.items()):
+        if isinstance(chain, _Chain):
+            decisions[node] = swap(node, chain)
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and not n.users:  # operands only the chains read
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, OptimizeReport(type(model).__name__, tuple(decisions.values()))
+
+
+def _check_arguments(model, example_inputs, kernel, precision, forward) -> None:
+    """Raises TypeError/ValueError naming the first bad argument of ``optimize``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, (tuple, list)):
@@ -191,22 +231,24 @@ def optimize(
     if forward is not None and not isinstance(forward, types.FunctionType):
         raise TypeError(f"forward must be a Python function, got {type(forward).__name__}")
 
-    # Tracing, the example run and the checks draw on a fork of the random state: a model with
-    # random ops sees the same random numbers after optimize as without it.
-    devices = _cuda_devices(example_inputs, model.parameters(), model.buffers())
-    with torch.random.fork_rng(devices=devices):
-        gm = _trace(model, forward)
-    graph = gm.graph
-    _thread_inplace(gm)
-    linears = [
-        n for n in graph.nodes
+
+def _linear_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's Linear calls, in graph order: nn.Linear modules, F.linear, and the spelled
+    forms (x @ W.T, addmm, ...)."""
+    return [
+        n for n in gm.graph.nodes
         if (n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear))
         or (n.op == "call_function" and n.target is F.linear)
         or _spelled_linear(n, gm) is not None
     ]  # fmt: skip
+
+
+def _values_to_record(gm: fx.GraphModule, linears: list[fx.Node]) -> set[fx.Node]:
+    """The nodes whose example values the analysis and the checks read: each Linear's input,
+    every node a chain can end at, and what those read that the forward computes."""
     keep = set()
-    order = {n: i for i, n in enumerate(graph.nodes)}.__getitem__
-    for node in linears:  # the inputs, and every node a chain can end at
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}.__getitem__
+    for node in linears:
         x = _linear_input(node, gm)
         if isinstance(x, fx.Node):
             keep.add(x)
@@ -216,22 +258,12 @@ def optimize(
             # and what it reads that the forward computes: an operand of the fused call
             keep.update(i for i in v.all_input_nodes if i.op != "get_attr")
             v = _next_in_chain(gm, v, order)
-    # The example run must leave the model as it was: a forward that writes its buffers
-    # (BatchNorm's running statistics in training mode, a counter) would otherwise take the
-    # step twice when the caller then runs the result, so it runs on copies of them (see
-    # _Recorder).
-    recorder = _Recorder(gm, keep, model.buffers())
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        recorder.run(*example_inputs)
+    return keep
 
-    analysis = _Analysis(gm, recorder.meta)
-    calls = {}
-    for node in linears:
-        calls[node.target] = calls.get(node.target, 0) + 1
-    # A Linear module called more than once: each call gets its own FusedLinear, a new
-    # submodule reading the module's tensors (as for F.linear), the module itself kept.
-    shared = {n.target for n in linears if n.op == "call_module" and calls[n.target] > 1}
-    decisions: dict[fx.Node, LinearReport | _Chain] = {}
+
+def _decide(gm, analysis: _Analysis, linears, shared) -> dict[fx.Node, "LinearReport | _Chain"]:
+    """Per Linear call, the chain to fuse, or the report of why it is not swapped."""
+    decisions = {}
     for node in linears:
         problem = analysis.linear_problem(node)
         if node.op == "call_module":
@@ -248,12 +280,19 @@ def optimize(
             decisions[node] = LinearReport(name, False, (), "", problem)
         else:
             decisions[node] = analysis.chain(node, name, label)
+    return decisions
 
-    # The result's module tree: the model's own, with shared copies above swapped Linears.
-    attributes = {n.target: _attribute(gm, n.target) for n in graph.nodes if n.op == "get_attr"}
-    chains = [c for c in decisions.values() if isinstance(c, _Chain)]
-    in_place = [c for c in chains if c.linear.op == "call_module" and c.linear.target not in shared]
-    _mirror(model, gm, {c.path for c in in_place})
+
+def _in_place(chain: _Chain, shared: set) -> bool:
+    """Whether the chain's FusedLinear takes its Linear module's place in the module tree."""
+    return chain.linear.op == "call_module" and chain.linear.target not in shared
+
+
+def _adopt_model_state(model: nn.Module, gm: fx.GraphModule, swapped: set[str]) -> None:
+    """Gives gm the model's module tree (shared copies above the ``swapped`` paths), its
+    parameter and buffer dicts and its training flag."""
+    attributes = {n.target: _attribute(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    _mirror(model, gm, swapped)
     gm._parameters, gm._buffers = model._parameters, model._buffers
     gm._non_persistent_buffers_set = model._non_persistent_buffers_set
     gm.training = model.training
@@ -264,17 +303,48 @@ def optimize(
             if target not in gm._parameters and target not in gm._buffers:
                 gm.__dict__[target] = value
 
-    verify = all(t.device.type != "meta" for t in recorder.values.values())
-    splits = {}  # a shared Linear module's target -> its calls' weight split cache
-    fused_at: dict[fx.Node, fx.Node] = {}  # a swapped chain's end -> its FusedLinear call
-    for node, chain in list(decisions.items()):
-        if not isinstance(chain, _Chain):
-            continue
+
+class _Swapper:
+    """Swaps accepted chains for FusedLinears one at a time, in graph order: each checked on
+    the example values first (unless they are meta tensors), its report returned."""
+
+    def __init__(self, gm, recorder: _Recorder, devices, shared, kernel, precision):
+        self.gm, self.recorder, self.devices, self.shared = gm, recorder, devices, shared
+        self.kernel, self.precision = kernel, precision
+        self.verify = all(t.device.type != "meta" for t in recorder.values.values())
+        self.splits = {}  # a shared Linear module's target -> its calls' weight split cache
+        self.fused_at: dict[fx.Node, fx.Node] = {}  # a swapped chain's end -> its call
+
+    def __call__(self, node: fx.Node, chain: _Chain) -> LinearReport:
         # an operand computed in the forward may be an earlier swapped chain's end: its call now
-        computed = [recorder.values.get(o) for o in chain.forward_operands]
-        chain.operands = [fused_at.get(o, o) if isinstance(o, fx.Node) else o
+        computed = [self.recorder.values.get(o) for o in chain.forward_operands]
+        chain.operands = [self.fused_at.get(o, o) if isinstance(o, fx.Node) else o
                           for o in chain.operands]  # fmt: skip
-        if chain.linear.op == "call_module" and chain.linear.target not in shared:
+        parent, name, target, fused = self._fused_linear(chain)
+        mismatch = ""
+        if self.verify:
+            with torch.random.fork_rng(devices=self.devices), torch.no_grad():
+                values = self.recorder.values
+                mismatch = _verify(fused, values[chain.input], computed, values[chain.end])
+        report = LinearReport(
+            chain.path,
+            not mismatch,
+            tuple(chain.labels),
+            chain.stopped,
+            f"the fused chain did not reproduce the model on example_inputs: {mismatch}"
+            if mismatch else "",
+            (True if self.verify else None) if not mismatch else False,
+            "" if mismatch else target,
+        )  # fmt: skip
+        if not mismatch:
+            parent._modules[name] = fused
+            self._rewire(node, chain, target)
+        return report
+
+    def _fused_linear(self, chain: _Chain) -> tuple[nn.Module, str, str, FusedLinear]:
+        """(the module that will own it, its name there, its path, the FusedLinear)."""
+        gm = self.gm
+        if _in_place(chain, self.shared):
             target = chain.path
             parent, name = _owner(gm, target)
             linear = {"linear": parent._modules[name]}
@@ -294,49 +364,29 @@ def optimize(
             pool=chain.pool,
             fallback=_fallback(gm, chain),
             labels=chain.labels,
-            kernel=kernel,
-            precision=precision,
+            kernel=self.kernel,
+            precision=self.precision,
         )
-        if chain.linear.op == "call_module" and chain.linear.target in shared:
+        if chain.linear.op == "call_module" and chain.linear.target in self.shared:
             # the calls of one module split its weight once between them
-            fused.weight_split = splits.setdefault(chain.linear.target, fused.weight_split)
-        mismatch = ""
-        if verify:
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                x, end = recorder.values[chain.input], recorder.values[chain.end]
-                mismatch = _verify(fused, x, computed, end)
-        report = LinearReport(
-            chain.path,
-            not mismatch,
-            tuple(chain.labels),
-            chain.stopped,
-            f"the fused chain did not reproduce the model on example_inputs: {mismatch}"
-            if mismatch else "",
-            (True if verify else None) if not mismatch else False,
-            "" if mismatch else target,
-        )  # fmt: skip
-        decisions[node] = report
-        if mismatch:
-            continue
-        parent._modules[name] = fused
+            fused.weight_split = self.splits.setdefault(chain.linear.target, fused.weight_split)
+        return parent, name, target, fused
+
+    def _rewire(self, node: fx.Node, chain: _Chain, target: str) -> None:
+        """The graph calls the FusedLinear at ``target`` in place of the Linear and its chain."""
+        graph = self.gm.graph
         # where the Linear was; with operands the forward computes, where the chain ends (they
         # may come later; analysis.py checked that no in-place op makes the move matter)
         inputs = chain.forward_operands
         with graph.inserting_before(chain.end if inputs else node):
-            call = graph.call_module(target, (_linear_input(node, gm), *inputs))
+            call = graph.call_module(target, (_linear_input(node, self.gm), *inputs))
         chain.end.replace_all_uses_with(call)
-        fused_at[chain.end] = call  # a later chain's operand computed in the forward
-        transposed = node.args[-1] if _spelled_linear(node, gm) is not None else None
+        self.fused_at[chain.end] = call  # a later chain's operand computed in the forward
+        transposed = node.args[-1] if _spelled_linear(node, self.gm) is not None else None
         for n in reversed([node, *chain.nodes]):
             graph.erase_node(n)
         if transposed is not None and not transposed.users:  # x @ W.T's W.T (addmm's too)
             graph.erase_node(transposed)
-    for n in list(graph.nodes):
-        if n.op == "get_attr" and not n.users:  # operands only the chains read
-            graph.erase_node(n)
-    graph.lint()
-    gm.recompile()
-    return gm, OptimizeReport(type(model).__name__, tuple(decisions.values()))
 
 
 def _operand_refs(gm: fx.GraphModule, chain: _Chain) -> list:
