@@ -111,6 +111,9 @@ def every_structure() -> list[str]:
     structures += [
         layer_norm_chain(affine, rms).structure for affine in (True, False) for rms in (False, True)
     ]
+    from gpu.test_plan import CHAINS as PLAN_CHAINS
+
+    structures += [c.structure for c in PLAN_CHAINS.values()]
     for name in FIT:
         _, model, inputs = build(name)
         structures += model_structures(optimize(model, inputs)[0])

@@ -7,9 +7,10 @@ Usage: python scripts/host_overhead.py [62|75] [--bf16]
    queue held by a long ``torch.cuda._sleep`` so that no launch waits on the GPU.
 2. Inside one gemmfuse training step: the host microseconds between the entries and exits of
    the functions the call goes through (median over 30 steps, the GPU held the same way), in
-   the order they happen. The first kernel launch comes at the end of the forward's
-   preamble: in KernelBench's timing, which starts each call on an idle GPU, that preamble is
-   GPU idle time.
+   the order they happen: ``planned_call`` (the C++ plan: checks, splits, launches and the
+   autograd node) where a plan serves the step, the Python rules' functions where none does.
+   The first kernel launch comes at the end of the forward's preamble: in KernelBench's
+   timing, which starts each call on an idle GPU, that preamble is GPU idle time.
 """
 
 import statistics
@@ -23,8 +24,10 @@ from gemmfuse.bench import build_pair
 from gemmfuse.kernelbench.registry import get_problem
 
 CALLS = 50
+# A planned call (gemmfuse/plan.py) runs in ops.planned_call, its backward in C++; a call the
+# Python rules decide goes through the others.
 TRACED = {
-    ops: ("validate", "take_path", "backward_plan", "launch_path"),
+    ops: ("planned_call", "validate", "take_path", "backward_plan", "launch_path"),
     autograd: ("_kernel_chain_backward", "grad_input", "grad_weight"),
 }
 

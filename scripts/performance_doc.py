@@ -113,9 +113,11 @@ figure) and median of {trials} trials. "forward" calls each model as constructed
 parameters require grad and no `no_grad` is around the call, so autograd records (the fused
 path then also saves the GEMM result for a backward); "gemmfuse, no_grad" is the same call under
 `no_grad`. "training step": gradients set to None, forward, `backward` of a fixed random output
-gradient, so every parameter's and the input's gradient is computed; "weights changed" drops the
-cached weight splits before each step, as an optimizer step would. "bf16": the models converted
-with `.to(torch.bfloat16)`. The "path" column is the path the gemmfuse model took.
+gradient, so every parameter's and the input's gradient is computed; "weights changed" marks
+every parameter changed before each step (its version counter stepped, as an optimizer step's
+in-place update steps it), so the weight splits are made again inside the step. "bf16": the
+models converted with `.to(torch.bfloat16)`. The "path" column is the path the gemmfuse model
+took.
 
 {format_rows(harness) if harness else "(not run)"}
 

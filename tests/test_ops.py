@@ -67,31 +67,6 @@ def test_select_path_reasons():
     assert select_path(x, w, EPI) == ("torch", "cpu tensors run the PyTorch reference path")
 
 
-def test_weight_cache_tracks_changes():
-    calls = []
-
-    class FakeExt:
-        @staticmethod
-        def split_rows(w, k_padded):
-            calls.append(w.clone())
-            return (w, w, w)
-
-    cache = SplitWeightCache()
-    w = torch.randn(4, 8)
-    cache.get(FakeExt, w, 32)
-    cache.get(FakeExt, w, 32)
-    assert len(calls) == 1
-    w.mul_(2)  # in place: version bump
-    cache.get(FakeExt, w, 32)
-    assert len(calls) == 2 and torch.equal(calls[-1], w)
-    w2 = w.clone()  # same values, another storage
-    cache.get(FakeExt, w2, 32)
-    assert len(calls) == 3
-    cache.clear()
-    cache.get(FakeExt, w2, 32)
-    assert len(calls) == 4
-
-
 def test_float32_copies_track_changes():
     cache = SplitWeightCache()
     v = torch.randn(16).bfloat16()

@@ -35,12 +35,12 @@ from typing import NamedTuple
 
 import torch
 
+from gemmfuse.dispatch import SPLIT_COLS_MAX
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_epilogue, apply_pointwise
 
 SPLIT_ALIGN = 64  # the split operands' K padding (the Hopper kernel's k-tile)
-SPLIT_COLS_MAX = 65535 * 32  # split_cols' grid bound on the columns it transposes
 
 
 class FusedCall(NamedTuple):
@@ -144,14 +144,19 @@ def _group_size(chain: Epilogue, n: int) -> int:
 
 
 def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether the chain backward kernel takes this call: CUDA float32 or bfloat16, a column
-    slab's working set within a block's shared memory, no softmax over the channels (the
-    kernel does not differentiate one)."""
-    if not z.is_cuda or z.dtype not in (torch.float32, torch.bfloat16) or grad.dtype != z.dtype:
+    """Whether the chain backward kernel takes this call (:func:`kernel_backward_serves`)."""
+    return grad.dtype == z.dtype and kernel_backward_serves(chain, z.dtype, z.shape[1], z.device)
+
+
+def kernel_backward_serves(chain: Epilogue, dtype: torch.dtype, n: int, device) -> bool:
+    """Whether the chain backward kernel takes a chain's backward on n channels: CUDA float32 or
+    bfloat16, a column slab's working set within a block's shared memory, no softmax over the
+    channels (the kernel does not differentiate one)."""
+    if device.type != "cuda" or dtype not in (torch.float32, torch.bfloat16):
         return False
     if chain.norm is not None and chain.norm.softmax:
         return False
-    return _kernel_fits(chain.structure, z.shape[1], _group_size(chain, z.shape[1]), z.device)
+    return _kernel_fits(chain.structure, n, _group_size(chain, n), device)
 
 
 def _per_element_grads(chain: Epilogue, z, params, needs) -> bool:
@@ -321,7 +326,9 @@ def grad_input(dz: torch.Tensor, weight: torch.Tensor, call: FusedCall) -> torch
     ext = extension_for(Epilogue())
     n_padded = _padded(dz.shape[1])
     a = ext.split_rows(_unit_stride(dz), n_padded)
-    b = call.weight_cache.transposed(ext, weight, n_padded)
+    # through the chain's extension, as the forward's split (an export's plain GEMM is a
+    # module of its own, with another SplitCache type)
+    b = call.weight_cache.transposed(extension_for(call.epilogue), weight, n_padded)
     return ext.gemm_split(*a, *b, call.kernel, call.split)
 
 

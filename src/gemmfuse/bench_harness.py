@@ -9,13 +9,14 @@ the first trial discarded; mean and median of ``trials``):
   gemmfuse under ``no_grad`` (what recording the backward costs);
 - training step: zero the gradients, forward, ``backward`` of a fixed random output gradient
   (gradients of every parameter and of x) for eager fp32, torch.compile and gemmfuse; gemmfuse
-  again with its weight splits dropped before each step (what an optimizer step that changes
-  the weights costs it); and eager bf16 against gemmfuse bf16.
+  again with every parameter marked changed before each step (its version counter stepped, as
+  an optimizer step's in-place update steps it: the weight splits are made again); and eager
+  bf16 against gemmfuse bf16.
 """
 
 import torch
 
-from gemmfuse.bench import _markdown, cuda_pair, set_seed
+from gemmfuse.bench import _markdown, cuda_pair, set_seed, weights_changed
 from gemmfuse.kernelbench.harness import time_cuda_events
 
 
@@ -27,16 +28,6 @@ def _training_step(model, x, grad):
         model(x).backward(grad)
 
     return step
-
-
-def _drop_weight_splits(model):
-    caches = [m.weight_split for m in model.modules() if hasattr(m, "weight_split")]
-
-    def drop():
-        for cache in caches:
-            cache.clear()
-
-    return drop
 
 
 def _no_grad(model):
@@ -76,10 +67,10 @@ def run_problem(number: int, trials: int, compile_: bool) -> list[dict]:
         add("training step", "torch.compile", _training_step(compiled, xg, grad))
     add("training step", "gemmfuse", _training_step(new, xg, grad))
     rows[-1]["path"] = new.last_path
-    drop, step = _drop_weight_splits(new), _training_step(new, xg, grad)
+    change, step = weights_changed(new), _training_step(new, xg, grad)
 
     def changed():
-        drop()
+        change()
         step()
 
     add("training step", "gemmfuse, weights changed", changed)

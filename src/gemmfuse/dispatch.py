@@ -42,6 +42,7 @@ MIN_FUSED_WORK = 1e8
 MIN_FUSED_ROWS = 16
 MIN_FUSED_K = 1024
 GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/fused_args.h
+SPLIT_COLS_MAX = 65535 * 32  # kSplitColsMax in csrc/split.h: split_cols' grid bound on columns
 
 
 @functools.cache
@@ -150,6 +151,16 @@ def take_path(x, weight, epilogue: Epilogue, kernel: str, params) -> str:
     if path == "torch" and x.device.type == "cuda":
         warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=4)
     return path
+
+
+def norm_settings(epilogue: Epilogue, n: int) -> tuple[int, float, bool]:
+    """(group size, eps, whether groups straddle the 128-channel output tiles: the wide
+    GroupNorm's cross-tile statistics and second sweep) of a chain on n channels."""
+    norm = epilogue.norm
+    if norm is None:
+        return 1, 0.0, False
+    group_size = n // norm.num_groups
+    return group_size, norm.eps, TILE % group_size != 0
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -42,9 +42,9 @@ from gemmfuse.sources import ChainKernels, check_constants, flatten
 CHAIN_PARTS = ("chain_table.cu", "chain_sm90_split.cu", "chain_sm90_one_pass.cu",
                "chain_sm90_bf16.cu", "chain_sm80.cu", "chain_epilogue.cu", "chain_gemv.cu",
                "chain_backward.cu")  # fmt: skip
-HOST_SOURCES = ("host_split.cpp", "host_forward.cpp", "host_backward.cpp", "bind_splits.cpp",
-                "bind_forward.cpp", "bind_epilogue.cpp", "bind_backward.cpp", "host_module.cpp",
-                "split.cu")  # fmt: skip
+HOST_SOURCES = ("host_split.cpp", "host_forward.cpp", "host_backward.cpp", "host_plan.cpp",
+                "host_autograd.cpp", "bind_splits.cpp", "bind_forward.cpp", "bind_epilogue.cpp",
+                "bind_backward.cpp", "bind_plan.cpp", "host_module.cpp", "split.cu")  # fmt: skip
 # The parts' host code goes into a shared library.
 _PART_FLAGS = ("-Xcompiler=-fPIC",)
 _KERNELS: dict[tuple, ChainKernels] = {}

@@ -51,10 +51,11 @@ from gemmfuse.epilogue import (
     split_epilogue,
 )
 from gemmfuse.epilogue_op import fused_epilogue_with_path
-from gemmfuse.ops import fused_linear_with_path
+from gemmfuse.ops import fused_linear_with_path, plans_apply
+from gemmfuse.plan import planned_call
 from gemmfuse.pointwise import POINTWISE
 from gemmfuse.pooling import ChannelPool, pooled_linear
-from gemmfuse.reference import apply_epilogue, linear_epilogue
+from gemmfuse.reference import apply_epilogue, apply_pointwise, linear_epilogue
 from gemmfuse.validation import argument_problem
 from gemmfuse.weight_cache import SplitWeightCache
 
@@ -461,6 +462,10 @@ class FusedLinear(nn.Module):
         operands, norm, epilogue = self._state(weight, inputs)
         model_operands = operands
         gn_weight, gn_bias = _norm_vectors(norm)
+        out = self._planned(x, weight, bias, epilogue, gn_weight, gn_bias, operands)
+        if out is not None:
+            self.last_path = "fused"
+            return out
         folded = self._folded(weight, bias)
         batch = self._batch_statistics()
         if batch and isinstance(x, torch.Tensor):
@@ -493,6 +498,31 @@ class FusedLinear(nn.Module):
             rows, *folded, epilogue, gn_weight, gn_bias, params=operands,
             weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
         )  # fmt: skip
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _planned(self, x, weight, bias, epilogue, gn_weight, gn_bias, operands):
+        """The call run by one of the weight cache's plans (plan.py), or None where none serves
+        it. A plan exists only for kinds of tensors that passed every rule of the call below
+        (its dtypes, shapes and strides are the plan's key), so those rules are not run again;
+        what the key does not see is checked here: a chain with a pooling or a BatchNorm1d
+        (their operands are computed at each call) is not planned, and a higher input only
+        for a row-wise chain (as _fused_problem rules)."""
+        cache = self.weight_split
+        if not cache.plans or self.pool is not None or self._batch_norms or epilogue is None:
+            return None
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or not plans_apply():
+            return None
+        rows = x
+        if x.dim() > 2:
+            if not (epilogue.norm is None or epilogue.norm.layer) or epilogue.reduce is not None:
+                return None
+            rows, operands = x.reshape(-1, x.shape[-1]), self._flat_inputs(operands, x)
+        out = planned_call(cache, epilogue, self.kernel, self.precision, rows, weight, bias,
+                           gn_weight, gn_bias, operands)  # fmt: skip
+        if out is None:
+            return None
+        if epilogue.tail:
+            out = apply_pointwise(out, epilogue.tail, operands)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def reference(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:

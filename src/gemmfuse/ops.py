@@ -50,16 +50,17 @@ from gemmfuse.dispatch import (
     K_ALIGN,
     KERNELS,
     PRECISIONS,
-    TILE,
     backward_splits,
     gemv_fits,
+    norm_settings,
     take_path,
 )
 from gemmfuse.epilogue import Epilogue, epilogue_spec
 from gemmfuse.jit import extension_for
+from gemmfuse.plan import keep_plan, planned_call
 from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.validation import validate
-from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
+from gemmfuse.weight_cache import SplitWeightCache, cache_for_call, fsdp_in_use
 
 
 def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_weight, gn_bias,
@@ -102,11 +103,7 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
 def chain_arguments(epilogue: Epilogue, params, m: int, n: int) -> tuple:
     """What every chain kernel takes after its tensors: (the pre/post ops' tensor arguments,
     the chain's scalars, the group size, eps, whether groups straddle output tiles)."""
-    norm = epilogue.norm
-    group_size = n // norm.num_groups if norm else 1
-    eps = norm.eps if norm else 0.0
-    # Groups that straddle 128-channel tiles get cross-tile statistics and a second sweep.
-    norm_wide = norm is not None and TILE % group_size != 0
+    group_size, eps, norm_wide = norm_settings(epilogue, n)
     return channel_vectors(epilogue, params, m, n), epilogue.scalars, group_size, eps, norm_wide
 
 
@@ -186,6 +183,12 @@ def fused_linear_with_path(
     params=(), weight_cache=None, kernel="auto", precision="fp32",
 ) -> tuple[torch.Tensor, str]:  # fmt: skip
     """:func:`fused_linear`, also returning the path taken: "fused", "epilogue" or "torch"."""
+    # A call of a kind seen before runs in C++ (plan.py); the rules below decide the others.
+    if weight_cache is not None and weight_cache.plans and plans_apply():
+        out = planned_call(weight_cache, epilogue, kernel, precision, x, weight, bias, gn_weight,
+                           gn_bias, params)  # fmt: skip
+        if out is not None:
+            return (apply_pointwise(out, epilogue.tail, params) if epilogue.tail else out), "fused"
     validate(x, weight, bias, epilogue, gn_weight, gn_bias, params)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
@@ -200,12 +203,23 @@ def fused_linear_with_path(
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias, params), path
     cache = cache_for_call(weight_cache)
     launch = functools.partial(launch_path, path, epilogue, cache, kernel, precision)
-    if records_grad(epilogue, params, x, weight, bias, gn_weight, gn_bias):
+    grad = records_grad(epilogue, params, x, weight, bias, gn_weight, gn_bias)
+    if grad:
         call = backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision)
         out = FusedLinearFunction.apply(call, x, weight, bias, gn_weight, gn_bias, *params)
     else:
         out = launch(x, weight, bias, gn_weight, gn_bias, params, False)[0]
+    if path == "fused" and cache is weight_cache:
+        tensors = (x, weight, bias, gn_weight, gn_bias, params)
+        keep_plan(weight_cache, epilogue, kernel, precision, tensors, grad)
     return apply_pointwise(out, epilogue.tail, params), path
+
+
+def plans_apply() -> bool:
+    """Whether a plan may run this call: not while torch.compile traces it (the
+    ``gemmfuse::`` op stands for the call there) nor while FSDP2 manages modules (their
+    weights change without a version the cache could see: weight_cache.fsdp_in_use)."""
+    return not torch.compiler.is_compiling() and not fsdp_in_use()
 
 
 def _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):

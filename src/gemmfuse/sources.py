@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gemmfuse.build import load_extension
-from gemmfuse.dispatch import GEMV_MAX_ROWS, TILE
+from gemmfuse.dispatch import GEMV_MAX_ROWS, SPLIT_COLS_MAX, TILE
 from gemmfuse.epilogue import MAX_TENSORS, Epilogue, cuda_epilogue
 from gemmfuse.kernel_files import read_csrc
 
@@ -65,7 +65,12 @@ def flatten(files: Mapping[str, str], name: str, generated: str = "") -> str:
 
 def check_constants(host: ModuleType) -> None:
     """Raises RuntimeError if the constants Python keeps differ from the compiled extension's."""
-    ours = {"tile": TILE, "gemv_max_rows": GEMV_MAX_ROWS, "max_params": MAX_TENSORS}
+    ours = {
+        "tile": TILE,
+        "gemv_max_rows": GEMV_MAX_ROWS,
+        "max_params": MAX_TENSORS,
+        "split_cols_max": SPLIT_COLS_MAX,
+    }
     theirs = dict(host.constants())
     if theirs != ours:
         raise RuntimeError(f"gemmfuse: csrc/ constants {theirs} differ from Python's {ours}")
@@ -74,11 +79,14 @@ def check_constants(host: ModuleType) -> None:
 class ChainKernels:
     """A chain's entry points: the host extension's functions, the chain's table bound first.
 
-    ``library`` is the file holding the chain's kernels (for inspection: cuobjdump, ncu).
+    ``library`` is the file holding the chain's kernels (for inspection: cuobjdump, ncu);
+    ``host`` the host extension's module and ``table`` the chain's table (plans take both).
     """
 
     def __init__(self, host: ModuleType, table: int, library: Path, keep=None):
         host.check_table(table)
+        self.host = host
+        self.table = table
         for name in CHAIN_FUNCTIONS:
             setattr(self, name, functools.partial(getattr(host, name), table))
         for name in SHARED_FUNCTIONS:

@@ -24,10 +24,14 @@ class SplitWeightCache:
     (:meth:`derived`).
     Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel; as
     much again once a backward has run (the transposed split its input gradient reads).
+    The splits live in the host extension's ``SplitCache`` (csrc/host_plan.h), which the
+    cache's plans share: ``fused_linear``'s calls of one kind decided once and run in C++
+    (gemmfuse/plan.py; ``plans``, the most recent first).
 
     It also keeps, by the same rules, dense float32 copies of the per-channel vectors the
     kernels read (:meth:`float32`) where they are not already (a bfloat16 model's bias and
-    GroupNorm affine): 4 bytes per channel and vector, one copy per vector slot.
+    GroupNorm affine): 4 bytes per channel and vector, one copy per vector slot (a plan keeps
+    its own in the SplitCache).
     """
 
     # Every live cache by its token: the torch.library ops (library.py) take a token, as a
@@ -60,8 +64,23 @@ class SplitWeightCache:
             cache = cls._adopted[token] = cls()
         return cache
 
+    def __reduce__(self):
+        # Derived state, and host extension objects that neither copy nor pickle: a copied model
+        # (deepcopy, pickle) starts with an empty cache of its own.
+        return (SplitWeightCache, ())
+
     def clear(self) -> None:
         self._entries = {}
+        self._native = None  # (host extension module, its SplitCache)
+        self.plans = []
+
+    def native(self, ext):
+        """The SplitCache of ``ext``'s host extension (csrc/host_plan.h): this weight's splits,
+        shared by the forward, the backward and the plans. A standalone export builds a module
+        per chain, each with its own SplitCache type: another's replaces it."""
+        if self._native is None or self._native[0] is not ext.host:
+            self._native = (ext.host, ext.host.SplitCache())
+        return self._native[1]
 
     def derived(self, t: torch.Tensor, slot, make):
         """``make()`` (a tensor computed from ``t``), made once per version of ``t`` for this
@@ -86,19 +105,11 @@ class SplitWeightCache:
 
     def get(self, ext, weight: torch.Tensor, k_padded: int):
         """The weight's rows split: (hi, lo) [N, k_padded] and scales [N] (the forward's B)."""
-        return self._split(weight, ("rows", k_padded), ext.split_rows)
+        return self.native(ext).rows(weight, k_padded)
 
     def transposed(self, ext, weight: torch.Tensor, n_padded: int):
         """The weight's columns split: (hi, lo) [K, n_padded] and scales [K] (dx's B)."""
-        return self._split(weight, ("cols", n_padded), ext.split_cols)
-
-    def _split(self, weight: torch.Tensor, slot: tuple[str, int], split):
-        """``split(weight, padded)`` (an extension's split_rows or split_cols), on a unit-stride
-        copy where the rows are strided, made once per version of the weight."""
-        w = weight.detach()
-        return self.derived(
-            weight, slot, lambda: split(w if w.stride(1) == 1 else w.contiguous(), slot[1])
-        )
+        return self.native(ext).cols(weight, n_padded)
 
 
 def cache_for_call(cache: SplitWeightCache | None) -> SplitWeightCache:

@@ -102,5 +102,6 @@ int64_t linked_chain_table() {
 std::map<std::string, int64_t> constants() {
   return {{"tile", gemmfuse::kTile},
           {"gemv_max_rows", gemmfuse::kGemvMaxRows},
-          {"max_params", gemmfuse::kMaxParams}};
+          {"max_params", gemmfuse::kMaxParams},
+          {"split_cols_max", gemmfuse::kSplitColsMax}};
 }

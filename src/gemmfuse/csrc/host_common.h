@@ -44,6 +44,13 @@ inline void check_vector(const std::optional<at::Tensor>& t, int64_t n, const ch
               "gemmfuse: ", name, " must be a contiguous float32 CUDA tensor of ", n, " elements");
 }
 
+inline std::optional<at::Tensor> maybe(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// t, or a copy with unit column stride (what the splits read).
+inline at::Tensor unit_stride(const at::Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); }
+
 inline const float* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }

@@ -37,6 +37,7 @@ import gemmfuse.epilogue_op
 import gemmfuse.library
 import gemmfuse.modules
 import gemmfuse.ops
+import gemmfuse.plan
 import gemmfuse.pointwise
 import gemmfuse.pooling
 import gemmfuse.reference
@@ -50,7 +51,7 @@ from gemmfuse.optimize import OptimizeReport, optimize
 # The export orders them by their imports, each after the modules it imports from.
 BUNDLED_MODULES = (gemmfuse.pointwise, gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build,
                    gemmfuse.sources, gemmfuse.validation, gemmfuse.autograd, gemmfuse.dispatch,
-                   gemmfuse.weight_cache, gemmfuse.ops, gemmfuse.epilogue_op,
+                   gemmfuse.weight_cache, gemmfuse.plan, gemmfuse.ops, gemmfuse.epilogue_op,
                    gemmfuse.library, gemmfuse.pooling)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")

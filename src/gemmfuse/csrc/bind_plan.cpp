@@ -1,0 +1,113 @@
+// Binds the planned calls (host_plan.h): SplitCache, and Plan called with a fused_linear call's
+// own arguments. A call that is not the plan's kind returns None without raising: Python then
+// decides it afresh (and raises the readable error, where there is one).
+#include "host_bindings.h"
+#include "host_plan.h"
+
+namespace {
+
+namespace py = pybind11;
+using gemmfuse::host::Plan;
+using gemmfuse::host::PlanSpec;
+using gemmfuse::host::SplitCache;
+
+// A plain tensor or Parameter (a subclass with its own torch function takes the Python path).
+bool unpack(py::handle h, at::Tensor& t) {
+  // Held for the process's life (never released: no Python call at exit).
+  static const py::handle tensor = py::object(py::module_::import("torch").attr("Tensor")).release();
+  static const py::handle parameter =
+      py::object(py::module_::import("torch.nn.parameter").attr("Parameter")).release();
+  if (h.is_none()) {
+    t = at::Tensor();
+    return true;
+  }
+  const py::handle type = reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()));
+  if (!type.is(tensor) && !type.is(parameter)) return false;
+  t = h.cast<at::Tensor>();
+  return true;
+}
+
+// a is b, or a == b (a comparison that raises counts as different)
+bool same(py::handle a, const py::object& b) {
+  if (a.ptr() == b.ptr()) return true;
+  const int equal = PyObject_RichCompareBool(a.ptr(), b.ptr(), Py_EQ);
+  if (equal < 0) PyErr_Clear();
+  return equal == 1;
+}
+
+// A Plan with the Python-side part of its key: the epilogue (the same object, or an equal one),
+// kernel and precision.
+class PlanCall {
+ public:
+  PlanCall(std::shared_ptr<SplitCache> cache, py::object epilogue, py::object kernel,
+           py::object precision, const std::vector<std::optional<at::Tensor>>& tensors,
+           PlanSpec spec)
+      : plan_(std::move(cache), std::move(spec), defined_or_empty(tensors)),
+        epilogue_(std::move(epilogue)),
+        kernel_(std::move(kernel)),
+        precision_(std::move(precision)),
+        tensors_(tensors.size()) {}
+
+  py::object operator()(py::handle epilogue, py::handle kernel, py::handle precision,
+                        py::handle x, py::handle weight, py::handle bias, py::handle gn_weight,
+                        py::handle gn_bias, py::handle params) const {
+    if (!same(epilogue, epilogue_) || !same(kernel, kernel_) || !same(precision, precision_))
+      return py::none();
+    if (!PyTuple_Check(params.ptr()) && !PyList_Check(params.ptr())) return py::none();
+    const py::sequence seq = py::reinterpret_borrow<py::sequence>(params);
+    if (5 + seq.size() != tensors_) return py::none();
+    std::vector<at::Tensor> t(tensors_);
+    const py::handle first[] = {x, weight, bias, gn_weight, gn_bias};
+    for (size_t i = 0; i < 5; ++i)
+      if (!unpack(first[i], t[i])) return py::none();
+    for (size_t i = 0; i < seq.size(); ++i)
+      if (!unpack(seq[i], t[5 + i]) || !t[5 + i].defined()) return py::none();
+    at::Tensor out = plan_.run(t);
+    if (!out.defined()) return py::none();
+    return py::cast(std::move(out));
+  }
+
+ private:
+  static std::vector<at::Tensor> defined_or_empty(
+      const std::vector<std::optional<at::Tensor>>& tensors) {
+    std::vector<at::Tensor> out;
+    for (const auto& t : tensors) out.push_back(t.value_or(at::Tensor()));
+    return out;
+  }
+
+  Plan plan_;
+  py::object epilogue_, kernel_, precision_;
+  size_t tensors_;
+};
+
+}  // namespace
+
+void bind_plan(pybind11::module_& m) {
+  // Module-local: a standalone export loads one such module per chain, each with these types.
+  py::class_<SplitCache, std::shared_ptr<SplitCache>>(m, "SplitCache", py::module_local())
+      .def(py::init<>())
+      .def("rows", &SplitCache::rows, py::arg("weight"), py::arg("k_padded"))
+      .def("cols", &SplitCache::cols, py::arg("weight"), py::arg("n_padded"));
+  py::class_<PlanCall>(m, "Plan", py::module_local())
+      .def(py::init([](std::shared_ptr<SplitCache> cache, py::object epilogue, py::object kernel,
+                       py::object precision, std::vector<std::optional<at::Tensor>> tensors,
+                       int64_t table, int64_t plain_table, bool bf16, int64_t kernel_code,
+                       bool split, std::vector<double> scalars, int64_t group_size, double eps,
+                       bool norm_wide, bool keepdim, std::vector<int64_t> channel_params,
+                       int64_t first_slot, bool backward, bool split_dx, bool split_dw) {
+             PlanSpec spec{table,      plain_table, bf16,     kernel_code, split,
+                           scalars,    group_size,  eps,      norm_wide,   keepdim,
+                           channel_params, first_slot, backward, split_dx, split_dw};
+             return PlanCall(std::move(cache), std::move(epilogue), std::move(kernel),
+                             std::move(precision), tensors, std::move(spec));
+           }),
+           py::arg("cache"), py::arg("epilogue"), py::arg("kernel"), py::arg("precision"),
+           py::arg("tensors"), py::kw_only(), py::arg("table"), py::arg("plain_table"),
+           py::arg("bf16"), py::arg("kernel_code"), py::arg("split"), py::arg("scalars"),
+           py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"), py::arg("keepdim"),
+           py::arg("channel_params"), py::arg("first_slot"), py::arg("backward"),
+           py::arg("split_dx"), py::arg("split_dw"))
+      .def("__call__", &PlanCall::operator(), py::arg("epilogue"), py::arg("kernel"),
+           py::arg("precision"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+           py::arg("gn_weight"), py::arg("gn_bias"), py::arg("params"));
+}

@@ -1,0 +1,190 @@
+// The host extension's planned calls (host_plan.h): the split cache and a plan's forward.
+#include "host_plan.h"
+
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+
+#include "host_common.h"
+
+namespace gemmfuse {
+namespace host {
+
+bool Derived::made_from(const at::Tensor& t) const {
+  const c10::Storage& s = t.storage();
+  return storage.unsafeGetStorageImpl() == s.unsafeGetStorageImpl() && data == s.data() &&
+         version == static_cast<int64_t>(t._version()) && offset == t.storage_offset() &&
+         dtype == t.scalar_type() && t.sizes().equals(sizes) && t.strides().equals(strides);
+}
+
+void Derived::keep(const at::Tensor& t, std::vector<at::Tensor> made) {
+  storage = t.storage();
+  data = storage.data();
+  version = static_cast<int64_t>(t._version());
+  offset = t.storage_offset();
+  dtype = t.scalar_type();
+  sizes = t.sizes().vec();
+  strides = t.strides().vec();
+  value = std::move(made);
+}
+
+std::vector<at::Tensor> SplitCache::get(Kind kind, int64_t arg, const at::Tensor& t,
+                                        const Make& make) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Derived& entry = entries_[{kind, arg}];
+  if (!entry.made_from(t)) {
+    entry.value.clear();  // the old value's memory goes before the new one is made
+    entry.keep(t, make(t));
+  }
+  return entry.value;
+}
+
+std::vector<at::Tensor> SplitCache::rows(const at::Tensor& weight, int64_t k_padded) {
+  return get(kRows, k_padded, weight, [k_padded](const at::Tensor& w) {
+    at::AutoGradMode no_grad(false);
+    return split_rows(unit_stride(w), k_padded);
+  });
+}
+
+std::vector<at::Tensor> SplitCache::cols(const at::Tensor& weight, int64_t n_padded) {
+  return get(kCols, n_padded, weight, [n_padded](const at::Tensor& w) {
+    at::AutoGradMode no_grad(false);
+    return split_cols(unit_stride(w), n_padded);
+  });
+}
+
+at::Tensor SplitCache::channel_vector(int64_t slot, const at::Tensor& t, int64_t n) {
+  if (t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n) return t;
+  return get(kVector, slot, t, [n](const at::Tensor& v) {
+    at::AutoGradMode no_grad(false);
+    return std::vector<at::Tensor>{v.reshape({-1}).expand({n}).to(at::kFloat).contiguous()};
+  }).front();
+}
+
+TensorKey TensorKey::of(const at::Tensor& t) {
+  TensorKey key;
+  key.defined = t.defined();
+  if (!key.defined) return key;
+  key.dtype = t.scalar_type();
+  key.device = t.device();
+  key.sizes = t.sizes().vec();
+  key.strides = t.strides().vec();
+  key.aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  return key;
+}
+
+bool TensorKey::matches(const at::Tensor& t) const {
+  if (t.defined() != defined) return false;
+  if (!defined) return true;
+  return t.scalar_type() == dtype && t.device() == device && t.sizes().equals(sizes) &&
+         t.strides().equals(strides) &&
+         (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) == aligned;
+}
+
+Plan::Plan(std::shared_ptr<SplitCache> cache, PlanSpec spec,
+           const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(cache != nullptr && spec.table != 0, "gemmfuse: a plan needs a cache and a table");
+  TORCH_CHECK(tensors.size() >= 5 && tensors[0].defined() && tensors[1].defined(),
+              "gemmfuse: a plan takes x, weight, bias, gn_weight, gn_bias and the params");
+  for (int64_t i : spec.channel_params)
+    TORCH_CHECK(i >= 0 && 5 + i < static_cast<int64_t>(tensors.size()) && tensors[5 + i].defined(),
+                "gemmfuse: a plan's channel params index its tensors");
+  auto state = std::make_shared<PlanState>();
+  state->spec = std::move(spec);
+  state->cache = std::move(cache);
+  for (const auto& t : tensors) state->keys.push_back(TensorKey::of(t));
+  state_ = std::move(state);
+}
+
+namespace {
+
+// Whether autograd records this call: grad mode on and a tensor the kernels read wants a
+// gradient (ops.records_grad); tail params get theirs from PyTorch's ops after the call.
+bool records_grad(const PlanSpec& spec, const std::vector<at::Tensor>& t) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (int i = 0; i < 5; ++i)
+    if (t[i].defined() && t[i].requires_grad()) return true;
+  for (int64_t i : spec.channel_params)
+    if (t[5 + i].requires_grad()) return true;
+  return false;
+}
+
+// What the Python path's autograd.Function handles and a plan does not: forward-mode AD's
+// tangents on a tensor, and saved-tensor hooks (activation checkpointing, offloading), which
+// save_for_backward honours.
+bool autograd_extras(const std::vector<at::Tensor>& t, bool grad) {
+  for (const auto& v : t)
+    if (v.defined() && v._fw_grad(/*level=*/0).defined()) return true;
+  return grad && at::SavedTensorDefaultHooks::get_hooks().has_value();
+}
+
+// A per-element tensor argument that wants a gradient: its (M, N) gradient is not among the
+// chain backward kernel's column sums (the Python path gives it, by PyTorch's backward).
+bool per_element_grad(const PlanSpec& spec, const std::vector<at::Tensor>& t, int64_t M,
+                      int64_t N) {
+  for (int64_t i : spec.channel_params) {
+    const at::Tensor& p = t[5 + i];
+    if (p.requires_grad() && per_element(p.sizes().vec(), M, N)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
+  const PlanState& state = *state_;
+  const PlanSpec& spec = state.spec;
+  if (t.size() != state.keys.size()) return {};
+  for (size_t i = 0; i < t.size(); ++i)
+    if (!state.keys[i].matches(t[i])) return {};
+  const at::Tensor &x = t[0], &weight = t[1];
+  const int64_t M = x.size(0), N = weight.size(0);
+  c10::cuda::CUDAGuard guard(x.device());
+  // A graph captured with the cache's split would replay on it after the weight changed in
+  // place (weight_cache.cache_for_call): the Python path splits afresh during capture.
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
+    return {};
+  const bool grad = records_grad(spec, t);
+  if (autograd_extras(t, grad)) return {};
+  if (grad && (!spec.backward || per_element_grad(spec, t, M, N) ||
+               ((spec.split_dx || spec.split_dw) && spec.plain_table == 0)))
+    return {};
+  at::AutoGradMode no_grad(false);
+  SplitCache& cache = *state.cache;
+  const auto vector32 = [&](int64_t slot) -> std::optional<at::Tensor> {
+    const at::Tensor& v = t[slot];
+    if (!v.defined()) return std::nullopt;
+    return cache.channel_vector(slot, v, N);
+  };
+  const auto bias = vector32(2), gn_weight = vector32(3), gn_bias = vector32(4);
+  std::vector<at::Tensor> vectors;
+  for (int64_t i : spec.channel_params) {
+    const at::Tensor& p = t[5 + i];
+    vectors.push_back(per_element(p.sizes().vec(), M, N) ? p.to(at::kFloat).contiguous()
+                                                          : cache.channel_vector(5 + i, p, N));
+  }
+  at::Tensor z;
+  if (grad) z = x.new_empty({M, N});
+  at::Tensor out;
+  if (spec.bf16) {
+    out = fused_forward_bf16(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),
+                             bias, gn_weight, gn_bias, vectors, spec.scalars, spec.group_size,
+                             spec.eps, spec.norm_wide, maybe(z));
+  } else {
+    const int64_t k_padded = (weight.size(1) + 63) / 64 * 64;
+    const auto w = cache.rows(weight, k_padded);
+    out = fused_forward(spec.table, x, w[0], w[1], w[2], bias, gn_weight, gn_bias, vectors,
+                        spec.scalars, spec.group_size, spec.eps, spec.kernel, spec.split,
+                        spec.norm_wide, maybe(z));
+  }
+  // The kernels' fresh [M] result, as the reduction's [M, 1] (not a view: autograd's node
+  // goes on this tensor itself)
+  if (spec.keepdim) out.unsafeGetTensorImpl()->set_sizes_contiguous({M, 1});
+  if (grad)
+    record_backward(state_, out, t, z, gn_weight.value_or(at::Tensor()),
+                    gn_bias.value_or(at::Tensor()), vectors);
+  return out;
+}
+
+}  // namespace host
+}  // namespace gemmfuse

@@ -1,0 +1,83 @@
+"""Calls decided once and run in C++: the plans a ``SplitWeightCache`` keeps for ``fused_linear``.
+
+A ``fused_linear`` call's Python (validation, the path rules, the launch's arguments, autograd's
+Function and its backward) costs more host time than the kernels it launches take to queue: at
+KernelBench's #62 some 0.2 ms before the first launch (docs/DESIGN.md, "Host time"), GPU idle
+time wherever a caller's timing starts on an idle GPU, as KernelBench's does, and the whole
+step's time where host work outlasts GPU work (a bfloat16 training step).
+
+So a call that took the fused path with a weight cache leaves a plan in it: the host
+extension's ``Plan`` (csrc/host_plan.h), holding every decision the Python made (the chain's
+table, the launch's arguments, which backward products run split) with the kinds of tensors it
+made them for (dtype, device, shape, strides, 16-byte alignment of each). A later call of the
+same epilogue object, kernel and precision is offered to the plans first: one whose kinds match
+runs the whole call in one host call (the weight's split from the cache, the input's split, the
+launch) and, where autograd records, attaches a C++ node whose backward (the chain backward
+kernel, the products, the column sums) runs without Python. A call of another kind (any
+tensor's dtype, device, shape, strides or alignment, a CUDA graph being captured, a gradient
+the plan does not give) gets None from every plan and is decided afresh by the Python rules,
+which keep a plan for its kind too (``MAX_PLANS`` per cache, the most recent first). Results are
+the Python path's, bit for bit: the same kernels on the same arguments
+(tests/gpu/test_plan.py).
+
+This module imports only torch and the standard library (plus the package's own standalone-safe
+modules): ``gemmfuse export`` inlines it into standalone files.
+"""
+
+import torch
+
+from gemmfuse.autograd import kernel_backward_serves
+from gemmfuse.dispatch import FUSED_KERNELS, PRECISIONS, backward_splits, norm_settings
+from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
+from gemmfuse.jit import extension_for
+
+MAX_PLANS = 4  # per weight cache: the kinds of call one module meets (a last, shorter batch...)
+# What a plan takes (csrc/bind_plan.cpp): a subclass with a torch function of its own takes the
+# Python path.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def planned_call(cache, epilogue, kernel, precision, x, weight, bias, gn_weight, gn_bias, params):
+    """The chain's output up to its tail ops by the first of ``cache``'s plans that serves the
+    call, or None where none does."""
+    for plan in cache.plans:
+        out = plan(epilogue, kernel, precision, x, weight, bias, gn_weight, gn_bias, params)
+        if out is not None:
+            return out
+    return None
+
+
+def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, grad: bool):
+    """Puts the plan of a call that just took the fused path with ``cache`` first among its
+    plans, where the plan would serve that call again. ``tensors``: (x, weight, bias, gn_weight,
+    gn_bias, params) as the call got them; ``grad``: whether autograd recorded it."""
+    x, weight, bias, gn_weight, gn_bias, params = tensors
+    every = [x, weight, bias, gn_weight, gn_bias, *params]
+    if any(t is not None and type(t) not in _PLAIN for t in every):
+        return
+    (m, _), n = x.shape, weight.shape[0]
+    chain = epilogue.untailed
+    serves_backward = kernel_backward_serves(chain, x.dtype, n, x.device)
+    if grad and not serves_backward:
+        return
+    wants_operand_grad = any(
+        params[i].requires_grad and per_element(params[i].shape, m, n)
+        for i in epilogue.channel_params
+    )
+    if grad and wants_operand_grad:
+        return  # an (M, N) operand's gradient: PyTorch's backward of the chain gives it
+    split_dx, split_dw = backward_splits("fused", x, weight, kernel)
+    # The plain GEMM's library runs the split products: loaded only where a backward wants it
+    plain = extension_for(Epilogue()).table if grad and (split_dx or split_dw) else 0
+    ext = extension_for(epilogue)
+    group_size, eps, norm_wide = norm_settings(epilogue, n)
+    plan = ext.host.Plan(
+        cache.native(ext), epilogue, kernel, precision, every,
+        table=ext.table, plain_table=plain, bf16=x.dtype == torch.bfloat16,
+        kernel_code=FUSED_KERNELS[kernel], split=PRECISIONS[precision],
+        scalars=list(epilogue.scalars), group_size=group_size, eps=eps, norm_wide=norm_wide,
+        keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,
+        channel_params=list(epilogue.channel_params), first_slot=column_sum_slots(chain)[1],
+        backward=serves_backward, split_dx=split_dx, split_dw=split_dw,
+    )  # fmt: skip
+    cache.plans = [plan, *cache.plans[: MAX_PLANS - 1]]

@@ -1,0 +1,140 @@
+"""Planned calls (gemmfuse/plan.py) on the CPU: which calls leave a plan and what it holds, that
+fused_linear offers a call to its cache's plans before deciding it, and the cache's part. The
+plans' C++ side runs on the GPU (tests/gpu/test_plan.py); here a stand-in records what Python
+gives it."""
+
+import copy
+
+import pytest
+import torch
+
+import gemmfuse.dispatch
+import gemmfuse.ops
+import gemmfuse.plan
+from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse.ops import fused_linear_with_path
+from gemmfuse.plan import MAX_PLANS, keep_plan
+from gemmfuse.weight_cache import SplitWeightCache
+
+
+class FakePlan:
+    def __init__(self, cache, epilogue, kernel, precision, tensors, **spec):
+        self.cache, self.epilogue, self.tensors, self.spec = cache, epilogue, tensors, spec
+        self.kernel, self.precision = kernel, precision
+
+
+class FakeHost:
+    Plan = FakePlan
+
+    class SplitCache:
+        pass
+
+
+class FakeExt:
+    host = FakeHost
+    table = 1234
+
+
+@pytest.fixture
+def fake_ext(monkeypatch):
+    monkeypatch.setattr(gemmfuse.plan, "extension_for", lambda epilogue: FakeExt)
+    monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
+
+
+def tensors(m=64, k=2048, n=256, params=()):
+    x = torch.randn(m, k)
+    w, b = torch.randn(n, k), torch.randn(n)
+    return x, w, b, torch.ones(n), torch.zeros(n), list(params)
+
+
+def test_a_plan_holds_the_calls_decisions(fake_ext):
+    epilogue = Epilogue(
+        pre=(Pointwise("mul", (Param(0),)),),
+        norm=GroupNormSpec(2, eps=1e-3),
+        post=(Pointwise("leaky_relu", (0.2,)), Pointwise("add", (Param(1),))),
+        reduce=Reduction("max", keepdim=True),
+    )
+    cache = SplitWeightCache()
+    args = tensors(m=1024, k=2048, n=1024, params=(torch.randn(()), torch.randn(1024)))
+    keep_plan(cache, epilogue, "auto", "tf32", args, grad=False)
+    (plan,) = cache.plans
+    assert plan.epilogue is epilogue and (plan.kernel, plan.precision) == ("auto", "tf32")
+    assert plan.tensors == [*args[:5], *args[5]]
+    assert plan.cache is cache.native(FakeExt)
+    assert plan.spec == dict(
+        table=1234, plain_table=0, bf16=False, kernel_code=0, split=False,
+        scalars=[0.2], group_size=512, eps=1e-3, norm_wide=True, keepdim=True,
+        channel_params=[0, 1], first_slot=3, backward=False, split_dx=True, split_dw=True,
+    )  # fmt: skip
+
+
+def test_plans_are_kept_most_recent_first_and_bounded(fake_ext):
+    cache = SplitWeightCache()
+    epilogue = Epilogue(pre=(Pointwise("relu"),))
+    kept = []
+    for m in range(16, 16 + MAX_PLANS + 2):
+        keep_plan(cache, epilogue, "auto", "fp32", tensors(m=m), grad=False)
+        kept.insert(0, m)
+    assert [p.tensors[0].shape[0] for p in cache.plans] == kept[:MAX_PLANS]
+
+
+def test_calls_a_plan_could_not_serve_leave_none(fake_ext):
+    cache = SplitWeightCache()
+    epilogue = Epilogue(pre=(Pointwise("relu"),))
+    # a backward on the CPU: the chain backward kernel does not serve it
+    keep_plan(cache, epilogue, "auto", "fp32", tensors(), grad=True)
+    # a tensor subclass (its own torch function): the plans take plain tensors and Parameters
+    x, *rest = tensors()
+    sub = torch.Tensor._make_subclass(type("Sub", (torch.Tensor,), {}), x)
+    keep_plan(cache, epilogue, "auto", "fp32", (sub, *rest), grad=False)
+    assert cache.plans == []
+    weight = torch.nn.Parameter(rest[0])
+    keep_plan(cache, epilogue, "auto", "fp32", (x, weight, *rest[1:]), grad=False)
+    assert len(cache.plans) == 1
+
+
+def test_fused_linear_offers_a_call_to_the_plans_first(monkeypatch):
+    """The first plan to return a tensor runs the call (the tail ops then follow in PyTorch);
+    where every plan returns None, the Python rules decide it (here: the CPU's PyTorch path)."""
+    epilogue = Epilogue(
+        norm=GroupNormSpec(4),
+        reduce=Reduction("min", keepdim=True),
+        tail=(Pointwise("add", (Param(0),)),),
+    )
+    x, w, b, gw, gb, _ = tensors(m=8, k=16, n=32)
+    bias = torch.randn(1, 32, 1, 1)
+    seen = []
+
+    def declines(*args):
+        seen.append("declines")
+
+    def serves(epi, kernel, precision, *args):
+        seen.append((epi is epilogue, kernel, precision, args[-1]))
+        return torch.full((8, 1), 2.0)
+
+    cache = SplitWeightCache()
+    cache.plans = [declines, serves]
+    out, path = fused_linear_with_path(
+        x, w, b, epilogue, gw, gb, params=(bias,), weight_cache=cache, precision="tf32"
+    )
+    assert path == "fused" and torch.equal(out, torch.full((8, 1), 2.0) + bias)
+    assert seen == ["declines", (True, "auto", "tf32", (bias,))]
+    cache.plans = [declines]
+    out, path = fused_linear_with_path(
+        x, w, b, epilogue, gw, gb, params=(bias,), weight_cache=cache
+    )
+    assert path == "torch" and out.shape == (1, 32, 8, 1)
+    monkeypatch.setattr(gemmfuse.ops, "fsdp_in_use", lambda: True)
+    seen.clear()
+    fused_linear_with_path(x, w, b, epilogue, gw, gb, params=(bias,), weight_cache=cache)
+    assert seen == [], "plans run while FSDP2 manages modules"
+
+
+def test_a_cleared_or_copied_cache_has_no_plans(fake_ext):
+    cache = SplitWeightCache()
+    keep_plan(cache, Epilogue(), "auto", "fp32", tensors(), grad=False)
+    copied = copy.deepcopy(cache)
+    assert copied.plans == [] and copied.token != cache.token
+    native = cache.native(FakeExt)
+    cache.clear()
+    assert cache.plans == [] and cache.native(FakeExt) is not native
