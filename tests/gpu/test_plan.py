@@ -350,7 +350,8 @@ def test_optimized_models_run_their_plans(model_cls, shape):
     first = new(x)  # decided in Python; keeps a plan
     second = new(x)
     assert fused.last_path == "fused"
-    assert second.grad_fn.name() == NODE
+    node = second.grad_fn  # on 3-D tokens, the rows' output reshaped: its view node first
+    assert (node.name() if x.dim() == 2 else node.next_functions[0][0].name()) == NODE
     assert_same(second, first, "planned against decided")
     grad = torch.randn_like(first)
     leaves = [t for t in (x, *model.parameters()) if t.requires_grad]

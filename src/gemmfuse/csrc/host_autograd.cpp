@@ -67,11 +67,14 @@ struct FusedLinearBackward : public Node {
                 "gemmfuse: trying to backward through a fused call a second time (or to read "
                 "its saved tensors after they were freed); specify retain_graph=True the first "
                 "time");
+    // The versions as text (std::to_string): streaming an integer into the message crashed
+    // on autograd's thread (the H100 machine, torch 2.11: inside basic_ostream::_M_insert<long>)
     for (const auto& s : saved)
       TORCH_CHECK(static_cast<int64_t>(s.tensor._version()) == s.version,
                   "gemmfuse: ", s.name, ", which the fused call's backward reads, was modified "
                   "by an in-place operation after the forward: it is at version ",
-                  s.tensor._version(), ", the forward saw version ", s.version);
+                  std::to_string(s.tensor._version()), ", the forward saw version ",
+                  std::to_string(s.version));
   }
 
   // dx = dz @ weight: contraction over the N output channels (autograd.grad_input).
