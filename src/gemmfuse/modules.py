@@ -508,9 +508,11 @@ class FusedLinear(nn.Module):
         (their operands are computed at each call) is not planned, and a higher input only
         for a row-wise chain (as _fused_problem rules)."""
         cache = self.weight_split
-        if not cache.plans or self.pool is not None or self._batch_norms or epilogue is None:
+        if not plans_apply() or not cache.plans:  # under torch.compile, plans are not read
             return None
-        if not isinstance(x, torch.Tensor) or x.dim() < 2 or not plans_apply():
+        if self.pool is not None or self._batch_norms or epilogue is None:
+            return None
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
             return None
         rows = x
         if x.dim() > 2:

@@ -184,7 +184,8 @@ def fused_linear_with_path(
 ) -> tuple[torch.Tensor, str]:  # fmt: skip
     """:func:`fused_linear`, also returning the path taken: "fused", "epilogue" or "torch"."""
     # A call of a kind seen before runs in C++ (plan.py); the rules below decide the others.
-    if weight_cache is not None and weight_cache.plans and plans_apply():
+    # plans_apply() first: torch.compile then never reads the plans (nor guards on them).
+    if plans_apply() and weight_cache is not None and weight_cache.plans:
         out = planned_call(weight_cache, epilogue, kernel, precision, x, weight, bias, gn_weight,
                            gn_bias, params)  # fmt: skip
         if out is not None:
