@@ -380,8 +380,7 @@ class FusedLinear(nn.Module):
             return problem
         if self._batch_statistics() and (x.dim() != 2 or x.shape[0] < 2):
             return f"a BatchNorm1d's batch statistics of the input {tuple(x.shape)}"
-        row_wise = epilogue.norm is None or epilogue.norm.layer  # each row on its own
-        if x.dim() > 2 and (not row_wise or epilogue.reduce is not None):
+        if x.dim() > 2 and not _acts_on_rows(epilogue):
             return f"the input {tuple(x.shape)} is not 2-D and the chain is not row-wise"
         if norm is not None and self._norm.layer and isinstance(weight, torch.Tensor):
             problem = _layer_norm_problem(self._norm.module, weight.shape[0], norm)
@@ -516,7 +515,7 @@ class FusedLinear(nn.Module):
             return None
         rows = x
         if x.dim() > 2:
-            if not (epilogue.norm is None or epilogue.norm.layer) or epilogue.reduce is not None:
+            if not _acts_on_rows(epilogue):
                 return None
             rows, operands = x.reshape(-1, x.shape[-1]), self._flat_inputs(operands, x)
         out = planned_call(cache, epilogue, self.kernel, self.precision, rows, weight, bias,
@@ -567,6 +566,12 @@ def _batch_norm_positions(operands, ops) -> tuple[_BatchNormAt, ...]:
             position = next(k for k, op in enumerate(chain) if Param(i) in op.args)
             found.append(_BatchNormAt(owner, i, scale, position))
     return tuple(found)
+
+
+def _acts_on_rows(epilogue: Epilogue) -> bool:
+    """Whether the chain acts on each row alone (pointwise ops, a norm over the channels, no
+    reduction): then a higher input's leading dimensions may be flattened into rows."""
+    return (epilogue.norm is None or epilogue.norm.layer) and epilogue.reduce is None
 
 
 def _operand_name(ref) -> str:
