@@ -169,15 +169,19 @@ def _per_element_grads(chain: Epilogue, z, params, needs) -> bool:
 
 @functools.cache
 def _kernel_fits(structure: Epilogue, n: int, group_size: int, device: torch.device) -> bool:
+    # the float32 plan: a bf16 chain's register kernel differs only in its sums (no shared memory)
     return kernel_plan(structure, 1, n, group_size, device)[1] > 0
 
 
-def kernel_plan(structure: Epilogue, m: int, n: int, group_size: int, device) -> list[int]:
+def kernel_plan(
+    structure: Epilogue, m: int, n: int, group_size: int, device, dtype=torch.float32
+) -> list[int]:
     """[column slabs, row blocks, 1 for the register kernel or 0 for the shared-memory one] of
-    the chain backward for an (m, n) chain; 0 row blocks where a slab's working set exceeds a
-    block's shared memory."""
+    the chain backward for an (m, n) chain of ``dtype`` tensors; 0 row blocks where a slab's
+    working set exceeds a block's shared memory."""
     with torch.cuda.device(device):
-        return extension_for(structure).chain_backward_plan(m, n, group_size)
+        bf16 = dtype == torch.bfloat16
+        return extension_for(structure).chain_backward_plan(m, n, group_size, bf16)
 
 
 def _float32(t: torch.Tensor | None) -> torch.Tensor | None:

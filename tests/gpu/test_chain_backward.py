@@ -234,7 +234,7 @@ def test_register_kernel_gradient_layouts(dtype):
     the contiguous gradient's result exactly."""
     g = torch.Generator().manual_seed(11)
     chain, m, n = chain_62(64), 8, 1024
-    assert kernel_plan(chain.structure, m, n, 16, CUDA)[2] == 1
+    assert kernel_plan(chain.structure, m, n, 16, CUDA, dtype)[2] == 1
     z = torch.randn(m, n, generator=g).to(CUDA, dtype)
     grad = torch.randn(m, n, generator=g).to(CUDA, dtype)
     tensors = [t.to(dtype) for t in affine(n, g)]
@@ -253,13 +253,18 @@ def test_register_kernel_gradient_layouts(dtype):
         check(chain, z, padded, tensors, "padded gradient rows")
 
 
-def test_bf16_at_most_eager_bf16s_error():
-    """A bfloat16 model's chain: z, grad and dz in bf16, the arithmetic in fp32."""
-    chain = chain_62(16)
+@pytest.mark.parametrize(("n", "groups", "in_registers"), [(512, 16, 0), (2048, 128, 1)])
+def test_bf16_at_most_eager_bf16s_error(n, groups, in_registers):
+    """A bfloat16 model's chain: z, grad and dz in bf16, the arithmetic in fp32 (the register
+    kernel's with plain sums, as eager bf16's; the shared-memory kernel's compensated)."""
+    chain = chain_62(groups)
+    assert (
+        kernel_plan(chain.structure, 256, n, n // groups, CUDA, torch.bfloat16)[2] == in_registers
+    )
     g = torch.Generator().manual_seed(7)
-    z16 = torch.randn(256, 512, generator=g).to(CUDA).bfloat16()
-    grad16 = torch.randn(256, 512, generator=g).to(CUDA).bfloat16()
-    t16 = [t.bfloat16() for t in affine(512, g)]
+    z16 = torch.randn(256, n, generator=g).to(CUDA).bfloat16()
+    grad16 = torch.randn(256, n, generator=g).to(CUDA).bfloat16()
+    t16 = [t.bfloat16() for t in affine(n, g)]
     dz, grads, _ = _kernel_chain_backward(chain, z16, grad16, t16, [True, True])
     eager_dz, eager = chain_backward(chain, z16, grad16, t16, [True, True])
     exact_dz, exact = exact_grads(chain, z16.float(), grad16.float(), [t.float() for t in t16])

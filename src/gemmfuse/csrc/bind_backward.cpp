@@ -8,7 +8,7 @@ void bind_backward(pybind11::module_& m) {
         py::arg("gn_weight"), py::arg("gn_bias"), py::arg("vec_params"), py::arg("scalar_params"),
         py::arg("group_size"), py::arg("eps"));
   m.def("chain_backward_plan", &chain_backward_plan, py::arg("table"), py::arg("M"),
-        py::arg("N"), py::arg("group_size"));
+        py::arg("N"), py::arg("group_size"), py::arg("bf16"));
   m.def("check_table", &check_table, py::arg("table"));
   m.def("linked_chain_table", &linked_chain_table);
   m.def("constants", &constants);

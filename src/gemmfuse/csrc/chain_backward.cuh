@@ -137,10 +137,24 @@ __device__ __forceinline__ void group_sums(F f, int groups, int group_size, int 
 // by the centred values' mean, and rstd = 1 / sqrt(biased variance + eps). Both kernels finish
 // their groups here, so they normalise alike. An RMSNorm (kRms) subtracts no mean: rstd =
 // 1 / sqrt(mean(u^2) + eps), mean(u^2) = variance + mean^2, and `mean` is set to 0, so the
-// callers' (u - mean) * rstd is its u * rstd.
-template <bool kRms>
+// callers' (u - mean) * rstd is its u * rstd. kExact false (a bf16 model's register kernel):
+// in float, with rsqrtf, as eager bf16's GroupNorm finishes its statistics.
+template <bool kRms, bool kExact = true>
 __device__ __forceinline__ void finish_group_stats(float sum_d, float sum_d2, int group_size,
                                                    float eps, float& mean, float& rstd) {
+  if constexpr (!kExact) {
+    const float d = sum_d / static_cast<float>(group_size);
+    const float var = fmaxf(sum_d2 / static_cast<float>(group_size) - d * d, 0.f);
+    if constexpr (kRms) {
+      const float mu = mean + d;
+      rstd = rsqrtf(var + mu * mu + eps);
+      mean = 0.f;
+    } else {
+      mean += d;
+      rstd = rsqrtf(var + eps);
+    }
+    return;
+  }
   const double d = static_cast<double>(sum_d) / group_size;
   const double var = fmax(static_cast<double>(sum_d2) / group_size - d * d, 0.0);
   if constexpr (kRms) {

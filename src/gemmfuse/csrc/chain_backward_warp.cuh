@@ -3,8 +3,12 @@
 // 4 to 128 columns lies within one warp, its sums a shuffle among the group's lanes), and keeps
 // those columns' sums (bias, affine, tensor arguments; compensated) in registers across rows.
 // No shared-memory row, no block barrier per row except a min/max's block reduction: rows
-// stream through at the memory's pace. The arithmetic is the shared-memory kernel's: the same formulas, compensated
-// group sums (mean, then centred sums that refine it), the same routing; sums in another order.
+// stream through at the memory's pace. The arithmetic is the shared-memory kernel's: the same
+// formulas, compensated group sums (mean, then centred sums that refine it), the same routing;
+// sums in another order. A bfloat16 model's instance (kExact false) sums in plain fp32 and
+// finishes its statistics in float, as eager bf16's GroupNorm and column sums do: its results
+// are rounded to bf16 anyway, and the compensated sums kept the kernel bound by instruction
+// issue, not memory (ncu, #62).
 #pragma once
 #include <cstdint>
 
@@ -23,12 +27,35 @@ __host__ __device__ inline bool backward_in_registers(int n, int group_size) {
   return group_size % 4 == 0 && lanes >= 1 && lanes <= 32 && 32 % lanes == 0;
 }
 
-// The compensated sum of a group's partials across its `lanes` lanes (aligned, a power of two):
-// a butterfly, so every lane gets the same total (TwoSum's error term is exact either way round).
+// A running sum: compensated (TwoSum, its error in a.s) or, kExact false, plain (a.s stays 0).
+template <bool kExact>
+__device__ __forceinline__ void sum_push(RowAcc& a, float x) {
+  if constexpr (kExact)
+    row_acc_push<3>(a, x);
+  else
+    a.m += x;
+}
+
+// A column sum's term (pointwise_grad.cuh's column_add, or a plain add).
+template <bool kExact>
+__device__ __forceinline__ void column_sum(float* acc, int i, int errors, float v) {
+  if constexpr (kExact)
+    column_add(acc, i, errors, v);
+  else
+    acc[i] += v;
+}
+
+// The sum of a group's partials across its `lanes` lanes (aligned, a power of two): a
+// butterfly, so every lane gets the same total (TwoSum's error term is exact either way round).
+template <bool kExact>
 __device__ __forceinline__ RowAcc group_total(RowAcc a, int lanes) {
   for (int off = 1; off < lanes; off <<= 1) {
-    const RowAcc o{__shfl_xor_sync(0xffffffffu, a.m, off), __shfl_xor_sync(0xffffffffu, a.s, off)};
-    a = row_acc_merge<3>(a, o);
+    if constexpr (kExact) {
+      const RowAcc o{__shfl_xor_sync(0xffffffffu, a.m, off), __shfl_xor_sync(0xffffffffu, a.s, off)};
+      a = row_acc_merge<3>(a, o);
+    } else {
+      a.m += __shfl_xor_sync(0xffffffffu, a.m, off);
+    }
   }
   return a;
 }
@@ -82,7 +109,7 @@ __device__ __forceinline__ void load_row_inputs(float (&zv)[4], float (&dv)[4], 
   }
 }
 
-template <class Epi>
+template <class Epi, bool kExact>
 __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(const BackwardArgs a) {
   constexpr int kSums = Epi::kColumnSums, kKind = Epi::kReduce;
   constexpr bool kExtremes = kKind == 1 || kKind == 2;
@@ -127,19 +154,19 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
       if constexpr (Epi::kNorm) {
         RowAcc s{0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) row_acc_push<3>(s, u[i]);
-        s = group_total(s, lanes);
+        for (int i = 0; i < 4; ++i) sum_push<kExact>(s, u[i]);
+        s = group_total<kExact>(s, lanes);
         mean = (s.m + s.s) * inv_gs;
         RowAcc d{0.f, 0.f}, d2{0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float t = u[i] - mean;
-          row_acc_push<3>(d, t);
-          row_acc_push<3>(d2, t * t);
+          sum_push<kExact>(d, t);
+          sum_push<kExact>(d2, t * t);
         }
-        d = group_total(d, lanes);
-        d2 = group_total(d2, lanes);
-        finish_group_stats<Epi::kRms>(d.m + d.s, d2.m + d2.s, gs, a.eps, mean, rstd);
+        d = group_total<kExact>(d, lanes);
+        d2 = group_total<kExact>(d2, lanes);
+        finish_group_stats<Epi::kRms, kExact>(d.m + d.s, d2.m + d2.s, gs, a.eps, mean, rstd);
       }
       float xh[4], y[4];
 #pragma unroll
@@ -185,15 +212,15 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         for (int i = 0; i < 4; ++i) {
           const float dy = Epi::post_backward(y[i], row, c + i, p, dv[i], acc, i, 4);
           if (affine) {
-            column_add(acc, 4 + i, kErrors, dy * xh[i]);
-            column_add(acc, 8 + i, kErrors, dy);
+            column_sum<kExact>(acc, 4 + i, kErrors, dy * xh[i]);
+            column_sum<kExact>(acc, 8 + i, kErrors, dy);
           }
           g[i] = affine ? dy * gw[i] : dy;
-          row_acc_push<3>(sg, g[i]);
-          row_acc_push<3>(sgx, g[i] * xh[i]);
+          sum_push<kExact>(sg, g[i]);
+          sum_push<kExact>(sgx, g[i] * xh[i]);
         }
-        sg = group_total(sg, lanes);
-        sgx = group_total(sgx, lanes);
+        sg = group_total<kExact>(sg, lanes);
+        sgx = group_total<kExact>(sgx, lanes);
         // an RMSNorm's output does not shift with its input: no mean(g) term
         const float g_mean = Epi::kRms ? 0.f : (sg.m + sg.s) * inv_gs;
         const float gx_mean = (sgx.m + sgx.s) * inv_gs;
@@ -201,13 +228,13 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
         for (int i = 0; i < 4; ++i) {
           const float du = rstd * (g[i] - g_mean - xh[i] * gx_mean);
           dz[i] = Epi::pre_backward(zv[i], row, c + i, p, du, acc, i, 4);
-          column_add(acc, i, kErrors, dz[i]);
+          column_sum<kExact>(acc, i, kErrors, dz[i]);
         }
       } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           dz[i] = Epi::pre_backward(zv[i], row, c + i, p, dv[i], acc, i, 4);
-          column_add(acc, i, kErrors, dz[i]);
+          column_sum<kExact>(acc, i, kErrors, dz[i]);
         }
       }
       store4(a.dz, base, dz, a.bf16);

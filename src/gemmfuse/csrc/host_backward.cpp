@@ -37,7 +37,8 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
   gemmfuse::FusedArgs chain = chain_args(M, N, std::nullopt, gn_weight, gn_bias, vec_params,
                                          scalar_params, group_size, eps, false);
   c10::cuda::CUDAGuard guard(z.device());
-  const gemmfuse::BackwardPlan plan = t.backward_plan(chain.M, chain.N, chain.group_size);
+  const int bf16 = z.scalar_type() == at::kBFloat16 ? 1 : 0;
+  const gemmfuse::BackwardPlan plan = t.backward_plan(chain.M, chain.N, chain.group_size, bf16);
   TORCH_CHECK(plan.row_blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_plan)");
   // The register kernel reads four columns at once (a view of a larger z may start unaligned)
   if (plan.in_registers && reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 != 0) z = z.clone();
@@ -60,7 +61,7 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
   args.N = chain.N;
   args.group_size = chain.group_size;
   args.eps = chain.eps;
-  args.bf16 = z.scalar_type() == at::kBFloat16 ? 1 : 0;
+  args.bf16 = bf16;
   args.params = chain.params;
   args.params.round_bf16 = args.bf16;
   check_cuda(t.launch_backward(args, plan, c10::cuda::getCurrentCUDAStream()),
@@ -68,15 +69,16 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
   return {dz, partial.sum({0}, false, at::kDouble)};  // the blocks' sums added in float64
 }
 
-// How chain_backward cuts an M x N chain in groups of group_size on this device: [slabs, row
-// blocks, in registers (1) or shared memory (0)]; row blocks 0 where a slab does not fit a block
-// (the backward then runs in PyTorch).
-std::vector<int64_t> chain_backward_plan(int64_t table, int64_t M, int64_t N, int64_t group_size) {
+// How chain_backward cuts an M x N chain in groups of group_size (bf16: of bfloat16 tensors) on
+// this device: [slabs, row blocks, in registers (1) or shared memory (0)]; row blocks 0 where a
+// slab does not fit a block (the backward then runs in PyTorch).
+std::vector<int64_t> chain_backward_plan(int64_t table, int64_t M, int64_t N, int64_t group_size,
+                                         bool bf16) {
   TORCH_CHECK(M >= 1 && M < (int64_t{1} << 31) && N >= 1 && N < (int64_t{1} << 31) &&
                   group_size >= 1 && N % group_size == 0,
               "gemmfuse: bad chain_backward_plan sizes");
   const gemmfuse::BackwardPlan plan = chain(table).backward_plan(
-      static_cast<int>(M), static_cast<int>(N), static_cast<int>(group_size));
+      static_cast<int>(M), static_cast<int>(N), static_cast<int>(group_size), bf16 ? 1 : 0);
   return {plan.slabs, plan.row_blocks, plan.in_registers};
 }
 
