@@ -7,7 +7,8 @@ random-chain pool's and the hand-written test models'), one process per structur
 at once as there are cores, times a second process's load from the cache, runs the GPU tests
 (pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
-[--no-tests] [-k EXPR] (-k selects GPU tests as pytest's -k does). Where the tree travels
+[--no-tests] [--no-cold] [-k EXPR] (-k selects GPU tests as pytest's -k does; --no-cold skips
+the cold builds, for a second call on a machine that already ran them). Where the tree travels
 without its own .git (the device tool's copy carries a stale one), set GEMMFUSE_COMMIT to the
 commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
 """
@@ -153,7 +154,8 @@ def main() -> int:
 
     summary = []
     note(summary, f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__}")
-    note(summary, cold_builds())
+    if "--no-cold" not in sys.argv:
+        note(summary, cold_builds())
     t = time.perf_counter()
     errors = build_in_processes(structures, env=ENV)
     print("\n".join(errors), flush=True)

@@ -92,7 +92,8 @@ void check_table(int64_t table) {
                   t.backward_args_bytes == static_cast<int>(sizeof(gemmfuse::BackwardArgs)) &&
                   t.gemv_args_bytes == static_cast<int>(sizeof(gemmfuse::GemvArgs)),
               "gemmfuse: a chain library built from other sources than the host extension "
-              "(table version ", t.version, ", expected ", gemmfuse::kChainTableVersion, ")");
+              "(table version ", std::to_string(t.version), ", expected ",
+              std::to_string(gemmfuse::kChainTableVersion), ")");
 }
 
 // The table of the chain library linked into this one (a standalone export), else 0.

@@ -2,7 +2,8 @@
 // and allocations of every entry point. The host extension does the checks, allocation and
 // launches on the current stream for every chain: Python (gemmfuse/ops.py) validates user input
 // first and raises readable errors; the checks here are the last line of defence against a
-// malformed internal call.
+// malformed internal call. Integers enter their messages as text (std::to_string): streaming
+// one into a TORCH_CHECK message segfaulted on autograd's thread (host_autograd.cpp).
 //
 // Built once per torch version, CUDA version and GPU architecture (gemmfuse/jit.py), in
 // translation units compiled in parallel, with only the headers they need: not
@@ -17,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -41,7 +43,8 @@ inline void check_vector(const std::optional<at::Tensor>& t, int64_t n, const ch
   if (!t.has_value()) return;
   TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                   t->numel() == n,
-              "gemmfuse: ", name, " must be a contiguous float32 CUDA tensor of ", n, " elements");
+              "gemmfuse: ", name, " must be a contiguous float32 CUDA tensor of ",
+              std::to_string(n), " elements");
 }
 
 inline std::optional<at::Tensor> maybe(const at::Tensor& t) {

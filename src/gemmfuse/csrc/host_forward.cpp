@@ -124,7 +124,7 @@ at::Tensor gemv_forward(int64_t table, at::Tensor x, at::Tensor w, std::optional
               "gemmfuse: w must be a contiguous float32 [N, K] tensor on x's device");
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= gemmfuse::kGemvMaxRows, "gemmfuse: gemv_forward takes 1 to ",
-              gemmfuse::kGemvMaxRows, " rows, got ", M);
+              std::to_string(gemmfuse::kGemvMaxRows), " rows, got ", std::to_string(M));
   TORCH_CHECK(K % 4 == 0 && x.stride(0) % 4 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
               "gemmfuse: gemv_forward needs 16-byte aligned rows (K a multiple of 4)");
