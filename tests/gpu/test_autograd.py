@@ -38,7 +38,8 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   allclose count alone (the forward's rule, tests/gpu/test_chains.py);
 - gradients that are zero to float64's rounding (a scalar multiplier before the mean of a
   normalised group; a scalar subtracted before a GroupNorm) have only rounding noise to
-  compare: max abs error against float64 within 1e-4, or at most twice eager's (two fp32
+  compare: max abs error against float64 within 1e-4, or at most twice the larger of two fp32
+  draws' (eager's, and PyTorch's ops from our z: last rule below) (two fp32
   summation orders of the same cancelling terms are two draws of one noise; measured at
   53c3ab1: a sub[t] before a GroupNorm, 1.45e-4 against eager's 1.1e-4). Measured: a [1]
   gradient summing 26,000 cancelling terms (forced Hopper kernel, K = 300) came out -1.0e-4
@@ -61,7 +62,17 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   float64 -3.07e-3, ours -2.9e-3 (outside allclose), eager -3.2e-3 (inside), PyTorch's CPU
   fp32 ops on the same z -3.50e-3 (outside; the fp32 terms summed exactly: -3.50e-3, so the
   terms themselves carry it: the group statistics' rounding is common to a group's terms).
-- no more elements outside allclose(1e-4) of that float64 reference than eager has.
+- no more elements outside allclose(1e-4) of that float64 reference than the more of two fp32
+  draws has: eager's, and PyTorch's fp32 ops run from our own z (what eager's backward does
+  given the same z). The bar was eager's draw alone until 7cf8f55, where hypothesis found
+  (H100, 2026-11-25; pinned below): a one-group GroupNorm after log, forced Hopper kernel, M =
+  130: grad weight 5 elements off against eager's 1, while our relative L2 error was the lower
+  (2.16e-6 against 2.40e-6) and PyTorch's fp32 ops from our z put 12 elements off. The same
+  second draw joins the zero-gradient rule above: there a min's ties after a saturating op
+  (maximum, then sigmoid) flip with fp32 rounding. Measured at 7cf8f55: float64 from our z
+  gives a zero weight gradient, ours and PyTorch's fp32 ops from our z alike give 5.70e-3
+  (987 elements off; an element of z within ~1e-7 of the saturation point rounds into the
+  tie in fp32), eager 0 (its z has no such element). Each report line prints both draws.
 - bfloat16 models: gradients no further from float64 (relative L2) than 1.5x eager bf16's.
 """
 
@@ -235,6 +246,7 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
     ours, z_ours, path = chain.fused(grad, kernel)
     eager, z_eager = chain.eager(grad)
     ref_ours, ref_eager = chain.given_z(z_ours, grad), chain.given_z(z_eager, grad)
+    torch_ours = chain.given_z(z_ours, grad, torch.float32)  # PyTorch's fp32 ops from our z
     z_rounded = F.linear(chain.x.double(), chain.w.double(), chain.b.double()).float()
     alone = chain.given_z(z_rounded, grad, torch.float32)
     alone_cpu = chain.to("cpu").given_z(z_rounded.cpu(), grad.cpu(), torch.float32)
@@ -256,14 +268,18 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
         line = (
             f"{label}: grad {name}: rel L2 {err:.3e} against eager's {err_eager:.3e} "
             f"(+ {floor:.1e} + 3 x {sigma:.1e}); end to end rel L2 {e2e[0]:.3e}, "
-            f"eager {e2e[1]:.3e}, max abs {e2e[2]:.3e}, eager {e2e[3]:.3e}"
+            f"eager {e2e[1]:.3e}, max abs {e2e[2]:.3e}, eager {e2e[3]:.3e}; off allclose "
+            f"{off_allclose(g, ref_ours[i])}, eager {off_allclose(eager[i], ref_eager[i])}, "
+            f"PyTorch fp32 from our z {off_allclose(torch_ours[i], ref_ours[i])}"
         )
         lines.append(line)
         # Zero to float64's rounding (a scalar times a normalised group's mean, say): only
         # rounding noise to compare, which the allclose count below still bounds.
         zero = ref_ours[i].norm().item() <= 1e-12 * grad.norm().item()
-        if zero:  # noise: within 1e-4 of float64's zero, or within twice eager's noise
-            noise = max_abs_err(eager[i], ref_eager[i])
+        if zero:  # noise: within 1e-4 of float64's zero, or twice an fp32 draw's noise
+            noise = max(
+                max_abs_err(eager[i], ref_eager[i]), max_abs_err(torch_ours[i], ref_ours[i])
+            )
             assert max_abs_err(g, ref_ours[i]) <= max(2 * noise, 1e-4), line
             continue
         if i in magnitudes and ref_ours[i].norm() <= 1e-3 * magnitudes[i].norm():
@@ -278,7 +294,8 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
             continue
         if bar_on:
             assert err <= err_eager + floor + 3 * sigma, line
-        assert off_allclose(g, ref_ours[i]) <= off_allclose(eager[i], ref_eager[i]), line
+        draws = [off_allclose(eager[i], ref_eager[i]), off_allclose(torch_ours[i], ref_ours[i])]
+        assert off_allclose(g, ref_ours[i]) <= max(draws), line
     return path, lines
 
 
@@ -387,6 +404,10 @@ def test_hard_data_gradients(data):
 # 2.8-million-fold (module docstring): ours -0.0029 against float64's -0.0031 from our own z,
 # eager's -0.0032 within allclose of its own reference, PyTorch's CPU fp32 ops -0.0035.
 @example(index=7, m=130, k=1024, group_size=200, groups=3, seed=0, kernel="hopper")
+# Found at 7cf8f55 on an H100 (2026-11-25), failing the bars against eager's draw alone (module
+# docstring): a min's ties after saturation; a one-group GroupNorm after log (allclose count)
+@example(index=6, m=1024, k=1024, group_size=200, groups=1, seed=1, kernel="hopper")
+@example(index=1, m=130, k=300, group_size=16, groups=1, seed=6, kernel="hopper")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]
     gen = torch.Generator().manual_seed(seed)
