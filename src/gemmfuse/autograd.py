@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemmfuse.dispatch import SPLIT_COLS_MAX
+from gemmfuse.dispatch import SPLIT_COLS_MAX, norm_settings
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_epilogue, apply_pointwise
@@ -139,10 +139,6 @@ class FusedEpilogueFunction(torch.autograd.Function):
         return (None, None, dz if needs_z else None, *grads)
 
 
-def _group_size(chain: Epilogue, n: int) -> int:
-    return n // chain.norm.num_groups if chain.norm is not None else 1
-
-
 def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether the chain backward kernel takes this call (:func:`kernel_backward_serves`)."""
     return grad.dtype == z.dtype and kernel_backward_serves(chain, z.dtype, z.shape[1], z.device)
@@ -156,7 +152,7 @@ def kernel_backward_serves(chain: Epilogue, dtype: torch.dtype, n: int, device) 
         return False
     if chain.norm is not None and chain.norm.softmax:
         return False
-    return _kernel_fits(chain.structure, n, _group_size(chain, n), device)
+    return _kernel_fits(chain.structure, n, norm_settings(chain, n)[0], device)
 
 
 def _per_element_grads(chain: Epilogue, z, params, needs) -> bool:
@@ -210,7 +206,7 @@ def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None)
         gn32 = _float32(gn_weight), _float32(gn_bias)
     dz, sums = extension_for(chain).chain_backward(
         z, grad, *gn32, channel_vectors(chain, params, z.shape[0], n), chain.scalars,
-        _group_size(chain, n), chain.norm.eps if chain.norm is not None else 0.0,
+        *norm_settings(chain, n)[:2],
     )  # fmt: skip
     # One conversion for every per-channel gradient (the tensors share z's dtype on this path);
     # a scalar's gradient sums its columns in float64 first (they may cancel)
