@@ -5,7 +5,16 @@ import sys
 import pytest
 import torch
 
-from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, fused_linear, fused_linear_with_path
+import gemmfuse.dispatch
+from gemmfuse import (
+    Epilogue,
+    GroupNormSpec,
+    Param,
+    Pointwise,
+    Reduction,
+    fused_linear,
+    fused_linear_with_path,
+)
 from gemmfuse.dispatch import _channel_param_problem, select_path
 from gemmfuse.weight_cache import SplitWeightCache
 
@@ -65,6 +74,33 @@ def test_cpu_takes_reference_path_without_warning(recwarn):
 def test_select_path_reasons():
     x, w, _, _, _ = args()
     assert select_path(x, w, EPI) == ("torch", "cpu tensors run the PyTorch reference path")
+
+
+def test_bf16_reductions_take_the_epilogue_path_where_eager_is_reproduced(monkeypatch):
+    """A bf16 chain with a min or max (no norm, or a GroupNorm of groups dividing 128 channels,
+    where this torch's eager statistics are recognised) takes the epilogue path whatever
+    ``kernel`` says; other reductions and norms stay on PyTorch, saying why."""
+    monkeypatch.setattr(gemmfuse.dispatch, "_device_problem", lambda x: "")
+    monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gemmfuse.dispatch, "eager_bf16_group_stats", lambda index: 2)
+    x, w = torch.randn(64, 256).bfloat16(), torch.randn(512, 256).bfloat16()
+
+    def path(epilogue, kernel="auto"):
+        return select_path(x, w, epilogue, kernel)
+
+    gn_min = Epilogue(norm=GroupNormSpec(32), reduce=Reduction("min"))
+    for kernel in ("auto", "hopper", "portable", "epilogue"):
+        assert path(gn_min, kernel) == ("epilogue", "")
+    assert path(Epilogue(reduce=Reduction("max"))) == ("epilogue", "")
+    assert path(Epilogue(reduce=Reduction("sum")))[0] == "torch"
+    assert "sum reduction" in path(Epilogue(reduce=Reduction("sum")))[1]
+    wide = Epilogue(norm=GroupNormSpec(2), reduce=Reduction("min"))  # groups of 256
+    assert path(wide) == ("torch", path(wide)[1]) and "divide 128" in path(wide)[1]
+    layer = Epilogue(norm=GroupNormSpec(1, layer=True), reduce=Reduction("min"))
+    assert path(layer)[0] == "torch"
+    monkeypatch.setattr(gemmfuse.dispatch, "eager_bf16_group_stats", lambda index: 0)
+    assert path(gn_min)[0] == "torch" and "not one gemmfuse reproduces" in path(gn_min)[1]
+    assert path(Epilogue(reduce=Reduction("min"))) == ("epilogue", "")  # no norm: no statistics
 
 
 def test_float32_copies_track_changes():

@@ -13,7 +13,7 @@ import gemmfuse.ops
 import gemmfuse.plan
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.ops import fused_linear_with_path
-from gemmfuse.plan import MAX_PLANS, keep_plan
+from gemmfuse.plan import MAX_PLANS, keep_plan, plannable
 from gemmfuse.weight_cache import SplitWeightCache
 
 
@@ -65,6 +65,7 @@ def test_a_plan_holds_the_calls_decisions(fake_ext):
         table=1234, plain_table=0, bf16=False, kernel_code=0, split=False,
         scalars=[0.2], group_size=512, eps=1e-3, norm_wide=True, keepdim=True,
         channel_params=[0, 1], first_slot=3, backward=False, split_dx=True, split_dw=True,
+        epilogue_path=False, group_stats=0,
     )  # fmt: skip
 
 
@@ -76,6 +77,22 @@ def test_plans_are_kept_most_recent_first_and_bounded(fake_ext):
         keep_plan(cache, epilogue, "auto", "fp32", tensors(m=m), grad=False)
         kept.insert(0, m)
     assert [p.tensors[0].shape[0] for p in cache.plans] == kept[:MAX_PLANS]
+
+
+def test_a_kind_already_planned_is_not_planned_again(fake_ext):
+    """A call that a kept plan of its kind refused (saved-tensor hooks, a forward-mode tangent:
+    what the key does not see) leaves no second plan, which would evict the other kinds'."""
+    cache = SplitWeightCache()
+    epilogue = Epilogue(pre=(Pointwise("relu"),))
+    args = tensors()
+    keep_plan(cache, epilogue, "auto", "fp32", tensors(m=32), grad=False)
+    for _ in range(MAX_PLANS + 1):
+        keep_plan(cache, epilogue, "auto", "fp32", args, grad=False)
+    assert [p.tensors[0].shape[0] for p in cache.plans] == [64, 32]
+    keep_plan(cache, epilogue, "auto", "tf32", args, grad=False)  # another kind: planned
+    assert len(cache.plans) == 3 and len(cache.plan_kinds) == 3
+    cache.clear()
+    assert cache.plans == [] and cache.plan_kinds == []
 
 
 def test_calls_a_plan_could_not_serve_leave_none(fake_ext):
@@ -112,12 +129,13 @@ def test_fused_linear_offers_a_call_to_the_plans_first(monkeypatch):
         seen.append((epi is epilogue, kernel, precision, args[-1]))
         return torch.full((8, 1), 2.0)
 
+    serves.path = "epilogue"  # the path the plan runs, reported as the call's
     cache = SplitWeightCache()
     cache.plans = [declines, serves]
     out, path = fused_linear_with_path(
         x, w, b, epilogue, gw, gb, params=(bias,), weight_cache=cache, precision="tf32"
     )
-    assert path == "fused" and torch.equal(out, torch.full((8, 1), 2.0) + bias)
+    assert path == "epilogue" and torch.equal(out, torch.full((8, 1), 2.0) + bias)
     assert seen == ["declines", (True, "auto", "tf32", (bias,))]
     cache.plans = [declines]
     out, path = fused_linear_with_path(
@@ -128,6 +146,25 @@ def test_fused_linear_offers_a_call_to_the_plans_first(monkeypatch):
     seen.clear()
     fused_linear_with_path(x, w, b, epilogue, gw, gb, params=(bias,), weight_cache=cache)
     assert seen == [], "plans run while FSDP2 manages modules"
+
+
+def test_a_bf16_reduction_on_the_epilogue_path_is_planned_with_eager_statistics(
+    fake_ext, monkeypatch
+):
+    """A bf16 model's chain with a reduction takes the epilogue path (PyTorch's GEMM, then the
+    chain with eager bf16's GroupNorm statistics): its plan says so, with the statistics' mode."""
+    monkeypatch.setattr(gemmfuse.plan, "eager_bf16_group_stats", lambda index: 2)
+    epilogue = Epilogue(norm=GroupNormSpec(16), reduce=Reduction("min"))
+    cache = SplitWeightCache()
+    args = [t.bfloat16() if isinstance(t, torch.Tensor) else t for t in tensors(n=256)]
+    assert plannable("epilogue", args[0]) and not plannable("epilogue", args[0].float())
+    keep_plan(cache, epilogue, "auto", "fp32", args, grad=False, path="epilogue")
+    (plan,) = cache.plans
+    assert plan.spec["epilogue_path"] and plan.spec["group_stats"] == 2 and plan.spec["bf16"]
+    assert not plan.spec["split_dx"] and not plan.spec["split_dw"]
+    # kernel="epilogue" (which these chains take whatever kernel says) has no fused-kernel code
+    keep_plan(cache, epilogue, "epilogue", "fp32", args, grad=False, path="epilogue")
+    assert cache.plans[0].spec["kernel_code"] == 0 and cache.plans[0].kernel == "epilogue"
 
 
 def test_a_cleared_or_copied_cache_has_no_plans(fake_ext):

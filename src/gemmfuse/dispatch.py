@@ -31,7 +31,8 @@ KERNELS = (*FUSED_KERNELS, "epilogue")
 # 11 significant bits like TF32's, one third of the tensor-core work (the backward's products too).
 PRECISIONS = {"fp32": True, "tf32": False}
 # kernel="auto" takes the fused kernel from these sizes up, and below them the epilogue path
-# (float32) or the PyTorch path (bfloat16). Below MIN_FUSED_WORK = M*N*K the fused kernel's
+# (float32) or the PyTorch path (bfloat16; a bf16 chain with a reduction takes the epilogue path
+# at every size). Below MIN_FUSED_WORK = M*N*K the fused kernel's
 # fixed cost (two launches) dominates; below MIN_FUSED_ROWS = M the GEMM is a matrix-vector
 # product bound by reading W, where 128-row tiles waste their tensor work and a grid of N/128
 # blocks leaves SMs idle (both set from the shape sweep of docs/PERFORMANCE.md, which times
@@ -73,6 +74,63 @@ def _channel_param_problem(epilogue: Epilogue, params, x, n: int) -> str:
     return ""
 
 
+def _bf16_reduction_problem(epilogue: Epilogue, n: int, device_index: int) -> str:
+    """Why a bfloat16 chain with a reduction cannot take the epilogue path ("" if it can). The
+    path is taken whatever ``kernel=`` says: the fused kernels' GEMM is not eager's.
+
+    Such chains run PyTorch's bf16 GEMM (eager's own bits), then the chain in one kernel with
+    eager bf16's GroupNorm arithmetic (fused_args.h's group_stats): the reduced value must
+    match eager's to the bit, because a later op can cancel it (#75's ``+ bias``) and one ulp of
+    it is then beyond bf16's 1e-2 tolerance. Measured on #75 (H100, torch 2.11, 2026-11-25,
+    three draws each, rows of 1024 with an output beyond 1e-2 of eager's): cuBLAS's bits with
+    the statistics computed exactly, 225 to 286 (eager bf16 normalises with its mean and rstd
+    rounded to bf16); eager's statistics on a GEMM summed in fp32 in another order (0.4% of the
+    bf16 GEMM outputs differ), 2 to 4; cuBLAS's bits with eager's statistics, none (the output
+    equals eager's bit for bit)."""
+    if epilogue.reduce.op not in ("min", "max"):
+        # A sum's float order, or logsumexp's rounding between ops in eager bf16, would differ
+        # from eager's by an ulp of the result: not reproduced, so not taken.
+        return (
+            f"bfloat16 chains with a {epilogue.reduce.op} reduction run the PyTorch path "
+            "(min and max are fused: their value is eager's bit for bit)"
+        )
+    norm = epilogue.norm
+    if norm is None:
+        return ""
+    if norm.layer or TILE % (n // norm.num_groups):
+        return (
+            "bfloat16 chains with a reduction are fused with a GroupNorm whose groups divide 128 "
+            "channels (eager bf16's statistics are reproduced there), or with no norm"
+        )
+    if eager_bf16_group_stats(device_index) == 0:
+        return "this torch's bfloat16 GroupNorm arithmetic is not one gemmfuse reproduces"
+    return ""
+
+
+_GROUP_STATS: dict[int, int] = {}  # device index -> eager_bf16_group_stats' finding
+
+
+def eager_bf16_group_stats(device_index: int) -> int:
+    """How eager bf16 GroupNorm normalises with this torch (fused_args.h's group_stats): 2 with
+    its mean and rstd rounded to bf16, 1 with them in float, 0 neither (not reproduced).
+
+    Found once per device from a group of [256, 258]: its mean 257 rounds to 256 in bf16, so
+    the two give [0, 2] and [-1, 1]. Not while a CUDA graph is captured (the probe would be
+    captured too): 0 then, until a call outside capture probes that device. Autocast is off
+    for the probe (it would run the GroupNorm in float32)."""
+    found = _GROUP_STATS.get(device_index)
+    if found is not None:
+        return found
+    if torch.cuda.is_current_stream_capturing():
+        return 0
+    with torch.autocast("cuda", enabled=False):
+        x = torch.tensor([[256.0, 258.0]], dtype=torch.bfloat16, device=f"cuda:{device_index}")
+        y = tuple(torch.nn.functional.group_norm(x, 1).float().tolist()[0])
+    found = {(0.0, 2.0): 2, (-1.0, 1.0): 1}.get(y, 0)
+    _GROUP_STATS[device_index] = found
+    return found
+
+
 def fused_pays(m: int, n: int, k: int) -> bool:
     """Whether kernel="auto" sends an (M, K) x (K, N) problem to the fused kernel."""
     return m * n * k >= MIN_FUSED_WORK and m >= MIN_FUSED_ROWS and k >= MIN_FUSED_K
@@ -92,16 +150,13 @@ def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tupl
     problem = _device_problem(x)
     if problem:
         return "torch", problem
-    if x.dtype == torch.bfloat16:
+    bf16_reduction = x.dtype == torch.bfloat16 and epilogue.reduce is not None
+    if x.dtype == torch.bfloat16 and not bf16_reduction:
         if _capability(x.device.index) != (9, 0) or kernel == "portable":
             return "torch", "bfloat16 models are fused by the Hopper kernel only (sm_90)"
         if x.shape[1] % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             return "torch", "bfloat16 rows must be 16-byte aligned (in_features a multiple of 8)"
-        if epilogue.reduce is not None:
-            # Measured on #75: a one-ulp difference from eager at the reduced value (the GEMM
-            # sums in another order) exceeds bf16's 1e-2 tolerance once a later add cancels it.
-            return "torch", "bfloat16 chains with a reduction run the PyTorch path"
-    elif x.dtype != torch.float32:
+    elif x.dtype not in (torch.float32, torch.bfloat16):
         return "torch", f"{x.dtype} inputs run the PyTorch path (fused: float32, bfloat16)"
     (m, k), n = x.shape, weight.shape[0]
     if 0 in (m, n, k):
@@ -111,6 +166,9 @@ def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tupl
     problem = _channel_param_problem(epilogue, params, x, n)
     if problem:
         return "torch", problem
+    if bf16_reduction:
+        problem = _bf16_reduction_problem(epilogue, n, x.device.index)
+        return ("torch", problem) if problem else ("epilogue", "")
     if kernel == "epilogue":
         if x.dtype != torch.float32:
             return "torch", "the epilogue path takes float32 inputs"

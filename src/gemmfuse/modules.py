@@ -461,9 +461,9 @@ class FusedLinear(nn.Module):
         operands, norm, epilogue = self._state(weight, inputs)
         model_operands = operands
         gn_weight, gn_bias = _norm_vectors(norm)
-        out = self._planned(x, weight, bias, epilogue, gn_weight, gn_bias, operands)
-        if out is not None:
-            self.last_path = "fused"
+        planned = self._planned(x, weight, bias, epilogue, gn_weight, gn_bias, operands)
+        if planned is not None:
+            out, self.last_path = planned
             return out
         folded = self._folded(weight, bias)
         batch = self._batch_statistics()
@@ -500,12 +500,12 @@ class FusedLinear(nn.Module):
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _planned(self, x, weight, bias, epilogue, gn_weight, gn_bias, operands):
-        """The call run by one of the weight cache's plans (plan.py), or None where none serves
-        it. A plan exists only for kinds of tensors that passed every rule of the call below
-        (its dtypes, shapes and strides are the plan's key), so those rules are not run again;
-        what the key does not see is checked here: a chain with a pooling or a BatchNorm1d
-        (their operands are computed at each call) is not planned, and a higher input only
-        for a row-wise chain (as _fused_problem rules)."""
+        """(the output, the path) of the call run by one of the weight cache's plans (plan.py),
+        or None where none serves it. A plan exists only for kinds of tensors that passed every
+        rule of the call below (its dtypes, shapes and strides are the plan's key), so those
+        rules are not run again; what the key does not see is checked here: a chain with a
+        pooling or a BatchNorm1d (their operands are computed at each call) is not planned, and
+        a higher input only for a row-wise chain (as _fused_problem rules)."""
         cache = self.weight_split
         if not plans_apply() or not cache.plans:  # under torch.compile, plans are not read
             return None
@@ -518,13 +518,14 @@ class FusedLinear(nn.Module):
             if not _acts_on_rows(epilogue):
                 return None
             rows, operands = x.reshape(-1, x.shape[-1]), self._flat_inputs(operands, x)
-        out = planned_call(cache, epilogue, self.kernel, self.precision, rows, weight, bias,
-                           gn_weight, gn_bias, operands)  # fmt: skip
-        if out is None:
+        planned = planned_call(cache, epilogue, self.kernel, self.precision, rows, weight, bias,
+                               gn_weight, gn_bias, operands)  # fmt: skip
+        if planned is None:
             return None
+        out, path = planned
         if epilogue.tail:
             out = apply_pointwise(out, epilogue.tail, operands)
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+        return (out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])), path
 
     def reference(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         """The chain evaluated by ``gemmfuse.reference`` with the current settings: what the

@@ -23,10 +23,14 @@ Paths, in the order they are tried:
     the fused kernel's size thresholds (``fused_pays``: small or few-row problems, where the
     fused kernel's fixed cost and idle tile rows cost more than its tensor cores save, and
     K < 1024, where the split GEMM's error is not reliably below eager's);
-    ``kernel="epilogue"`` forces it.
+    ``kernel="epilogue"`` forces it. bfloat16 chains with a min or max reduction take it
+    whatever ``kernel`` says: PyTorch's bf16 GEMM, then the chain with eager bf16's GroupNorm
+    arithmetic, so the reduced value is eager's to the bit (dispatch.py's
+    ``_bf16_reduction_problem`` says why, and which such chains stay on PyTorch).
 ``torch``
-    The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or with a
-    reduction, or below the fused kernel's size thresholds), GPUs older than sm_80, tensor
+    The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or below
+    the fused kernel's size thresholds; bf16 with a sum, mean or logsumexp reduction, or with a
+    min or max after a norm the epilogue path does not reproduce), GPUs older than sm_80, tensor
     arguments that are not per channel.
 
 A CUDA call that runs the ``torch`` path emits a :class:`FallbackWarning` saying why. With
@@ -51,13 +55,14 @@ from gemmfuse.dispatch import (
     KERNELS,
     PRECISIONS,
     backward_splits,
+    eager_bf16_group_stats,
     gemv_fits,
     norm_settings,
     take_path,
 )
 from gemmfuse.epilogue import Epilogue, epilogue_spec
 from gemmfuse.jit import extension_for
-from gemmfuse.plan import keep_plan, planned_call
+from gemmfuse.plan import keep_plan, plannable, planned_call
 from gemmfuse.reference import apply_pointwise, linear_epilogue
 from gemmfuse.validation import validate
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call, fsdp_in_use
@@ -71,7 +76,7 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     ext = extension_for(epilogue)
     (m, _), n = x.shape, weight.shape[0]
     # The kernels read the channel vectors as dense float32 arrays.
-    bias, gn_weight, gn_bias = (
+    bias32, gn_weight, gn_bias = (
         cache.float32(t, slot)
         for t, slot in ((bias, "bias"), (gn_weight, "gn_weight"), (gn_bias, "gn_bias"))
     )
@@ -79,20 +84,22 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     vectors, _, group_size, eps, norm_wide = chain
     fused_z = save_z and path == "fused"  # the epilogue path's z is a copy of F.linear's
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
-    if path == "epilogue" and not save_z and gemv_fits(x, weight):
-        out = ext.gemv_forward(x, weight, bias, gn_weight, gn_bias, *chain)
+    bf16 = x.dtype == torch.bfloat16
+    if path == "epilogue" and not save_z and not bf16 and gemv_fits(x, weight):
+        out = ext.gemv_forward(x, weight, bias32, gn_weight, gn_bias, *chain)
     elif path == "epilogue":  # in place on F.linear's y, unless y is z, kept for the backward
-        y = F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)  # a bf16 model's: eager's own bits, which the chain reduces
         z = y if save_z else None
-        out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z)
-    elif x.dtype == torch.bfloat16:  # a bf16 model: its own operands, one tensor-core product
+        stats = eager_bf16_group_stats(x.device.index) if bf16 and epilogue.norm else 0
+        out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z, stats)
+    elif bf16:  # a bf16 model: its own operands, one tensor-core product
         w = weight if weight.is_contiguous() else weight.contiguous()
-        out = ext.fused_forward_bf16(x, w, bias, gn_weight, gn_bias, *chain, z)
+        out = ext.fused_forward_bf16(x, w, bias32, gn_weight, gn_bias, *chain, z)
     else:
         k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
         w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
         out = ext.fused_forward(
-            x, w_hi, w_lo, w_inv, bias, gn_weight, gn_bias, vectors, epilogue.scalars,
+            x, w_hi, w_lo, w_inv, bias32, gn_weight, gn_bias, vectors, epilogue.scalars,
             group_size, eps, FUSED_KERNELS[kernel], PRECISIONS[precision], norm_wide, z,
         )  # fmt: skip
     if epilogue.reduce is not None and epilogue.reduce.keepdim:
@@ -186,10 +193,11 @@ def fused_linear_with_path(
     # A call of a kind seen before runs in C++ (plan.py); the rules below decide the others.
     # plans_apply() first: torch.compile then never reads the plans (nor guards on them).
     if plans_apply() and weight_cache is not None and weight_cache.plans:
-        out = planned_call(weight_cache, epilogue, kernel, precision, x, weight, bias, gn_weight,
-                           gn_bias, params)  # fmt: skip
-        if out is not None:
-            return (apply_pointwise(out, epilogue.tail, params) if epilogue.tail else out), "fused"
+        planned = planned_call(weight_cache, epilogue, kernel, precision, x, weight, bias,
+                               gn_weight, gn_bias, params)  # fmt: skip
+        if planned is not None:
+            out, path = planned
+            return (apply_pointwise(out, epilogue.tail, params) if epilogue.tail else out), path
     validate(x, weight, bias, epilogue, gn_weight, gn_bias, params)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
@@ -210,9 +218,9 @@ def fused_linear_with_path(
         out = FusedLinearFunction.apply(call, x, weight, bias, gn_weight, gn_bias, *params)
     else:
         out = launch(x, weight, bias, gn_weight, gn_bias, params, False)[0]
-    if path == "fused" and cache is weight_cache:
+    if plannable(path, x) and cache is weight_cache:
         tensors = (x, weight, bias, gn_weight, gn_bias, params)
-        keep_plan(weight_cache, epilogue, kernel, precision, tensors, grad)
+        keep_plan(weight_cache, epilogue, kernel, precision, tensors, grad, path)
     return apply_pointwise(out, epilogue.tail, params), path
 
 

@@ -6,7 +6,8 @@ KernelBench's #62 some 0.2 ms before the first launch (docs/DESIGN.md, "Host tim
 time wherever a caller's timing starts on an idle GPU, as KernelBench's does, and the whole
 step's time where host work outlasts GPU work (a bfloat16 training step).
 
-So a call that took the fused path with a weight cache leaves a plan in it: the host
+So a call that took the fused path with a weight cache (or a bf16 model's epilogue path: PyTorch's
+GEMM, then the chain kernel, for chains with a reduction) leaves a plan in it: the host
 extension's ``Plan`` (csrc/host_plan.h), holding every decision the Python made (the chain's
 table, the launch's arguments, which backward products run split) with the kinds of tensors it
 made them for (dtype, device, shape, strides, 16-byte alignment of each). A later call of the
@@ -27,7 +28,13 @@ modules): ``gemmfuse export`` inlines it into standalone files.
 import torch
 
 from gemmfuse.autograd import kernel_backward_serves
-from gemmfuse.dispatch import FUSED_KERNELS, PRECISIONS, backward_splits, norm_settings
+from gemmfuse.dispatch import (
+    FUSED_KERNELS,
+    PRECISIONS,
+    backward_splits,
+    eager_bf16_group_stats,
+    norm_settings,
+)
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 
@@ -38,22 +45,36 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def planned_call(cache, epilogue, kernel, precision, x, weight, bias, gn_weight, gn_bias, params):
-    """The chain's output up to its tail ops by the first of ``cache``'s plans that serves the
-    call, or None where none does."""
+    """(the chain's output up to its tail ops, the path) by the first of ``cache``'s plans that
+    serves the call, or None where none does."""
     for plan in cache.plans:
         out = plan(epilogue, kernel, precision, x, weight, bias, gn_weight, gn_bias, params)
         if out is not None:
-            return out
+            return out, plan.path
     return None
 
 
-def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, grad: bool):
-    """Puts the plan of a call that just took the fused path with ``cache`` first among its
-    plans, where the plan would serve that call again. ``tensors``: (x, weight, bias, gn_weight,
-    gn_bias, params) as the call got them; ``grad``: whether autograd recorded it."""
+def plannable(path: str, x) -> bool:
+    """Whether a call that took ``path`` leaves a plan: the fused path, and a bf16 model's
+    epilogue path (a chain with a reduction; the float32 one serves small problems, where its
+    own few-rows kernel and in-place launch are not planned)."""
+    return path == "fused" or (path == "epilogue" and x.dtype == torch.bfloat16)
+
+
+def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, grad: bool,
+              path: str = "fused"):  # fmt: skip
+    """Puts the plan of a call that just took ``path`` (:func:`plannable`) with ``cache`` first
+    among its plans, where the plan would serve that call again. ``tensors``: (x, weight, bias,
+    gn_weight, gn_bias, params) as the call got them; ``grad``: whether autograd recorded it."""
     x, weight, bias, gn_weight, gn_bias, params = tensors
     every = [x, weight, bias, gn_weight, gn_bias, *params]
     if any(t is not None and type(t) not in _PLAIN for t in every):
+        return
+    # A plan of this kind already kept refused the call for a reason its key does not see
+    # (saved-tensor hooks, a forward-mode tangent, graph capture): another would refuse too,
+    # and prepending it each call would evict the plans of other kinds.
+    kind = _kind(epilogue, kernel, precision, path, grad, every)
+    if kind in cache.plan_kinds:
         return
     (m, _), n = x.shape, weight.shape[0]
     chain = epilogue.untailed
@@ -66,7 +87,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     )
     if grad and wants_operand_grad:
         return  # an (M, N) operand's gradient: PyTorch's backward of the chain gives it
-    split_dx, split_dw = backward_splits("fused", x, weight, kernel)
+    split_dx, split_dw = backward_splits(path, x, weight, kernel)
     # The plain GEMM's library runs the split products: loaded only where a backward wants it
     plain = extension_for(Epilogue()).table if grad and (split_dx or split_dw) else 0
     ext = extension_for(epilogue)
@@ -74,10 +95,24 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     plan = ext.host.Plan(
         cache.native(ext), epilogue, kernel, precision, every,
         table=ext.table, plain_table=plain, bf16=x.dtype == torch.bfloat16,
-        kernel_code=FUSED_KERNELS[kernel], split=PRECISIONS[precision],
+        kernel_code=FUSED_KERNELS.get(kernel, 0), split=PRECISIONS[precision],
         scalars=list(epilogue.scalars), group_size=group_size, eps=eps, norm_wide=norm_wide,
         keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,
         channel_params=list(epilogue.channel_params), first_slot=column_sum_slots(chain)[1],
         backward=serves_backward, split_dx=split_dx, split_dw=split_dw,
+        epilogue_path=path == "epilogue",
+        group_stats=eager_bf16_group_stats(x.device.index) if path == "epilogue" and epilogue.norm
+        else 0,
     )  # fmt: skip
     cache.plans = [plan, *cache.plans[: MAX_PLANS - 1]]
+    cache.plan_kinds = [kind, *cache.plan_kinds[: MAX_PLANS - 1]]
+
+
+def _kind(epilogue, kernel, precision, path, grad, tensors) -> tuple:
+    """What a plan's key compares (csrc/host_plan.h's TensorKey: dtype, device, sizes, strides,
+    16-byte alignment of each tensor), with the Python side's part and how the call recorded."""
+    return (epilogue, kernel, precision, path, grad, *(
+        None if t is None
+        else (t.dtype, t.device, tuple(t.shape), t.stride(), t.data_ptr() % 16 == 0)
+        for t in tensors
+    ))  # fmt: skip

@@ -73,6 +73,7 @@ class SplitWeightCache:
         self._entries = {}
         self._native = None  # (host extension module, its SplitCache)
         self.plans = []
+        self.plan_kinds = []  # plan.py's kind of each plan, in the same order
 
     def native(self, ext):
         """The SplitCache of ``ext``'s host extension (csrc/host_plan.h): this weight's splits,

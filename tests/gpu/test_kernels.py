@@ -8,10 +8,11 @@ import warnings
 import pytest
 import torch
 
-from gemmfuse import FallbackWarning
+from gemmfuse import Epilogue, FallbackWarning, GroupNormSpec, Reduction
 from gemmfuse.bench import check
 from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.registry import get_problem
+from gemmfuse.ops import fused_linear_with_path
 from helpers import build_pair, float64_bar, max_abs_err, ops_alone, run_both, small_pair
 
 pytestmark = pytest.mark.gpu
@@ -265,7 +266,9 @@ def test_reduction_counters_survive_many_calls(kernel):
 )
 def test_bf16_model(number, m, k, n, groups):
     """KernelBench's bf16 mode: Model and ModelNew converted with .to(bfloat16), tolerance 1e-2.
-    On sm_90 the Hopper kernel fuses #62; #75's reduction, and other GPUs, run PyTorch."""
+    On sm_90 the Hopper kernel fuses #62 (other GPUs run PyTorch). #75's reduction takes the
+    epilogue path where its groups divide 128 channels (all but the last shape): eager's own
+    GEMM and eager bf16's GroupNorm arithmetic, so its output is eager's, bit for bit."""
     init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
     ref, new = small_pair(number, seed=m, init=init)
     ref, new = ref.to(CUDA, torch.bfloat16), new.to(CUDA, torch.bfloat16)
@@ -277,13 +280,46 @@ def test_bf16_model(number, m, k, n, groups):
         exact = exact_model(x.double())
         got = new(x)
     assert got.dtype == torch.bfloat16 and got.shape == expect.shape
-    if torch.cuda.get_device_capability() == (9, 0) and number == 62:
+    if number == 75 and 128 % (n // groups) == 0:
+        assert new.last_path == "epilogue"
+        assert torch.equal(got, expect)
+    elif torch.cuda.get_device_capability() == (9, 0) and number == 62:
         assert new.last_path == "fused"
         # rounded to bf16 where eager rounds; fp32 in between: as accurate as eager bf16
         assert max_abs_err(got, exact) <= 2 * max_abs_err(expect, exact)
     else:
         assert new.last_path == "torch"
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 4, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("data", ["randn", "offset"])
+def test_bf16_reduction_matches_eager_bit_for_bit(group_size, data):
+    """A bf16 GroupNorm -> min chain on the epilogue path, every group size it takes (the
+    register groups of 8 to 32 and the shared-memory ones), random affine vectors, data centred
+    or offset (a large common mean, where the statistics' rounding shows most): the row minima
+    equal eager bf16's exactly, so any later op (#75's + bias) sees eager's values."""
+    torch.manual_seed(group_size)
+    m, k, n = 300, 512, 1024
+    model = torch.nn.Sequential(torch.nn.Linear(k, n), torch.nn.GroupNorm(n // group_size, n)).to(
+        CUDA, torch.bfloat16
+    )
+    with torch.no_grad():
+        model[1].weight.normal_(1.0, 0.5)
+        model[1].bias.normal_(0.0, 0.5)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    if data == "offset":
+        x = x * 0.05 + 1.0
+    epilogue = Epilogue(norm=GroupNormSpec(n // group_size), reduce=Reduction("min"))
+    with torch.no_grad():
+        expect = model(x).amin(dim=1)
+        got, path = fused_linear_with_path(
+            x, model[0].weight, model[0].bias, epilogue, model[1].weight, model[1].bias
+        )
+    assert path == "epilogue"
+    assert got.dtype == torch.bfloat16
+    mismatched = (got != expect).sum().item()
+    assert mismatched == 0, f"{mismatched} of {m} row minima differ from eager bf16's"
 
 
 def test_bf16_unaligned_rows_fall_back_with_warning():

@@ -123,7 +123,7 @@ KINDS = [("62", "fp32", torch.float32), ("75", "fp32", torch.float32),
          ("operands", "fp32", torch.float32), ("logsumexp", "fp32", torch.float32),
          ("wide", "fp32", torch.float32), ("residual", "fp32", torch.float32),
          ("62", "tf32", torch.float32), ("62", "fp32", torch.bfloat16),
-         ("operands", "fp32", torch.bfloat16)]  # fmt: skip
+         ("operands", "fp32", torch.bfloat16), ("75", "fp32", torch.bfloat16)]  # fmt: skip
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")

@@ -67,6 +67,9 @@ class PlanCall {
     return py::cast(std::move(out));
   }
 
+  // The path the plan runs, as fused_linear_with_path names it.
+  const char* path() const { return plan_.spec().epilogue_path ? "epilogue" : "fused"; }
+
  private:
   static std::vector<at::Tensor> defined_or_empty(
       const std::vector<std::optional<at::Tensor>>& tensors) {
@@ -94,10 +97,12 @@ void bind_plan(pybind11::module_& m) {
                        int64_t table, int64_t plain_table, bool bf16, int64_t kernel_code,
                        bool split, std::vector<double> scalars, int64_t group_size, double eps,
                        bool norm_wide, bool keepdim, std::vector<int64_t> channel_params,
-                       int64_t first_slot, bool backward, bool split_dx, bool split_dw) {
-             PlanSpec spec{table,      plain_table, bf16,     kernel_code, split,
-                           scalars,    group_size,  eps,      norm_wide,   keepdim,
-                           channel_params, first_slot, backward, split_dx, split_dw};
+                       int64_t first_slot, bool backward, bool split_dx, bool split_dw,
+                       bool epilogue_path, int64_t group_stats) {
+             PlanSpec spec{table,          plain_table, bf16,     kernel_code, split,
+                           scalars,        group_size,  eps,      norm_wide,   keepdim,
+                           channel_params, first_slot,  backward, split_dx,    split_dw,
+                           epilogue_path,  group_stats};
              return PlanCall(std::move(cache), std::move(epilogue), std::move(kernel),
                              std::move(precision), tensors, std::move(spec));
            }),
@@ -106,7 +111,9 @@ void bind_plan(pybind11::module_& m) {
            py::arg("bf16"), py::arg("kernel_code"), py::arg("split"), py::arg("scalars"),
            py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"), py::arg("keepdim"),
            py::arg("channel_params"), py::arg("first_slot"), py::arg("backward"),
-           py::arg("split_dx"), py::arg("split_dw"))
+           py::arg("split_dx"), py::arg("split_dw"), py::arg("epilogue_path") = false,
+           py::arg("group_stats") = 0)
+      .def_property_readonly("path", &PlanCall::path)
       .def("__call__", &PlanCall::operator(), py::arg("epilogue"), py::arg("kernel"),
            py::arg("precision"), py::arg("x"), py::arg("weight"), py::arg("bias"),
            py::arg("gn_weight"), py::arg("gn_bias"), py::arg("params"));

@@ -24,6 +24,11 @@ struct EpilogueParams {
   // A bf16 model: round to bf16 wherever PyTorch's bf16 ops would (after the Linear, the
   // GroupNorm and each pointwise op), so the result matches eager bf16, not just fp32 math.
   int round_bf16;
+  // A bf16 model's GroupNorm statistics on the epilogue path (tile_epilogue.cuh's
+  // eager_group_stats): 0 the package's own; 1 as eager bf16 computes them (PyTorch's Welford
+  // order, float); 2 the same, mean and rstd then rounded to bf16 (torch versions whose bf16
+  // GroupNorm normalises with the bf16 statistics it returns). dispatch.py finds which.
+  int group_stats;
 };
 
 #ifdef __CUDACC__
@@ -49,6 +54,7 @@ struct FusedArgs {
   // The epilogue path's input [M, N] (contiguous fp32) when it is not `out` itself; nullptr: the
   // chain is applied to `out` in place. The GEMM kernels leave it nullptr.
   const float* epilogue_in;
+  const __nv_bfloat16* epilogue_in_bf16;  // the same, a bf16 model's (PyTorch's bf16 GEMM)
   __nv_bfloat16* out_bf16;   // [M, N] when it does not reduce (bf16 models)
   float* row_partial;        // [N tiles, M] when it reduces ([2, N tiles, M] for sum/mean/lse)
   float* row_out;            // [M] when it reduces

@@ -29,7 +29,7 @@ at::Tensor fused_forward_bf16(int64_t table, at::Tensor x, at::Tensor w,
 at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
                             std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
-                            bool norm_wide, bool in_place);
+                            bool norm_wide, bool in_place, int64_t group_stats);
 at::Tensor gemv_forward(int64_t table, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias,
                         std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
                         std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,

@@ -3,6 +3,7 @@
 
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/linear.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 
 #include "host_common.h"
@@ -164,13 +165,21 @@ at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
                                                           : cache.channel_vector(5 + i, p, N));
   }
   at::Tensor z;
-  if (grad) z = x.new_empty({M, N});
   at::Tensor out;
-  if (spec.bf16) {
+  if (spec.epilogue_path) {
+    // PyTorch's GEMM with the model's own bias (eager's bits), its result saved as z.
+    const at::Tensor y = at::linear(x, weight, t[2].defined() ? std::optional<at::Tensor>(t[2])
+                                                             : std::nullopt);
+    if (grad) z = y;
+    out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
+                           spec.group_size, spec.eps, spec.norm_wide, false, spec.group_stats);
+  } else if (spec.bf16) {
+    if (grad) z = x.new_empty({M, N});
     out = fused_forward_bf16(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),
                              bias, gn_weight, gn_bias, vectors, spec.scalars, spec.group_size,
                              spec.eps, spec.norm_wide, maybe(z));
   } else {
+    if (grad) z = x.new_empty({M, N});
     const int64_t k_padded = (weight.size(1) + 63) / 64 * 64;
     const auto w = cache.rows(weight, k_padded);
     out = fused_forward(spec.table, x, w[0], w[1], w[2], bias, gn_weight, gn_bias, vectors,

@@ -86,6 +86,10 @@ struct PlanSpec {
   int64_t first_slot = 1;               // chain_backward's column-sum slot of the first one
   bool backward = false;                // the chain backward kernel serves this call's backward
   bool split_dx = false, split_dw = false;  // the backward products on the split kernel
+  // The epilogue path (a bf16 model's chain with a reduction): PyTorch's GEMM, then
+  // epilogue_forward with this group_stats, in place of the fused kernel.
+  bool epilogue_path = false;
+  int64_t group_stats = 0;
 };
 
 // What a plan and the backward nodes it records share.
@@ -103,6 +107,7 @@ class Plan {
   // undefined tensor where the plan does not serve the call (a tensor of another kind, a CUDA
   // graph being captured, a gradient the plan does not give): the caller decides it afresh.
   at::Tensor run(const std::vector<at::Tensor>& tensors) const;
+  const PlanSpec& spec() const { return state_->spec; }
 
  private:
   std::shared_ptr<const PlanState> state_;

@@ -321,6 +321,116 @@ __device__ __forceinline__ float norm_rstd(float m2, float mean, float mean_lo, 
   }
 }
 
+// A bf16 model's GroupNorm statistics as eager bf16 computes them (params.group_stats != 0),
+// so that a reduced value matches eager's to the bit: a one-ulp difference in #75's row
+// minimum, which a later `+ bias` can cancel to about 0, is beyond bf16's 1e-2 tolerance, and
+// statistics computed otherwise (even exactly) differ from eager's in one GroupNorm output of
+// three (H100, torch 2.11, 2026-11-25). PyTorch's RowwiseMomentsCUDAKernel with a warp per
+// group (groups under 512 values): lane l folds values l, l + 32, ... by Welford's update, the
+// lanes merge by shfl_down at offsets 16 to 1 (Chan's formula), written with the fmas nvcc
+// contracts PyTorch's expressions into; var = m2 / n and rstd = rsqrtf(var + eps), eps cast to
+// bf16 as PyTorch casts it to the input's dtype. Mode 2 rounds mean and rstd to bf16 (the
+// statistics that torch's GroupNorm output reads in versions that normalise with them).
+struct Welford {
+  float mean, m2, n;
+};
+
+__device__ __forceinline__ Welford welford_push(Welford a, float x) {
+  const float n = a.n + 1.f, delta = x - a.mean;
+  const float mean = a.mean + delta / n;
+  return {mean, fmaf(delta, x - mean, a.m2), n};
+}
+
+__device__ __forceinline__ Welford welford_merge(Welford a, Welford b) {
+  if (a.n == 0.f) return b;
+  if (b.n == 0.f) return a;
+  const float delta = b.mean - a.mean, count = a.n + b.n, nb = b.n / count;
+  return {fmaf(delta, nb, a.mean), fmaf(delta * delta * a.n, nb, a.m2 + b.m2), count};
+}
+
+__device__ __forceinline__ float to_bf16_and_back(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+// The statistics from the merged Welford state of a group of `count` values.
+__device__ __forceinline__ SegmentMoments eager_group_finish(float mean, float m2, float count,
+                                                             int mode, float eps, float& rstd) {
+  rstd = rsqrtf(m2 / count + to_bf16_and_back(eps));
+  if (mode == 2) {
+    mean = to_bf16_and_back(mean);
+    rstd = to_bf16_and_back(rstd);
+  }
+  return {mean, 0.f, m2};
+}
+
+// The state of the lanes l, l + kOff, l + 2 kOff, ... of a group of kN values, one per lane,
+// as PyTorch's shfl_down tree merges them: at offset kOff, lane l takes lane l + kOff's state,
+// itself the merge at offset 2 kOff; at kOff = kN each lane holds its own value (lanes past kN
+// are empty and change nothing). Evaluated depth first, so a handful of states are live: a
+// first version's 32-lane state array took the epilogue path's kernel to 209 us on #75's bf16
+// chain at 1024 x 8192, this form to 54 us (torch.profiler, H100, 2026-11-25).
+template <int kN, int kOff, int kL, class Values>
+__device__ __forceinline__ Welford eager_lanes(const Values& v) {
+  if constexpr (kOff == kN)
+    return welford_push({0.f, 0.f, 0.f}, v[kL]);
+  else
+    return welford_merge(eager_lanes<kN, 2 * kOff, kL>(v),
+                         eager_lanes<kN, 2 * kOff, kL + kOff>(v));
+}
+
+// A group of kN values in a thread's registers, kN a power of two up to 32.
+template <int kN, class Values>
+__device__ __forceinline__ SegmentMoments eager_group_stats(const Values& v, int mode, float eps,
+                                                            float& rstd) {
+  static_assert(kN >= 1 && kN <= 32 && (kN & (kN - 1)) == 0, "one value per lane");
+  const Welford w = eager_lanes<kN, 1, 0>(v);
+  return eager_group_finish(w.mean, w.m2, w.n, mode, eps, rstd);
+}
+
+// Any group size under 512 with a warp on the group, PyTorch's own code path: lane l folds
+// values l, l + 32, ..., then shfl_down merges (a lane past the warp's end merges its own
+// state, as in PyTorch; lane 0's tree never reads those); lane 0's result taken by all.
+__device__ __forceinline__ SegmentMoments eager_group_stats_warp(const float* v, int n, int lane,
+                                                                 int mode, float eps,
+                                                                 float& rstd) {
+  Welford w{0.f, 0.f, 0.f};
+  for (int j = lane; j < n; j += 32) w = welford_push(w, v[j]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const Welford other{__shfl_down_sync(0xffffffffu, w.mean, off),
+                        __shfl_down_sync(0xffffffffu, w.m2, off),
+                        __shfl_down_sync(0xffffffffu, w.n, off)};
+    w = welford_merge(w, other);
+  }
+  return eager_group_finish(__shfl_sync(0xffffffffu, w.mean, 0), __shfl_sync(0xffffffffu, w.m2, 0),
+                            __shfl_sync(0xffffffffu, w.n, 0), mode, eps, rstd);
+}
+
+// Whether a call's norm takes eager bf16's GroupNorm statistics: kEager (the epilogue path's
+// kernel), a GroupNorm's moments, and the call asks (params.group_stats; the host sets it for
+// a GroupNorm only).
+template <class Epi, bool kEager>
+__device__ __forceinline__ bool eager_stats(const FusedArgs& args) {
+  if constexpr (kEager && !Epi::kSoftmax && !Epi::kRms)
+    return args.params.group_stats != 0;
+  else
+    return false;
+}
+
+// A run's statistics for its norm and its rstd (norm_rstd's): eager bf16's GroupNorm statistics
+// where eager_stats says so (kN known: the register groups), else segment_stats'.
+template <class Epi, bool kExact, bool kEager, int kN = 0, class Values>
+__device__ __forceinline__ SegmentMoments group_statistics(const Values& v, int n,
+                                                           const FusedArgs& args, float& rstd) {
+  if constexpr (kN > 0) {
+    if (eager_stats<Epi, kEager>(args))
+      return eager_group_stats<kN>(v, args.params.group_stats, args.eps, rstd);
+  }
+  const SegmentMoments mom = segment_stats<Epi, kExact, kN>(v, n);
+  rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, n, args.eps);
+  return mom;
+}
+
 // GroupNorm of one value given its group's mean (mean + mean_lo) and rstd (an RMSNorm's: the
 // value scaled, no mean subtracted), then the affine part (the channel's weight w and bias b,
 // when the norm has them) and `post`. A softmax's `mean` is the row's largest value and `rstd`
@@ -389,15 +499,15 @@ __device__ __forceinline__ void store_run(const float (&y)[kN], int64_t at, cons
 // shared memory a value at a time, a chain of load latencies), normalised there, and either
 // reduced (the partial left in the group's first two slots, as in tile_epilogue) or, without a
 // reduction, stored straight to the output. w, b: the tile's GroupNorm weights and biases.
-template <class Epi, bool kExact, int kGs>
+template <class Epi, bool kExact, bool kEager, int kGs>
 __device__ __forceinline__ void group_task(float* tile, const float* w, const float* b, int r,
                                            int c0, TileCoord tc, const FusedArgs& args) {
   float* v = tile + r * kEpiStride + c0;
   float y[kGs];
 #pragma unroll
   for (int j = 0; j < kGs; ++j) y[j] = v[j];
-  const SegmentMoments mom = segment_stats<Epi, kExact, kGs>(y, kGs);
-  const float rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, kGs, args.eps);
+  float rstd;
+  const SegmentMoments mom = group_statistics<Epi, kExact, kEager, kGs>(y, kGs, args, rstd);
 #pragma unroll
   for (int j = 0; j < kGs; ++j)
     y[j] = normalize<Epi>(y[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j], tc.m0 + r,
@@ -414,21 +524,24 @@ __device__ __forceinline__ void group_task(float* tile, const float* w, const fl
 }
 
 // Every (row, group) task of the tile for a group size known at compile time.
-template <class Epi, int kThreads, bool kExact, int kGs>
+template <class Epi, int kThreads, bool kExact, bool kEager, int kGs>
 __device__ __forceinline__ void group_tasks(float* tile, const float* w, const float* b,
                                             int rows_here, int groups_here, int tid, TileCoord tc,
                                             const FusedArgs& args) {
   for (int task = tid; task < rows_here * groups_here; task += kThreads)
-    group_task<Epi, kExact, kGs>(tile, w, b, task % rows_here, (task / rows_here) * kGs, tc, args);
+    group_task<Epi, kExact, kEager, kGs>(tile, w, b, task % rows_here, (task / rows_here) * kGs,
+                                         tc, args);
 }
 
 // `tid` runs over kThreads threads that all call this; `sync()` is a barrier among exactly them.
 // kExact: the fp32-accurate statistics (segment_moments). kRegisterGroups: groups of 8, 16 and
 // 32 in registers (group_task); off where registers are scarce and rows few (the few-rows GEMV).
+// kEager: honour params.group_stats (eager_group_stats; the epilogue path's kernel only).
 // Groups of 64 stay in shared memory: in registers (a thread storing its group's run of the
 // row) #37's fused kernel took 3.7 ms with autograd on against 3.2 (H100, 2026-11-24), the
 // runs' 16-byte pieces of 32 rows per store beside z's stores.
-template <class Epi, int kThreads, bool kExact, bool kRegisterGroups = true, class Sync>
+template <class Epi, int kThreads, bool kExact, bool kRegisterGroups = true, bool kEager = false,
+          class Sync>
 __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args, TileCoord tc,
                                               int tid, Sync sync) {
   constexpr int kind = Epi::kReduce;
@@ -506,13 +619,16 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       in_registers = true;
       switch (gs) {
         case 8:
-          group_tasks<Epi, kThreads, kExact, 8>(tile, w, b, rows_here, groups_here, tid, tc, args);
+          group_tasks<Epi, kThreads, kExact, kEager, 8>(tile, w, b, rows_here, groups_here,
+                                                        tid, tc, args);
           break;
         case 16:
-          group_tasks<Epi, kThreads, kExact, 16>(tile, w, b, rows_here, groups_here, tid, tc, args);
+          group_tasks<Epi, kThreads, kExact, kEager, 16>(tile, w, b, rows_here, groups_here,
+                                                         tid, tc, args);
           break;
         case 32:
-          group_tasks<Epi, kThreads, kExact, 32>(tile, w, b, rows_here, groups_here, tid, tc, args);
+          group_tasks<Epi, kThreads, kExact, kEager, 32>(tile, w, b, rows_here, groups_here,
+                                                         tid, tc, args);
           break;
         default:
           in_registers = false;
@@ -522,16 +638,24 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       if (in_registers) return;  // the caller's next barrier orders any reuse of the tile
     }
     // Other sizes: a thread per group, or a warp (warp_per_task).
-    const bool warp_per_group = warp_per_task(gs, rows_here * groups_here, kThreads);
+    // Eager bf16 statistics at a run-time group size: a warp per group, as PyTorch's.
+    const bool eager = eager_stats<Epi, kEager>(args);
+    const bool warp_per_group = eager || warp_per_task(gs, rows_here * groups_here, kThreads);
     const int step = warp_per_group ? kThreads / 32 : kThreads;
     for (int task = warp_per_group ? warp : tid; task < rows_here * groups_here && !in_registers;
          task += step) {
       const int r = task % rows_here;
       const int c0 = (task / rows_here) * gs;
       float* v = tile + r * kEpiStride + c0;
-      const SegmentMoments mom = warp_per_group ? segment_stats_warp<Epi>(v, gs, lane)
-                                                : segment_stats<Epi, kExact>(v, gs);
-      const float rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, gs, args.eps);
+      float rstd;
+      SegmentMoments mom;
+      if (eager) {
+        mom = eager_group_stats_warp(v, gs, lane, args.params.group_stats, args.eps, rstd);
+      } else {
+        mom = warp_per_group ? segment_stats_warp<Epi>(v, gs, lane)
+                             : segment_stats<Epi, kExact>(v, gs);
+        rstd = norm_rstd<Epi, kExact>(mom.m2, mom.mean, mom.mean_lo, gs, args.eps);
+      }
       auto out = [&](int j) {
         return normalize<Epi>(v[j], mom.mean, mom.mean_lo, rstd, w[c0 + j], b[c0 + j],
                               tc.m0 + r, tc.n0 + c0 + j, args);
