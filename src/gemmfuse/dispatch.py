@@ -99,7 +99,7 @@ def _bf16_reduction_problem(epilogue: Epilogue, n: int, device_index: int) -> st
         return ""
     if norm.layer or TILE % (n // norm.num_groups):
         return (
-            "bfloat16 chains with a reduction are fused with a GroupNorm whose groups divide 128 "
+            "bfloat16 chains with a min or max are fused with a GroupNorm whose groups divide 128 "
             "channels (eager bf16's statistics are reproduced there), or with no norm"
         )
     if eager_bf16_group_stats(device_index) == 0:
