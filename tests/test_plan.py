@@ -153,7 +153,7 @@ def test_a_bf16_reduction_on_the_epilogue_path_is_planned_with_eager_statistics(
 ):
     """A bf16 model's chain with a reduction takes the epilogue path (PyTorch's GEMM, then the
     chain with eager bf16's GroupNorm statistics): its plan says so, with the statistics' mode."""
-    monkeypatch.setattr(gemmfuse.plan, "eager_bf16_group_stats", lambda index: 2)
+    monkeypatch.setattr(gemmfuse.dispatch, "eager_bf16_group_stats", lambda index: 2)
     epilogue = Epilogue(norm=GroupNormSpec(16), reduce=Reduction("min"))
     cache = SplitWeightCache()
     args = [t.bfloat16() if isinstance(t, torch.Tensor) else t for t in tensors(n=256)]

@@ -107,6 +107,14 @@ def _bf16_reduction_problem(epilogue: Epilogue, n: int, device_index: int) -> st
     return ""
 
 
+def group_stats_mode(epilogue: Epilogue, x) -> int:
+    """The epilogue kernel's group_stats for a call on x (fused_args.h): eager bf16's GroupNorm
+    arithmetic for a bf16 model's chain with a norm, else 0 (the package's own statistics)."""
+    if x.dtype != torch.bfloat16 or epilogue.norm is None:
+        return 0
+    return eager_bf16_group_stats(x.device.index)
+
+
 _GROUP_STATS: dict[int, int] = {}  # device index -> eager_bf16_group_stats' finding
 
 

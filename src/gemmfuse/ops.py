@@ -55,8 +55,8 @@ from gemmfuse.dispatch import (
     KERNELS,
     PRECISIONS,
     backward_splits,
-    eager_bf16_group_stats,
     gemv_fits,
+    group_stats_mode,
     norm_settings,
     take_path,
 )
@@ -75,32 +75,32 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     # Runs once per forward: keep it lean.
     ext = extension_for(epilogue)
     (m, _), n = x.shape, weight.shape[0]
-    # The kernels read the channel vectors as dense float32 arrays.
-    bias32, gn_weight, gn_bias = (
-        cache.float32(t, slot)
-        for t, slot in ((bias, "bias"), (gn_weight, "gn_weight"), (gn_bias, "gn_bias"))
-    )
+    # The kernels read the channel vectors as dense float32 arrays (F.linear reads the bias).
+    gn_weight, gn_bias = cache.float32(gn_weight, "gn_weight"), cache.float32(gn_bias, "gn_bias")
     chain = chain_arguments(epilogue, params, m, n)
     vectors, _, group_size, eps, norm_wide = chain
     fused_z = save_z and path == "fused"  # the epilogue path's z is a copy of F.linear's
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
     bf16 = x.dtype == torch.bfloat16
     if path == "epilogue" and not save_z and not bf16 and gemv_fits(x, weight):
+        bias32 = cache.float32(bias, "bias")
         out = ext.gemv_forward(x, weight, bias32, gn_weight, gn_bias, *chain)
     elif path == "epilogue":  # in place on F.linear's y, unless y is z, kept for the backward
         y = F.linear(x, weight, bias)  # a bf16 model's: eager's own bits, which the chain reduces
         z = y if save_z else None
-        stats = eager_bf16_group_stats(x.device.index) if bf16 and epilogue.norm else 0
+        stats = group_stats_mode(epilogue, x)
         out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z, stats)
     elif bf16:  # a bf16 model: its own operands, one tensor-core product
         w = weight if weight.is_contiguous() else weight.contiguous()
+        bias32 = cache.float32(bias, "bias")
         out = ext.fused_forward_bf16(x, w, bias32, gn_weight, gn_bias, *chain, z)
     else:
         k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
         w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
         out = ext.fused_forward(
-            x, w_hi, w_lo, w_inv, bias32, gn_weight, gn_bias, vectors, epilogue.scalars,
-            group_size, eps, FUSED_KERNELS[kernel], PRECISIONS[precision], norm_wide, z,
+            x, w_hi, w_lo, w_inv, cache.float32(bias, "bias"), gn_weight, gn_bias, vectors,
+            epilogue.scalars, group_size, eps, FUSED_KERNELS[kernel], PRECISIONS[precision],
+            norm_wide, z,
         )  # fmt: skip
     if epilogue.reduce is not None and epilogue.reduce.keepdim:
         out = out.view(m, 1)

@@ -32,7 +32,7 @@ from gemmfuse.dispatch import (
     FUSED_KERNELS,
     PRECISIONS,
     backward_splits,
-    eager_bf16_group_stats,
+    group_stats_mode,
     norm_settings,
 )
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
@@ -101,8 +101,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
         channel_params=list(epilogue.channel_params), first_slot=column_sum_slots(chain)[1],
         backward=serves_backward, split_dx=split_dx, split_dw=split_dw,
         epilogue_path=path == "epilogue",
-        group_stats=eager_bf16_group_stats(x.device.index) if path == "epilogue" and epilogue.norm
-        else 0,
+        group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
     )  # fmt: skip
     cache.plans = [plan, *cache.plans[: MAX_PLANS - 1]]
     cache.plan_kinds = [kind, *cache.plan_kinds[: MAX_PLANS - 1]]
