@@ -15,7 +15,12 @@ from gemmfuse import (
     fused_linear,
     fused_linear_with_path,
 )
-from gemmfuse.dispatch import _channel_param_problem, select_path
+from gemmfuse.dispatch import (
+    _channel_param_problem,
+    backward_products,
+    select_path,
+    sparse_gradient,
+)
 from gemmfuse.weight_cache import SplitWeightCache
 
 EPI = Epilogue(norm=GroupNormSpec(4))
@@ -74,6 +79,35 @@ def test_cpu_takes_reference_path_without_warning(recwarn):
 def test_select_path_reasons():
     x, w, _, _, _ = args()
     assert select_path(x, w, EPI) == ("torch", "cpu tensors run the PyTorch reference path")
+
+
+@pytest.mark.parametrize(
+    "norm, reduce, sparse",
+    [
+        (GroupNormSpec(512), "min", True),  # #75: groups of 16 channels of 8192
+        (GroupNormSpec(512), "max", True),
+        (None, "max", True),  # the extremes' columns alone
+        (GroupNormSpec(8), "min", True),  # groups of 1024: an eighth of the row
+        (GroupNormSpec(4), "min", False),  # groups of 2048: a quarter
+        (GroupNormSpec(1, layer=True), "min", False),  # a LayerNorm spreads it over the row
+        (GroupNormSpec(512), "sum", False),  # every channel gets a gradient
+        (GroupNormSpec(512), "mean", False),
+        (GroupNormSpec(512), "logsumexp", False),
+        (GroupNormSpec(512), None, False),
+    ],
+)
+def test_min_and_max_after_small_groups_take_the_sparse_products(norm, reduce, sparse):
+    """dz is zero but for the extremes' groups after a min or max: the backward's products take
+    its nonzero entries (csrc/sparse_products.cu) where a group is at most an eighth of a row,
+    before any split kernel; the PyTorch path and other dtypes keep PyTorch's products."""
+    epilogue = Epilogue(norm=norm, reduce=None if reduce is None else Reduction(reduce))
+    assert sparse_gradient(epilogue, 8192) == sparse
+    x, w = torch.randn(4, 8), torch.randn(8192, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        chosen = backward_products("epilogue", x.to(dtype), w.to(dtype), "auto", epilogue)
+        assert chosen == (sparse, False, False)
+    assert backward_products("torch", x, w, "auto", epilogue)[0] is False
+    assert backward_products("epilogue", x.double(), w.double(), "auto", epilogue)[0] is False
 
 
 def test_bf16_reductions_take_the_epilogue_path_where_eager_is_reproduced(monkeypatch):

@@ -65,7 +65,7 @@ def test_a_plan_holds_the_calls_decisions(fake_ext):
         table=1234, plain_table=0, bf16=False, kernel_code=0, split=False,
         scalars=[0.2], group_size=512, eps=1e-3, norm_wide=True, keepdim=True,
         channel_params=[0, 1], first_slot=3, backward=False, split_dx=True, split_dw=True,
-        epilogue_path=False, group_stats=0,
+        sparse=False, epilogue_path=False, group_stats=0,
     )  # fmt: skip
 
 
@@ -161,7 +161,8 @@ def test_a_bf16_reduction_on_the_epilogue_path_is_planned_with_eager_statistics(
     keep_plan(cache, epilogue, "auto", "fp32", args, grad=False, path="epilogue")
     (plan,) = cache.plans
     assert plan.spec["epilogue_path"] and plan.spec["group_stats"] == 2 and plan.spec["bf16"]
-    assert not plan.spec["split_dx"] and not plan.spec["split_dw"]
+    # a min after groups of 16 of 256 channels: dz is sparse, the sparse products take it
+    assert plan.spec["sparse"] and not plan.spec["split_dx"] and not plan.spec["split_dw"]
     # kernel="epilogue" (which these chains take whatever kernel says) has no fused-kernel code
     keep_plan(cache, epilogue, "epilogue", "fp32", args, grad=False, path="epilogue")
     assert cache.plans[0].spec["kernel_code"] == 0 and cache.plans[0].kernel == "epilogue"

@@ -27,7 +27,9 @@ def test_the_export_translation_unit_holds_every_part():
     """fused_linear.cu (a standalone export's one library) is the package's two pieces
     together: the host extension's kernels and every part of a chain's library."""
     included = re.findall(r'^#include "([^"]+)"$', read_csrc()["fused_linear.cu"], re.M)
-    assert set(included) == set(CHAIN_PARTS) | {"split.cu"}
+    host_kernels = {name for name in HOST_SOURCES if name.endswith(".cu")}
+    assert host_kernels == {"split.cu", "sparse_products.cu"}
+    assert set(included) == set(CHAIN_PARTS) | host_kernels
 
 
 def test_flatten_reads_the_mapping_it_is_given():

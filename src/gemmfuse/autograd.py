@@ -14,7 +14,10 @@ backward needs besides the inputs:
    memory, a softmax over the channels) the chain is evaluated again in PyTorch
    (``gemmfuse.reference``) and differentiated by autograd (a float32 GroupNorm's formula
    written out, for speed).
-2. The products ``dx = dz @ W`` and ``dW = dz.T @ x`` on the tensor cores with the forward's
+2. The products ``dx = dz @ W`` and ``dW = dz.T @ x``. Where the chain ends in a min or max
+   over the channels, dz is zero but for the extremes' GroupNorm groups (or columns): the
+   sparse kernels (csrc/sparse_products.cu) multiply its nonzero entries alone, in float32
+   (``dispatch.sparse_gradient``). Otherwise on the tensor cores with the forward's
    split-fp16 scheme (``gemm_split`` of the plain GEMM's kernels, on operands split by rows or,
    for operands read down their columns, by ``split_cols``), where the forward's thresholds say
    the fused kernel pays; else PyTorch's own products (eager's result). ``W``'s transposed split
@@ -51,7 +54,9 @@ class FusedCall(NamedTuple):
     chain up to its tail ops, and the GEMM result when ``save_z``. ``split_dx`` / ``split_dw``
     say whether each backward product runs on the split tensor-core kernel (``kernel`` its
     launch code, ``split`` three products or one) rather than PyTorch's; ``weight_cache`` keeps
-    the weight's transposed split between calls. ``chain_kernel`` False keeps the chain's
+    the weight's transposed split between calls. ``sparse`` (before the splits): dz is zero but
+    for a few groups a row (dispatch.sparse_gradient), both products take its nonzero entries
+    alone (the host extension's sparse_products). ``chain_kernel`` False keeps the chain's
     backward in PyTorch (a call whose forward ran the PyTorch path: its tensor arguments need
     not be per channel). A named tuple: made on every recorded call, it is built in one step.
     """
@@ -61,6 +66,7 @@ class FusedCall(NamedTuple):
     weight_cache: object
     split_dx: bool = False
     split_dw: bool = False
+    sparse: bool = False
     kernel: int = 0
     split: bool = True
     chain_kernel: bool = True
@@ -99,8 +105,11 @@ def fused_backward(call: FusedCall, grad, x, weight, z, gn_weight, gn_bias, para
     )
     if db is None and needs_b:
         db = dz.sum(0)
-    dx = grad_input(dz, weight, call) if needs_x else None
-    dw = grad_weight(dz, x, call) if needs_w else None
+    if (needs_x or needs_w) and _sparse_fits(call, dz, weight, x):
+        dx, dw = extension_for(call.epilogue).sparse_products(dz, weight, x, needs_x, needs_w)
+    else:
+        dx = grad_input(dz, weight, call) if needs_x else None
+        dw = grad_weight(dz, x, call) if needs_w else None
     return (dx, dw, db.to(z.dtype) if needs_b else None, *chain_grads)
 
 
@@ -317,6 +326,17 @@ def _padded(n: int) -> int:
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _sparse_fits(call: FusedCall, dz, weight, x) -> bool:
+    """Whether the sparse products take this call's backward: the call's chain makes dz sparse,
+    and the kernels' dtypes (float32 or bfloat16, one for all three) on CUDA."""
+    return (
+        call.sparse
+        and dz.is_cuda
+        and dz.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype == dz.dtype
+    )
 
 
 def grad_input(dz: torch.Tensor, weight: torch.Tensor, call: FusedCall) -> torch.Tensor:

@@ -3,8 +3,9 @@
 ``select_path`` picks the path of a call (``fused``, ``epilogue`` or ``torch``; ops.py's module
 docstring says what each runs) from its tensors, the GPU and ``kernel=``, and
 ``select_epilogue_path`` that of a ``fused_epilogue`` call (the chain on a given tensor);
-``fused_pays`` holds the size thresholds of ``kernel="auto"``; ``backward_splits`` says which
-backward products run on the split tensor-core kernel. Not yet here: the launch's own choices
+``fused_pays`` holds the size thresholds of ``kernel="auto"``; ``backward_products`` says which
+backward products run on the sparse kernels (a dz zero but for a few groups a row) or the split
+tensor-core kernel. Not yet here: the launch's own choices
 (a wide GroupNorm's second sweep and the one-or-two-rows kernel in ops.launch_path, whether the
 chain backward kernel fits in autograd.py, tiles and grids in csrc/). The constants that the
 CUDA sources share are checked against them by tests/test_sources.py, and against the compiled
@@ -241,6 +242,39 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
         and weight.data_ptr() % 16 == 0
     )
+
+
+# The sparse products pay where a row's nonzero dz columns (one group per extreme) are at most
+# this fraction of its channels.
+SPARSE_MAX_FRACTION = 1 / 8
+
+
+def sparse_gradient(epilogue: Epilogue, n: int) -> bool:
+    """Whether the chain's dz (the gradient of x @ W^T + b) is zero but for a few columns of
+    each row: a min or max over the n channels sends a row's gradient to its extremes alone,
+    pointwise ops keep it in their columns and a GroupNorm spreads it over their groups, each a
+    small part of the row. A tie spreads it over more groups (each tied extreme's), which the
+    sparse products take too, at a cost in proportion."""
+    reduce = epilogue.reduce
+    if reduce is None or reduce.op not in ("min", "max"):
+        return False
+    norm = epilogue.norm
+    width = 1 if norm is None else n // norm.num_groups  # a LayerNorm's group: the row
+    return width <= n * SPARSE_MAX_FRACTION
+
+
+def backward_products(path: str, x, weight, kernel: str, epilogue: Epilogue):
+    """(sparse, split dx, split dW): where dz is sparse (:func:`sparse_gradient`, a CUDA float32
+    or bfloat16 call on a gemmfuse kernel path) both products take its nonzero entries alone
+    (csrc/sparse_products.cu); else :func:`backward_splits`."""
+    n = weight.shape[0]
+    if (
+        path != "torch"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and sparse_gradient(epilogue, n)
+    ):
+        return True, False, False
+    return (False, *backward_splits(path, x, weight, kernel))
 
 
 def backward_splits(path: str, x, weight, kernel: str) -> tuple[bool, bool]:

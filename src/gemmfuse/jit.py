@@ -1,7 +1,8 @@
 """The package's kernels, built in two pieces and loaded.
 
-- **The host extension** (csrc/host_*.cpp, bind_*.cpp and split.cu): argument checks,
-  allocation and launches for every chain, and the operand splits. Chain-independent, so it is
+- **The host extension** (csrc/host_*.cpp, bind_*.cpp, split.cu and sparse_products.cu):
+  argument checks, allocation and launches for every chain, the operand splits and the sparse
+  backward products. Chain-independent, so it is
   built once per torch version, CUDA version and GPU architecture, its translation units in
   parallel (``torch.utils.cpp_extension.load`` in this process: ninja).
 - **A chain's library** (the csrc/chain_*.cu parts, with the chain's generated epilogue): its
@@ -42,9 +43,10 @@ from gemmfuse.sources import ChainKernels, check_constants, flatten
 CHAIN_PARTS = ("chain_table.cu", "chain_sm90_split.cu", "chain_sm90_one_pass.cu",
                "chain_sm90_bf16.cu", "chain_sm80.cu", "chain_epilogue.cu", "chain_gemv.cu",
                "chain_backward.cu")  # fmt: skip
-HOST_SOURCES = ("host_split.cpp", "host_forward.cpp", "host_backward.cpp", "host_plan.cpp",
-                "host_autograd.cpp", "bind_splits.cpp", "bind_forward.cpp", "bind_epilogue.cpp",
-                "bind_backward.cpp", "bind_plan.cpp", "host_module.cpp", "split.cu")  # fmt: skip
+HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_backward.cpp",
+                "host_plan.cpp", "host_autograd.cpp", "bind_splits.cpp", "bind_forward.cpp",
+                "bind_epilogue.cpp", "bind_backward.cpp", "bind_plan.cpp", "host_module.cpp",
+                "split.cu", "sparse_products.cu")  # fmt: skip
 # The parts' host code goes into a shared library.
 _PART_FLAGS = ("-Xcompiler=-fPIC",)
 _KERNELS: dict[tuple, ChainKernels] = {}

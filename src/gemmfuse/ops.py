@@ -54,7 +54,7 @@ from gemmfuse.dispatch import (
     K_ALIGN,
     KERNELS,
     PRECISIONS,
-    backward_splits,
+    backward_products,
     gemv_fits,
     group_stats_mode,
     norm_settings,
@@ -128,14 +128,15 @@ def records_grad(epilogue: Epilogue, params, *tensors) -> bool:
 
 def backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision) -> FusedCall:
     """The autograd plan: the launch, the weight cache, and the backward products' kernels
-    (:func:`gemmfuse.dispatch.backward_splits`)."""
-    split_dx, split_dw = backward_splits(path, x, weight, kernel)
+    (:func:`gemmfuse.dispatch.backward_products`)."""
+    sparse, split_dx, split_dw = backward_products(path, x, weight, kernel, epilogue)
     return FusedCall(
         epilogue,
         launch,
         cache,
         split_dx=split_dx,
         split_dw=split_dw,
+        sparse=sparse,
         kernel=FUSED_KERNELS.get(kernel, 0),
         split=PRECISIONS[precision],
         chain_kernel=path != "torch",

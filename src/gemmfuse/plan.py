@@ -31,7 +31,7 @@ from gemmfuse.autograd import kernel_backward_serves
 from gemmfuse.dispatch import (
     FUSED_KERNELS,
     PRECISIONS,
-    backward_splits,
+    backward_products,
     group_stats_mode,
     norm_settings,
 )
@@ -87,7 +87,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     )
     if grad and wants_operand_grad:
         return  # an (M, N) operand's gradient: PyTorch's backward of the chain gives it
-    split_dx, split_dw = backward_splits(path, x, weight, kernel)
+    sparse, split_dx, split_dw = backward_products(path, x, weight, kernel, epilogue)
     # The plain GEMM's library runs the split products: loaded only where a backward wants it
     plain = extension_for(Epilogue()).table if grad and (split_dx or split_dw) else 0
     ext = extension_for(epilogue)
@@ -99,7 +99,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
         scalars=list(epilogue.scalars), group_size=group_size, eps=eps, norm_wide=norm_wide,
         keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,
         channel_params=list(epilogue.channel_params), first_slot=column_sum_slots(chain)[1],
-        backward=serves_backward, split_dx=split_dx, split_dw=split_dw,
+        backward=serves_backward, split_dx=split_dx, split_dw=split_dw, sparse=sparse,
         epilogue_path=path == "epilogue",
         group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
     )  # fmt: skip

@@ -35,7 +35,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 # chain's kernels take its table first; the splits serve every chain.
 CHAIN_FUNCTIONS = ("gemm_split", "fused_forward", "fused_forward_bf16", "epilogue_forward",
                    "gemv_forward", "chain_backward", "chain_backward_plan")  # fmt: skip
-SHARED_FUNCTIONS = ("split_rows", "split_cols")
+SHARED_FUNCTIONS = ("split_rows", "split_cols", "sparse_products")
 
 
 def _flatten(files: Mapping[str, str], name: str, generated: str, seen: set[str]) -> list[str]:

@@ -98,11 +98,11 @@ void bind_plan(pybind11::module_& m) {
                        bool split, std::vector<double> scalars, int64_t group_size, double eps,
                        bool norm_wide, bool keepdim, std::vector<int64_t> channel_params,
                        int64_t first_slot, bool backward, bool split_dx, bool split_dw,
-                       bool epilogue_path, int64_t group_stats) {
+                       bool sparse, bool epilogue_path, int64_t group_stats) {
              PlanSpec spec{table,          plain_table, bf16,     kernel_code, split,
                            scalars,        group_size,  eps,      norm_wide,   keepdim,
                            channel_params, first_slot,  backward, split_dx,    split_dw,
-                           epilogue_path,  group_stats};
+                           sparse,         epilogue_path, group_stats};
              return PlanCall(std::move(cache), std::move(epilogue), std::move(kernel),
                              std::move(precision), tensors, std::move(spec));
            }),
@@ -111,7 +111,8 @@ void bind_plan(pybind11::module_& m) {
            py::arg("bf16"), py::arg("kernel_code"), py::arg("split"), py::arg("scalars"),
            py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"), py::arg("keepdim"),
            py::arg("channel_params"), py::arg("first_slot"), py::arg("backward"),
-           py::arg("split_dx"), py::arg("split_dw"), py::arg("epilogue_path") = false,
+           py::arg("split_dx"), py::arg("split_dw"), py::arg("sparse") = false,
+           py::arg("epilogue_path") = false,
            py::arg("group_stats") = 0)
       .def_property_readonly("path", &PlanCall::path)
       .def("__call__", &PlanCall::operator(), py::arg("epilogue"), py::arg("kernel"),

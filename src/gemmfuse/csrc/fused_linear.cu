@@ -1,7 +1,9 @@
 // A standalone export's one CUDA translation unit (load_inline builds one library): the operand
-// splits and every part of the chain's library. The package builds the same files apart: the
-// splits once into its host extension, the parts of each chain in parallel (gemmfuse/jit.py).
+// splits, the sparse backward products and every part of the chain's library. The package
+// builds the same files apart: the splits and sparse products once into its host extension, the
+// parts of each chain in parallel (gemmfuse/jit.py).
 #include "split.cu"
+#include "sparse_products.cu"
 #include "chain_table.cu"
 #include "chain_sm90_split.cu"
 #include "chain_sm90_one_pass.cu"

@@ -1,7 +1,7 @@
 // A planned call's backward (host_plan.h) as an autograd node: what
 // gemmfuse.autograd.fused_backward computes on the kernel path, without Python (the chain
-// backward kernel's dz and column sums, the products dx = dz W and dW = dz^T x on the split
-// kernel or PyTorch's, db the column sum of dz). Its own translation unit: the autograd headers
+// backward kernel's dz and column sums, the products dx = dz W and dW = dz^T x on the sparse
+// kernels, the split kernel or PyTorch's, db the column sum of dz). Its own translation unit: the autograd headers
 // are the heaviest the host extension parses.
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/function.h>
@@ -132,8 +132,15 @@ struct FusedLinearBackward : public Node {
                                     vectors, spec.scalars, spec.group_size, spec.eps);
       const at::Tensor &dz = r[0], &sums = r[1];
       const at::Tensor rounded = sums.to(z.scalar_type());  // one conversion for every sum
-      if (task_should_compute_output(0)) out[0] = grad_input(dz);
-      if (task_should_compute_output(1)) out[1] = grad_weight(dz);
+      const bool want_dx = task_should_compute_output(0), want_dw = task_should_compute_output(1);
+      if (spec.sparse && (want_dx || want_dw)) {
+        auto products = sparse_products(dz, weight, x, want_dx, want_dw);
+        out[0] = std::move(products[0]);
+        out[1] = std::move(products[1]);
+      } else {
+        if (want_dx) out[0] = grad_input(dz);
+        if (want_dw) out[1] = grad_weight(dz);
+      }
       if (task_should_compute_output(2)) out[2] = rounded[0];
       if (gn_weight.defined()) {
         if (task_should_compute_output(3)) out[3] = rounded[1];

@@ -12,6 +12,8 @@
 
 std::vector<at::Tensor> split_rows(at::Tensor x, int64_t k_padded);
 std::vector<at::Tensor> split_cols(at::Tensor x, int64_t rows_padded);
+std::vector<at::Tensor> sparse_products(at::Tensor dz, at::Tensor weight, at::Tensor x,
+                                        bool want_dx, bool want_dw);
 at::Tensor gemm_split(int64_t table, at::Tensor a_hi, at::Tensor a_lo, at::Tensor a_inv_scale,
                       at::Tensor b_hi, at::Tensor b_lo, at::Tensor b_inv_scale, int64_t kernel,
                       bool split);

@@ -86,6 +86,7 @@ struct PlanSpec {
   int64_t first_slot = 1;               // chain_backward's column-sum slot of the first one
   bool backward = false;                // the chain backward kernel serves this call's backward
   bool split_dx = false, split_dw = false;  // the backward products on the split kernel
+  bool sparse = false;  // dz is zero but for a few groups a row: the sparse products (before split)
   // The epilogue path (a bf16 model's chain with a reduction): PyTorch's GEMM, then
   // epilogue_forward with this group_stats, in place of the fused kernel.
   bool epilogue_path = false;

@@ -1,0 +1,31 @@
+// The backward's products where dz is mostly zero (sparse_products.cu): chain-independent, so
+// the host extension holds them and every chain shares them.
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace gemmfuse {
+
+// dx [M, K] = dz [M, N] @ w [N, K] and dw [N, K] = dz^T @ x (x [M, K]) from dz's nonzero
+// entries alone (all row-major, contiguous; T float or __nv_bfloat16; each output a float sum
+// in a fixed order, rounded once). dx or dw null: not computed. Scratch: sparse_scratch ints.
+template <class T>
+cudaError_t launch_sparse_products(const T* dz, const T* w, const T* x, T* dx, T* dw,
+                                  int* scratch, int M, int N, int K, cudaStream_t stream);
+constexpr int kSparseStrip = 16;  // dz columns per strip
+constexpr int kSparseBatch = 16;  // rows of a strip per item of dx's strip kernel
+// The scratch's ints (a 4-byte aligned start): each row's count of strips with a nonzero entry
+// [M], the count of dx's batches [1], each strip's count of rows [strips], its rows [strips, M],
+// one int to align, then dx's batches (pairs) [strips * ceil(M / kSparseBatch), 2].
+inline int64_t sparse_scratch(int64_t M, int64_t N) {
+  const int64_t strips = (N + kSparseStrip - 1) / kSparseStrip;
+  return M + 1 + strips * (1 + M) + 1 + 2 * strips * ((M + kSparseBatch - 1) / kSparseBatch);
+}
+
+// Columns of K per block: dx's row kernel's, dW's. Their grids have a chunk of K per y index, at
+// most 65535.
+constexpr int64_t kSparseInputChunk = 2048, kSparseWeightChunk = 512;
+constexpr int64_t kSparseMaxK = int64_t{65535} * kSparseWeightChunk;
+
+}  // namespace gemmfuse
