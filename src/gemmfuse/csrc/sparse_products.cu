@@ -27,7 +27,10 @@
 #include "sparse_products.h"
 
 namespace gemmfuse {
-namespace {
+// A named namespace, not an anonymous one: a standalone export compiles this file in one
+// translation unit with the chain's parts, whose gemmfuse::kThreads an anonymous namespace's
+// names would make ambiguous.
+namespace sparse {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kInputPerThread = 8;   // dx columns per thread: a chunk of 2048
@@ -430,11 +433,9 @@ int sm_count() {
   return sms;
 }
 
-}  // namespace
-
 template <class T>
-cudaError_t launch_sparse_products(const T* dz, const T* w, const T* x, T* dx, T* dw,
-                                  int* scratch, int M, int N, int K, cudaStream_t stream) {
+cudaError_t launch(const T* dz, const T* w, const T* x, T* dx, T* dw, int* scratch, int M,
+                   int N, int K, cudaStream_t stream) {
   const int64_t strips = (N + kStrip - 1) / kStrip;
   int* row_strips = scratch;
   int* batch_count = scratch + M;
@@ -460,6 +461,14 @@ cudaError_t launch_sparse_products(const T* dz, const T* w, const T* x, T* dx, T
     sparse_grad_weight_kernel<T><<<grid, kThreads, 0, stream>>>(dz, x, counts, rows, dw, M, N, K);
   }
   return cudaGetLastError();
+}
+
+}  // namespace sparse
+
+template <class T>
+cudaError_t launch_sparse_products(const T* dz, const T* w, const T* x, T* dx, T* dw,
+                                  int* scratch, int M, int N, int K, cudaStream_t stream) {
+  return sparse::launch(dz, w, x, dx, dw, scratch, M, N, K, stream);
 }
 
 template cudaError_t launch_sparse_products<float>(const float*, const float*, const float*,
