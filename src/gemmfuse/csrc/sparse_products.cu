@@ -236,7 +236,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // dW: entry e is row s_row[e] of dz with its strip's values s_val[e][0..16); each thread adds
-// value[j] * x[row, its 4 columns] into dW row j of the strip, kWeightDepth entries' loads in flight.
+// value[j] * x[row, its 2 columns] into dW row j of the strip, kWeightDepth entries' loads in
+// flight. (add_input_entries' loop shape, with an outer product in place of a scaled row.)
 template <class T>
 __device__ __forceinline__ void add_weight_entries(const int* s_row,
                                                    const float (*s_val)[kStrip + 1], int count,
