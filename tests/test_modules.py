@@ -66,6 +66,31 @@ def test_calls_fused_linear_with_its_operands_and_settings(monkeypatch):
     assert seen["epilogue"] == new.fc.epilogue
 
 
+def test_a_call_is_offered_to_the_plans_once():
+    """FusedLinear offers a call to its weight cache's plans itself (what a plan's key does not
+    see is checked there); where none serves it, fused_linear_with_path does not offer it
+    again, and a chain FusedLinear does not offer (a pooling, a BatchNorm1d) is offered there."""
+    model, new, inputs = optimized("gemm_groupnorm_min_bias")
+    offers = []
+
+    def declines(*args):
+        offers.append(args[3].shape)  # x
+
+    new.gemm.weight_split.plans = [declines]
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), model(*inputs), rtol=0, atol=0)
+    assert len(offers) == 1 and new.gemm.last_path == "torch"
+    _, pooled, inputs = optimized("avg_pool_over_channels")
+    fused = [m for m in pooled.modules() if isinstance(m, FusedLinear) and m.pool is not None]
+    assert fused
+    for m in fused:
+        m.weight_split.plans = [declines]
+    offers.clear()
+    with torch.no_grad():
+        pooled(*inputs)
+    assert len(offers) == len(fused)  # once each, by fused_linear_with_path
+
+
 def test_cpu_runs_the_reference_path():
     model, new, inputs = optimized("groupnorm_wide_functional")
     with torch.no_grad():

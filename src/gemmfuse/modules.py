@@ -461,7 +461,7 @@ class FusedLinear(nn.Module):
         operands, norm, epilogue = self._state(weight, inputs)
         model_operands = operands
         gn_weight, gn_bias = _norm_vectors(norm)
-        planned = self._planned(x, weight, bias, epilogue, gn_weight, gn_bias, operands)
+        offered, planned = self._planned(x, weight, bias, epilogue, gn_weight, gn_bias, operands)
         if planned is not None:
             out, self.last_path = planned
             return out
@@ -496,36 +496,38 @@ class FusedLinear(nn.Module):
         out, self.last_path = fused_linear_with_path(
             rows, *folded, epilogue, gn_weight, gn_bias, params=operands,
             weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
+            offer_plans=not offered,
         )  # fmt: skip
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _planned(self, x, weight, bias, epilogue, gn_weight, gn_bias, operands):
-        """(the output, the path) of the call run by one of the weight cache's plans (plan.py),
-        or None where none serves it. A plan exists only for kinds of tensors that passed every
-        rule of the call below (its dtypes, shapes and strides are the plan's key), so those
-        rules are not run again; what the key does not see is checked here: a chain with a
-        pooling or a BatchNorm1d (their operands are computed at each call) is not planned, and
-        a higher input only for a row-wise chain (as _fused_problem rules)."""
+        """(whether the call was offered to the weight cache's plans (plan.py), and (the
+        output, the path) where one ran it, else None): an offered call is not offered again
+        (fused_linear_with_path's offer_plans). A plan exists only for kinds of tensors that
+        passed every rule of the call below (its dtypes, shapes and strides are the plan's
+        key), so those rules are not run again; what the key does not see is checked here: a
+        chain with a pooling or a BatchNorm1d (their operands are computed at each call) is not
+        planned, and a higher input only for a row-wise chain (as _fused_problem rules)."""
         cache = self.weight_split
         if not plans_apply() or not cache.plans:  # under torch.compile, plans are not read
-            return None
+            return False, None
         if self.pool is not None or self._batch_norms or epilogue is None:
-            return None
+            return False, None
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
-            return None
+            return False, None
         rows = x
         if x.dim() > 2:
             if not _acts_on_rows(epilogue):
-                return None
+                return False, None
             rows, operands = x.reshape(-1, x.shape[-1]), self._flat_inputs(operands, x)
         planned = planned_call(cache, epilogue, self.kernel, self.precision, rows, weight, bias,
                                gn_weight, gn_bias, operands)  # fmt: skip
         if planned is None:
-            return None
+            return True, None
         out, path = planned
         if epilogue.tail:
             out = apply_pointwise(out, epilogue.tail, operands)
-        return (out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])), path
+        return True, ((out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])), path)
 
     def reference(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         """The chain evaluated by ``gemmfuse.reference`` with the current settings: what the

@@ -188,12 +188,14 @@ def fused_linear(
 
 def fused_linear_with_path(
     x, weight, bias, epilogue, gn_weight=None, gn_bias=None, *,
-    params=(), weight_cache=None, kernel="auto", precision="fp32",
+    params=(), weight_cache=None, kernel="auto", precision="fp32", offer_plans=True,
 ) -> tuple[torch.Tensor, str]:  # fmt: skip
-    """:func:`fused_linear`, also returning the path taken: "fused", "epilogue" or "torch"."""
+    """:func:`fused_linear`, also returning the path taken: "fused", "epilogue" or "torch".
+    ``offer_plans=False``: the caller has offered this very call to ``weight_cache``'s plans
+    and none served it (FusedLinear), so it is not offered again."""
     # A call of a kind seen before runs in C++ (plan.py); the rules below decide the others.
     # plans_apply() first: torch.compile then never reads the plans (nor guards on them).
-    if plans_apply() and weight_cache is not None and weight_cache.plans:
+    if offer_plans and plans_apply() and weight_cache is not None and weight_cache.plans:
         planned = planned_call(weight_cache, epilogue, kernel, precision, x, weight, bias,
                                gn_weight, gn_bias, params)  # fmt: skip
         if planned is not None:
