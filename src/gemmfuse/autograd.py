@@ -38,12 +38,10 @@ from typing import NamedTuple
 
 import torch
 
-from gemmfuse.dispatch import SPLIT_COLS_MAX, norm_settings
+from gemmfuse.dispatch import K_ALIGN, SPLIT_COLS_MAX, norm_settings
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_epilogue, apply_pointwise
-
-SPLIT_ALIGN = 64  # the split operands' K padding (the Hopper kernel's k-tile)
 
 
 class FusedCall(NamedTuple):
@@ -321,7 +319,7 @@ def _group_norm_backward(dy, x_hat, rstd, weight, groups):
 
 
 def _padded(n: int) -> int:
-    return -(-n // SPLIT_ALIGN) * SPLIT_ALIGN
+    return -(-n // K_ALIGN) * K_ALIGN
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gemmfuse.build import load_extension
-from gemmfuse.dispatch import GEMV_MAX_ROWS, SPLIT_COLS_MAX, TILE
+from gemmfuse.dispatch import GEMV_MAX_ROWS, K_ALIGN, SPLIT_COLS_MAX, TILE
 from gemmfuse.epilogue import MAX_TENSORS, Epilogue, cuda_epilogue
 from gemmfuse.kernel_files import read_csrc
 
@@ -70,6 +70,7 @@ def check_constants(host: ModuleType) -> None:
         "gemv_max_rows": GEMV_MAX_ROWS,
         "max_params": MAX_TENSORS,
         "split_cols_max": SPLIT_COLS_MAX,
+        "k_align": K_ALIGN,
     }
     theirs = dict(host.constants())
     if theirs != ours:

@@ -33,10 +33,6 @@ auto make_node(Args&&... args) {
     return c10::make_intrusive<N>(std::forward<Args>(args)...);
 }
 
-constexpr int64_t kSplitAlign = 64;  // split operands' padding (autograd.SPLIT_ALIGN)
-
-int64_t padded(int64_t n) { return (n + kSplitAlign - 1) / kSplitAlign * kSplitAlign; }
-
 // A tensor the backward reads, with the version the forward saw (save_for_backward's check).
 struct Saved {
   const char* name;
@@ -81,7 +77,7 @@ struct FusedLinearBackward : public Node {
   at::Tensor grad_input(const at::Tensor& dz) const {
     const PlanSpec& spec = plan->spec;
     if (!(spec.split_dx && weight.size(1) <= gemmfuse::kSplitColsMax)) return dz.mm(weight);
-    const int64_t n_padded = padded(dz.size(1));
+    const int64_t n_padded = split_padded(dz.size(1));
     const auto a = split_rows(unit_stride(dz), n_padded);
     const auto b = plan->cache->cols(weight, n_padded);
     return gemm_split(spec.plain_table, a[0], a[1], a[2], b[0], b[1], b[2], spec.kernel,
@@ -93,7 +89,7 @@ struct FusedLinearBackward : public Node {
     const PlanSpec& spec = plan->spec;
     if (!(spec.split_dw && std::max(dz.size(1), x.size(1)) <= gemmfuse::kSplitColsMax))
       return dz.t().mm(x);
-    const int64_t m_padded = padded(dz.size(0));
+    const int64_t m_padded = split_padded(dz.size(0));
     const auto a = split_cols(unit_stride(dz), m_padded);
     const auto b = split_cols(unit_stride(x), m_padded);
     return gemm_split(spec.plain_table, a[0], a[1], a[2], b[0], b[1], b[2], spec.kernel,

@@ -106,5 +106,6 @@ std::map<std::string, int64_t> constants() {
   return {{"tile", gemmfuse::kTile},
           {"gemv_max_rows", gemmfuse::kGemvMaxRows},
           {"max_params", gemmfuse::kMaxParams},
-          {"split_cols_max", gemmfuse::kSplitColsMax}};
+          {"split_cols_max", gemmfuse::kSplitColsMax},
+          {"k_align", gemmfuse::kKAlign}};
 }

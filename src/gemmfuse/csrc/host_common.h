@@ -51,6 +51,11 @@ inline std::optional<at::Tensor> maybe(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// n rounded up to the split operands' padding (kKAlign).
+inline int64_t split_padded(int64_t n) {
+  return (n + gemmfuse::kKAlign - 1) / gemmfuse::kKAlign * gemmfuse::kKAlign;
+}
+
 // t, or a copy with unit column stride (what the splits read).
 inline at::Tensor unit_stride(const at::Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); }
 
@@ -116,21 +121,28 @@ inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& tabl
   return keep;
 }
 
+// Whether a kernel tensor argument of these sizes is read per element (an [M, N] operand, M > 1)
+// rather than per channel: set_channel_params' rule, and the plans' (host_plan.cpp,
+// host_autograd.cpp).
+inline bool per_element(c10::IntArrayRef sizes, int64_t M, int64_t N) {
+  return sizes.size() == 2 && sizes[0] == M && sizes[1] == N && M > 1;
+}
+
 inline void set_channel_params(gemmfuse::FusedArgs& args, const std::vector<at::Tensor>& vec_params,
                         const std::vector<double>& scalar_params) {
   TORCH_CHECK(vec_params.size() <= gemmfuse::kMaxParams && scalar_params.size() <= gemmfuse::kMaxParams,
               "gemmfuse: too many epilogue arguments");
   for (size_t i = 0; i < vec_params.size(); ++i) {
     const at::Tensor& t = vec_params[i];
-    const bool per_element = t.dim() == 2 && t.size(0) == args.M && t.size(1) == args.N && args.M > 1;
-    if (per_element) {
+    const bool by_element = per_element(t.sizes(), args.M, args.N);
+    if (by_element) {
       TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous(),
                   "gemmfuse: an [M, N] epilogue tensor argument must be contiguous float32 on CUDA");
     } else {
       check_vector(t, args.N, "epilogue tensor argument");
     }
     args.params.vec[i] = t.data_ptr<float>();
-    args.params.vec_row_stride[i] = per_element ? args.N : 0;
+    args.params.vec_row_stride[i] = by_element ? args.N : 0;
   }
   for (size_t i = 0; i < scalar_params.size(); ++i)
     args.params.scalar[i] = static_cast<float>(scalar_params[i]);

@@ -125,7 +125,7 @@ bool per_element_grad(const PlanSpec& spec, const std::vector<at::Tensor>& t, in
                       int64_t N) {
   for (int64_t i : spec.channel_params) {
     const at::Tensor& p = t[5 + i];
-    if (p.requires_grad() && per_element(p.sizes().vec(), M, N)) return true;
+    if (p.requires_grad() && per_element(p.sizes(), M, N)) return true;
   }
   return false;
 }
@@ -157,17 +157,18 @@ at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
     if (!v.defined()) return std::nullopt;
     return cache.channel_vector(slot, v, N);
   };
-  const auto bias = vector32(2), gn_weight = vector32(3), gn_bias = vector32(4);
+  const auto gn_weight = vector32(3), gn_bias = vector32(4);
   std::vector<at::Tensor> vectors;
   for (int64_t i : spec.channel_params) {
     const at::Tensor& p = t[5 + i];
-    vectors.push_back(per_element(p.sizes().vec(), M, N) ? p.to(at::kFloat).contiguous()
-                                                          : cache.channel_vector(5 + i, p, N));
+    vectors.push_back(per_element(p.sizes(), M, N) ? p.to(at::kFloat).contiguous()
+                                                   : cache.channel_vector(5 + i, p, N));
   }
   at::Tensor z;
   at::Tensor out;
   if (spec.epilogue_path) {
-    // PyTorch's GEMM with the model's own bias (eager's bits), its result saved as z.
+    // PyTorch's GEMM with the model's own bias (eager's bits; no float32 copy of it is made),
+    // its result saved as z.
     const at::Tensor y = at::linear(x, weight, t[2].defined() ? std::optional<at::Tensor>(t[2])
                                                              : std::nullopt);
     if (grad) z = y;
@@ -176,13 +177,13 @@ at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
   } else if (spec.bf16) {
     if (grad) z = x.new_empty({M, N});
     out = fused_forward_bf16(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),
-                             bias, gn_weight, gn_bias, vectors, spec.scalars, spec.group_size,
-                             spec.eps, spec.norm_wide, maybe(z));
+                             vector32(2), gn_weight, gn_bias, vectors, spec.scalars,
+                             spec.group_size, spec.eps, spec.norm_wide, maybe(z));
   } else {
     if (grad) z = x.new_empty({M, N});
-    const int64_t k_padded = (weight.size(1) + 63) / 64 * 64;
+    const int64_t k_padded = split_padded(weight.size(1));
     const auto w = cache.rows(weight, k_padded);
-    out = fused_forward(spec.table, x, w[0], w[1], w[2], bias, gn_weight, gn_bias, vectors,
+    out = fused_forward(spec.table, x, w[0], w[1], w[2], vector32(2), gn_weight, gn_bias, vectors,
                         spec.scalars, spec.group_size, spec.eps, spec.kernel, spec.split,
                         spec.norm_wide, maybe(z));
   }

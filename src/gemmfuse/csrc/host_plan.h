@@ -122,11 +122,5 @@ void record_backward(const std::shared_ptr<const PlanState>& plan, const at::Ten
                      const at::Tensor& gn_weight, const at::Tensor& gn_bias,
                      const std::vector<at::Tensor>& vectors);
 
-// Whether a kernel tensor argument of these sizes is read per element (an [M, N] operand, M > 1:
-// set_channel_params' rule) rather than per channel.
-inline bool per_element(const std::vector<int64_t>& sizes, int64_t M, int64_t N) {
-  return sizes.size() == 2 && sizes[0] == M && sizes[1] == N && M > 1;
-}
-
 }  // namespace host
 }  // namespace gemmfuse

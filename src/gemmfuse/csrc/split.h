@@ -19,6 +19,9 @@ cudaError_t launch_split_cols_f32(const float* x, int64_t row_stride, int rows, 
                                   int rows_padded, __half* hi, __half* lo, float* inv_scale,
                                   float* col_max, cudaStream_t stream);
 int split_cols_chunks(int rows);
+// The split operands' padding of their contraction dimension (K in the forward, the backward's
+// N or M): the Hopper kernel's k-tile, kBlockK (dispatch.K_ALIGN).
+constexpr int kKAlign = 64;
 // The most columns split_cols takes (its grid's bound; autograd.SPLIT_COLS_MAX).
 constexpr int64_t kSplitColsMax = int64_t{65535} * 32;
 
