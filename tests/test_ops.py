@@ -16,9 +16,11 @@ from gemmfuse import (
     fused_linear_with_path,
 )
 from gemmfuse.dispatch import (
+    SPARSE_MAX_K,
     _channel_param_problem,
     backward_products,
     select_path,
+    sparse_fits,
     sparse_gradient,
 )
 from gemmfuse.weight_cache import SplitWeightCache
@@ -108,6 +110,18 @@ def test_min_and_max_after_small_groups_take_the_sparse_products(norm, reduce, s
         assert chosen == (sparse, False, False)
     assert backward_products("torch", x, w, "auto", epilogue)[0] is False
     assert backward_products("epilogue", x.double(), w.double(), "auto", epilogue)[0] is False
+
+
+def test_the_sparse_products_keep_to_their_kernels_sizes():
+    """Beyond the kernels' bounds (K over 65535 chunks of 512; N or the scratch beyond int32) the
+    products stay PyTorch's, where the host extension would refuse the call in the backward."""
+    assert sparse_fits(1024, 8192, 8192)
+    assert sparse_fits(8, 64, SPARSE_MAX_K) and not sparse_fits(8, 64, SPARSE_MAX_K + 1)
+    assert not sparse_fits(8, 2**31 - 2048, 64)
+    assert not sparse_fits(2**20, 2**20, 64)  # the strips' row lists: 2^36 ints
+    epilogue = Epilogue(reduce=Reduction("max"))
+    x, w = (torch.empty(rows, SPARSE_MAX_K + 1, device="meta") for rows in (8, 64))
+    assert backward_products("epilogue", x, w, "auto", epilogue) == (False, False, False)
 
 
 def test_bf16_reductions_take_the_epilogue_path_where_eager_is_reproduced(monkeypatch):

@@ -247,6 +247,11 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # The sparse products pay where a row's nonzero dz columns (one group per extreme) are at most
 # this fraction of its channels.
 SPARSE_MAX_FRACTION = 1 / 8
+# Their bounds (csrc/sparse_products.h): K up to 65535 chunks of 512 (the grids' y extent),
+# int32 indexing of N (with a 2048-column piece of slack) and of the scratch's ints.
+SPARSE_WEIGHT_CHUNK = 512  # kSparseWeightChunk
+SPARSE_MAX_K = 65535 * SPARSE_WEIGHT_CHUNK
+SPARSE_STRIP = SPARSE_BATCH = 16  # kSparseStrip, kSparseBatch
 
 
 def sparse_gradient(epilogue: Epilogue, n: int) -> bool:
@@ -263,15 +268,24 @@ def sparse_gradient(epilogue: Epilogue, n: int) -> bool:
     return width <= n * SPARSE_MAX_FRACTION
 
 
+def sparse_fits(m: int, n: int, k: int) -> bool:
+    """Whether the sparse products' kernels take an (m, n) dz and k columns of W and x
+    (host_sparse.cpp's checks, so that a call beyond them keeps PyTorch's products)."""
+    strips = -(-n // SPARSE_STRIP)
+    scratch = m + 1 + strips * (1 + m) + 1 + 2 * strips * -(-m // SPARSE_BATCH)
+    return k <= SPARSE_MAX_K and n < 2**31 - 2048 and m < 2**31 and scratch < 2**31
+
+
 def backward_products(path: str, x, weight, kernel: str, epilogue: Epilogue):
     """(sparse, split dx, split dW): where dz is sparse (:func:`sparse_gradient`, a CUDA float32
-    or bfloat16 call on a gemmfuse kernel path) both products take its nonzero entries alone
-    (csrc/sparse_products.cu); else :func:`backward_splits`."""
-    n = weight.shape[0]
+    or bfloat16 call on a gemmfuse kernel path, within the kernels' sizes) both products take
+    its nonzero entries alone (csrc/sparse_products.cu); else :func:`backward_splits`."""
+    (m, k), n = x.shape, weight.shape[0]
     if (
         path != "torch"
         and x.dtype in (torch.float32, torch.bfloat16)
         and sparse_gradient(epilogue, n)
+        and sparse_fits(m, n, k)
     ):
         return True, False, False
     return (False, *backward_splits(path, x, weight, kernel))

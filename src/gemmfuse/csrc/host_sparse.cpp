@@ -39,7 +39,7 @@ std::vector<at::Tensor> sparse_products(at::Tensor dz, at::Tensor weight, at::Te
               "], so weight must be [", std::to_string(N), ", K] and x [", std::to_string(M),
               ", K]");
   const int64_t limit = int64_t{1} << 31;
-  TORCH_CHECK(M < limit && N < limit && K <= gemmfuse::kSparseMaxK &&
+  TORCH_CHECK(M < limit && N < limit - 2048 && K <= gemmfuse::kSparseMaxK &&
                   gemmfuse::sparse_scratch(M, N) < limit,
               "gemmfuse: sparse_products sizes must fit the kernels' 32-bit indexing");
   c10::cuda::CUDAGuard guard(dz.device());

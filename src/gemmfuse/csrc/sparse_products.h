@@ -15,7 +15,7 @@ cudaError_t launch_sparse_products(const T* dz, const T* w, const T* x, T* dx, T
                                   int* scratch, int M, int N, int K, cudaStream_t stream);
 constexpr int kSparseStrip = 16;  // dz columns per strip
 constexpr int kSparseBatch = 16;  // rows of a strip per item of dx's strip kernel
-// The scratch's ints (a 4-byte aligned start): each row's count of strips with a nonzero entry
+// The scratch's ints (an 8-byte aligned start: the batches are int pairs): each row's count of strips with a nonzero entry
 // [M], the count of dx's batches [1], each strip's count of rows [strips], its rows [strips, M],
 // one int to align, then dx's batches (pairs) [strips * ceil(M / kSparseBatch), 2].
 inline int64_t sparse_scratch(int64_t M, int64_t N) {
