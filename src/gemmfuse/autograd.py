@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemmfuse.dispatch import K_ALIGN, SPLIT_COLS_MAX, norm_settings
+from gemmfuse.dispatch import SPLIT_COLS_MAX, norm_settings, split_padded
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_epilogue, apply_pointwise
@@ -318,10 +318,6 @@ def _group_norm_backward(dy, x_hat, rstd, weight, groups):
     return du, (dy * x_hat).sum(0), dy.sum(0)
 
 
-def _padded(n: int) -> int:
-    return -(-n // K_ALIGN) * K_ALIGN
-
-
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
@@ -342,7 +338,7 @@ def grad_input(dz: torch.Tensor, weight: torch.Tensor, call: FusedCall) -> torch
     if not (call.split_dx and weight.shape[1] <= SPLIT_COLS_MAX):
         return dz.mm(weight)
     ext = extension_for(Epilogue())
-    n_padded = _padded(dz.shape[1])
+    n_padded = split_padded(dz.shape[1])
     a = ext.split_rows(_unit_stride(dz), n_padded)
     # through the chain's extension, as the forward's split (an export's plain GEMM is a
     # module of its own, with another SplitCache type)
@@ -355,7 +351,7 @@ def grad_weight(dz: torch.Tensor, x: torch.Tensor, call: FusedCall) -> torch.Ten
     if not (call.split_dw and max(dz.shape[1], x.shape[1]) <= SPLIT_COLS_MAX):
         return dz.t().mm(x)
     ext = extension_for(Epilogue())
-    m_padded = _padded(dz.shape[0])
+    m_padded = split_padded(dz.shape[0])
     a = ext.split_cols(_unit_stride(dz), m_padded)
     b = ext.split_cols(_unit_stride(x), m_padded)
     return ext.gemm_split(*a, *b, call.kernel, call.split)

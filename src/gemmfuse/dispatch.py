@@ -47,6 +47,12 @@ GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/fused_args.h
 SPLIT_COLS_MAX = 65535 * 32  # kSplitColsMax in csrc/split.h: split_cols' grid bound on columns
 
 
+def split_padded(n: int) -> int:
+    """n rounded up to a multiple of K_ALIGN: a split operand's padded contraction dimension
+    (csrc/host_common.h's split_padded)."""
+    return -(-n // K_ALIGN) * K_ALIGN
+
+
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)

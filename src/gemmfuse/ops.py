@@ -51,13 +51,13 @@ import torch.nn.functional as F
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
 from gemmfuse.dispatch import (
     FUSED_KERNELS,
-    K_ALIGN,
     KERNELS,
     PRECISIONS,
     backward_products,
     gemv_fits,
     group_stats_mode,
     norm_settings,
+    split_padded,
     take_path,
 )
 from gemmfuse.epilogue import Epilogue, epilogue_spec
@@ -95,8 +95,7 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
         bias32 = cache.float32(bias, "bias")
         out = ext.fused_forward_bf16(x, w, bias32, gn_weight, gn_bias, *chain, z)
     else:
-        k_padded = -(-weight.shape[1] // K_ALIGN) * K_ALIGN
-        w_hi, w_lo, w_inv = cache.get(ext, weight, k_padded)
+        w_hi, w_lo, w_inv = cache.get(ext, weight, split_padded(weight.shape[1]))
         out = ext.fused_forward(
             x, w_hi, w_lo, w_inv, cache.float32(bias, "bias"), gn_weight, gn_bias, vectors,
             epilogue.scalars, group_size, eps, FUSED_KERNELS[kernel], PRECISIONS[precision],

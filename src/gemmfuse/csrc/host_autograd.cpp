@@ -1,8 +1,8 @@
 // A planned call's backward (host_plan.h) as an autograd node: what
 // gemmfuse.autograd.fused_backward computes on the kernel path, without Python (the chain
 // backward kernel's dz and column sums, the products dx = dz W and dW = dz^T x on the sparse
-// kernels, the split kernel or PyTorch's, db the column sum of dz). Its own translation unit: the autograd headers
-// are the heaviest the host extension parses.
+// kernels, the split kernel or PyTorch's, db the column sum of dz). Its own translation unit:
+// the autograd headers are the heaviest the host extension parses.
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>

@@ -21,7 +21,6 @@
 // us, dW 154 us, against cuBLAS's 158 and 178; float32 models, where PyTorch's products take
 // 2.6 ms each, gain the most. The strips holding many rows' extremes (197 of 1024 rows in one,
 // 2 on average) bound dW's time (a block per strip and chunk of K).
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
