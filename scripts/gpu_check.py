@@ -7,8 +7,12 @@ random-chain pool's and the hand-written test models'), one process per structur
 at once as there are cores, times a second process's load from the cache, runs the GPU tests
 (pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
-[--no-tests] [--no-cold] [-k EXPR] (-k selects GPU tests as pytest's -k does; --no-cold skips
-the cold builds, for a second call on a machine that already ran them). Where the tree travels
+[--no-tests] [--no-cold] [-k EXPR] [--files A,B] [--skip-files A,B] [--workers N]
+[--test-timeout S]. -k selects GPU tests as pytest's -k does; --files runs only those files of
+tests/gpu and --skip-files all but those, so that the suite can be split over calls that fit
+the device's 10 minutes; --workers runs N pytest-xdist processes sharing the GPU, where xdist
+is installed; --test-timeout bounds pytest's seconds (540); --no-cold skips the cold builds,
+for a second call on a machine that already ran them. Where the tree travels
 without its own .git (the device tool's copy carries a stale one), set GEMMFUSE_COMMIT to the
 commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
 """
@@ -137,6 +141,30 @@ def cold_builds() -> str:
     return "cold (fresh process, empty cache): " + "; ".join(lines)
 
 
+def option(name: str) -> str | None:
+    """The value after ``name`` on the command line, or None."""
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+def test_selection() -> tuple[list[str], list[str]]:
+    """(the paths pytest collects, its other arguments) for --files, --skip-files, --workers."""
+    files = option("--files")
+    paths = [f"tests/gpu/{name}" for name in files.split(",")] if files else ["tests"]
+    args = []
+    skip = option("--skip-files")
+    if skip:
+        args += [f"--ignore=tests/gpu/{name}" for name in skip.split(",")]
+    workers = option("--workers")
+    if workers:
+        try:
+            import xdist  # noqa: F401  (pytest-xdist: on the GPU machine, not a dependency)
+
+            args += ["-n", workers]
+        except ImportError:
+            print("gpu_check: pytest-xdist is not installed; --workers ignored", flush=True)
+    return paths, args
+
+
 def note(summary: list[str], line: str) -> None:
     """Adds a summary line and prints it at once: a run cut short keeps what it measured."""
     summary.append(line)
@@ -168,23 +196,15 @@ def main() -> int:
     _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
     note(summary, f"second-process load from cache: {load.strip().splitlines()[-1]}")
 
-    pytest = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "tests",
-        "-m",
-        "gpu",
-        "-q",
-        "-rs",
-        "-p",
-        "no:cacheprovider",
-    ]
+    paths, selection = test_selection()
+    pytest = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-q", "-rs", "-p",
+              "no:cacheprovider", *selection]  # fmt: skip
     if "-k" in sys.argv:
-        pytest += ["-k", sys.argv[sys.argv.index("-k") + 1]]
+        pytest += ["-k", option("-k")]
     rc_tests = 0
     if "--no-tests" not in sys.argv:
-        rc_tests, text = run(pytest, "pytest.log", timeout=540)
+        timeout = float(option("--test-timeout") or 540)
+        rc_tests, text = run(pytest, "pytest.log", timeout=timeout)
         counts = re.findall(
             r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
         )

@@ -211,13 +211,12 @@ def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None)
         gn32 = cache.float32(gn_weight, "gn_weight"), cache.float32(gn_bias, "gn_bias")
     else:
         gn32 = _float32(gn_weight), _float32(gn_bias)
-    dz, sums = extension_for(chain).chain_backward(
+    # The column sums in float64 and rounded to z's dtype, which the per-channel gradients share
+    # on this path; a scalar's gradient sums its columns in float64 first (they may cancel)
+    dz, sums, rounded = extension_for(chain).chain_backward(
         z, grad, *gn32, channel_vectors(chain, params, z.shape[0], n), chain.scalars,
         *norm_settings(chain, n)[:2],
     )  # fmt: skip
-    # One conversion for every per-channel gradient (the tensors share z's dtype on this path);
-    # a scalar's gradient sums its columns in float64 first (they may cancel)
-    rounded = sums.to(z.dtype)
     _, first = column_sum_slots(chain)
     grads = [rounded[1], rounded[2]] if gn_weight is not None else [None, None]
     grads += [None] * len(params)

@@ -1,10 +1,11 @@
 """The package's kernels, built in two pieces and loaded.
 
-- **The host extension** (csrc/host_*.cpp, bind_*.cpp, split.cu and sparse_products.cu):
-  argument checks, allocation and launches for every chain, the operand splits and the sparse
-  backward products. Chain-independent, so it is
-  built once per torch version, CUDA version and GPU architecture, its translation units in
-  parallel (``torch.utils.cpp_extension.load`` in this process: ninja).
+- **The host extension** (csrc/host_*.cpp, bind_*.cpp, split.cu, sparse_products.cu and
+  column_sums.cu): argument checks, allocation and launches for every chain, the operand
+  splits, the sparse backward products and the chain backward's column sums.
+  Chain-independent, so it is built once per torch version, CUDA version and GPU
+  architecture, its translation units in parallel (``torch.utils.cpp_extension.load`` in this
+  process: ninja).
 - **A chain's library** (the csrc/chain_*.cu parts, with the chain's generated epilogue): its
   kernels and their launches, no torch headers. nvcc compiles the parts (one kernel family
   each) in parallel and links them into a shared library, loaded with ctypes; its one exported
@@ -46,7 +47,7 @@ CHAIN_PARTS = ("chain_table.cu", "chain_sm90_split.cu", "chain_sm90_one_pass.cu"
 HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_backward.cpp",
                 "host_plan.cpp", "host_autograd.cpp", "bind_splits.cpp", "bind_forward.cpp",
                 "bind_epilogue.cpp", "bind_backward.cpp", "bind_plan.cpp", "host_module.cpp",
-                "split.cu", "sparse_products.cu")  # fmt: skip
+                "split.cu", "sparse_products.cu", "column_sums.cu")  # fmt: skip
 # The parts' host code goes into a shared library.
 _PART_FLAGS = ("-Xcompiler=-fPIC",)
 _KERNELS: dict[tuple, ChainKernels] = {}

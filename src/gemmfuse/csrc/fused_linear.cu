@@ -1,9 +1,10 @@
 // A standalone export's one CUDA translation unit (load_inline builds one library): the operand
-// splits, the sparse backward products and every part of the chain's library. The package
-// builds the same files apart: the splits and sparse products once into its host extension, the
-// parts of each chain in parallel (gemmfuse/jit.py).
+// splits, the sparse backward products, the column sums and every part of the chain's library.
+// The package builds the same files apart: the host extension's once, the parts of each chain
+// in parallel (gemmfuse/jit.py).
 #include "split.cu"
 #include "sparse_products.cu"
+#include "column_sums.cu"
 #include "chain_table.cu"
 #include "chain_sm90_split.cu"
 #include "chain_sm90_one_pass.cu"

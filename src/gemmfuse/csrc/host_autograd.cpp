@@ -126,8 +126,7 @@ struct FusedLinearBackward : public Node {
       const PlanSpec& spec = plan->spec;
       const auto r = chain_backward(spec.table, z, grads[0], maybe(gn_weight), maybe(gn_bias),
                                     vectors, spec.scalars, spec.group_size, spec.eps);
-      const at::Tensor &dz = r[0], &sums = r[1];
-      const at::Tensor rounded = sums.to(z.scalar_type());  // one conversion for every sum
+      const at::Tensor &dz = r[0], &sums = r[1], &rounded = r[2];  // rounded: sums in z's dtype
       const bool want_dx = task_should_compute_output(0), want_dw = task_should_compute_output(1);
       if (spec.sparse && (want_dx || want_dw)) {
         auto products = sparse_products(dz, weight, x, want_dx, want_dw);

@@ -1,4 +1,5 @@
 // The host extension's chain backward, and what Python checks when it loads a library.
+#include "column_sums.h"
 #include "host_common.h"
 
 using namespace gemmfuse::host;
@@ -10,8 +11,9 @@ extern "C" __attribute__((weak)) const gemmfuse::ChainTable* gemmfuse_chain_tabl
 // The chain's backward (chain_backward.cuh): z [M, N] (the saved GEMM result, float32 or
 // bfloat16, contiguous) and the gradient of the chain's output (z's dtype: [M, N], or M values
 // when the chain reduces; any strides) -> {dz [M, N] of z's dtype, column sums float64
-// [the table's column_sums, N]}: slot 0 the sum of dz over rows, then the GroupNorm affine's and
-// each per-channel tensor argument's gradients per column (epilogue.column_sum_slots).
+// [the table's column_sums, N], the same sums rounded to z's dtype}: slot 0 the sum of dz over
+// rows, then the GroupNorm affine's and each per-channel tensor argument's gradients per column
+// (epilogue.column_sum_slots); the row blocks' partial sums added in float64, in block order.
 std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor grad,
                                        std::optional<at::Tensor> gn_weight,
                                        std::optional<at::Tensor> gn_bias,
@@ -42,9 +44,9 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
   TORCH_CHECK(plan.row_blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_plan)");
   // The register kernel reads four columns at once (a view of a larger z may start unaligned)
   if (plan.in_registers && reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 != 0) z = z.clone();
-  const int sums = t.column_sums;
+  const int sums_count = t.column_sums;
   auto dz = z.new_empty(z.sizes());
-  auto partial = z.new_empty({plan.row_blocks, sums, N}, z.options().dtype(at::kFloat));
+  auto partial = z.new_empty({plan.row_blocks, sums_count, N}, z.options().dtype(at::kFloat));
   const bool slab_extremes = (kind == 1 || kind == 2) && plan.slabs > 1;
   auto extremes = z.new_empty({slab_extremes ? M : 0, plan.slabs, 2}, partial.options());
   gemmfuse::BackwardArgs args{};
@@ -64,9 +66,21 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
   args.bf16 = bf16;
   args.params = chain.params;
   args.params.round_bf16 = args.bf16;
-  check_cuda(t.launch_backward(args, plan, c10::cuda::getCurrentCUDAStream()),
-             "chain backward launch");
-  return {dz, partial.sum({0}, false, at::kDouble)};  // the blocks' sums added in float64
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  check_cuda(t.launch_backward(args, plan, stream), "chain backward launch");
+  auto sums = partial.new_empty({sums_count, N}, partial.options().dtype(at::kDouble));
+  auto rounded = dz.new_empty({sums_count, N});
+  const int64_t count = sums_count * N;
+  const cudaError_t err =
+      bf16 ? gemmfuse::launch_column_sums(partial.data_ptr<float>(), plan.row_blocks, count,
+                                          sums.data_ptr<double>(),
+                                          reinterpret_cast<__nv_bfloat16*>(rounded.data_ptr()),
+                                          stream)
+           : gemmfuse::launch_column_sums(partial.data_ptr<float>(), plan.row_blocks, count,
+                                          sums.data_ptr<double>(), rounded.data_ptr<float>(),
+                                          stream);
+  check_cuda(err, "column sums launch");
+  return {dz, sums, rounded};
 }
 
 // How chain_backward cuts an M x N chain in groups of group_size (bf16: of bfloat16 tensors) on

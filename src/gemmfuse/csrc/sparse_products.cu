@@ -9,18 +9,23 @@
 // nonzero entry there (in row order) and counts each row's strips. dx: the rows of one strip
 // (almost all: #75's ties are rare) from sparse_input_strip_kernel, which reads the strip's 16
 // rows of W once per batch of rows; the rest (ties over strips, empty rows) from
-// sparse_grad_input_kernel, a row at a time. dW: sparse_grad_weight_kernel, a block per (strip,
-// chunk of K) over the strip's listed rows. Every output is a float sum in a fixed order
-// (columns, or rows, ascending; the lists come from block-wide scans, not atomics), rounded
-// once: the same on every run. A NaN in dz is nonzero and reaches the products as in a dense
+// sparse_grad_input_kernel, a row at a time. dW: sparse_grad_weight_kernel, resident blocks
+// taking (strip, chunk of K) items from a counter, each summing its strip's listed rows, then the
+// idle strips' zeros. Every output is a float sum in a fixed order (columns, or rows,
+// ascending; the row lists come from block-wide scans, not atomics; each output is one item's),
+// rounded once: the same on every run. A NaN in dz is nonzero and reaches the products as in a dense
 // one. dx skips dz's zero entries, and dW the rows whose strip of dz is all zero, where a
 // dense product would turn an inf or NaN of W or x times those zeros into NaN (dW multiplies
 // the zeros within a listed row's strip, as a dense product does).
 //
 // Measured on #75's bf16 backward (H100, 2026-11-25, torch.profiler): rows 12 us, dx 71 + 27
 // us, dW 154 us, against cuBLAS's 158 and 178; float32 models, where PyTorch's products take
-// 2.6 ms each, gain the most. The strips holding many rows' extremes (197 of 1024 rows in one,
-// 2 on average) bound dW's time (a block per strip and chunk of K).
+// 2.6 ms each, gain the most. dW as items (H100, 2026-11-25, a standalone CUDA harness on
+// #75-like data, 1024 x 8192 x 8192 with one strip holding 197 rows' extremes, medians of 20
+// launches): 142 us against 162 for a block per (strip, chunk), float32 121 against 144;
+// its idle strips' zeros alone take 41 us, the strips with rows 118 (float32: 62), a cost not
+// yet explained (loads batched eight at a time for every strip, not only the long ones, did not
+// change it).
 #include <cstdint>
 #include <type_traits>
 
@@ -289,14 +294,17 @@ __device__ __forceinline__ void load_strip(const T* __restrict__ dz, int64_t r, 
 // order, to rows[strip * M ...] and how many to counts[strip], kThreads rows at a time. Where the
 // blocks of dW listed them themselves, once per chunk of K, a strip that holds many rows'
 // extremes (197 of #75's 1024 rows in one strip, 2 on average) kept its blocks the longest.
-// row_strips[r] (zeroed before) gains one for each strip in which row r has a nonzero entry,
-// and the strip's rows go to dx's work list in batches of kBatch: (strip, first entry) pairs
-// at batches[...], their number at *batch_count (zeroed before).
+// row_strips[r] (zeroed before) gains one for each strip in which row r has a nonzero entry;
+// the strip's rows go to dx's work list in batches of kBatch: (strip, first entry) pairs at
+// batches[...], their number at counters[0]; the strip itself to `order`, from the front where
+// it has rows (their number at counters[1]), from the back where it has none (counters[2]).
+// The counters are zeroed before.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     sparse_rows_kernel(const T* __restrict__ dz, int M, int N, int* __restrict__ counts,
                        int* __restrict__ rows, int* __restrict__ row_strips,
-                       int* __restrict__ batch_count, int2* __restrict__ batches) {
+                       int* __restrict__ counters, int* __restrict__ order,
+                       int2* __restrict__ batches) {
   __shared__ int s_scratch[kWarps];
   const int64_t strip = blockIdx.x;
   const int c0 = static_cast<int>(strip) * kStrip, nc = min(kStrip, N - c0);
@@ -318,10 +326,13 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (threadIdx.x == 0) {
     counts[strip] = listed;
+    // The lists' order varies from run to run; each output's sum does not (one item writes it).
     const int n = (listed + kBatch - 1) / kBatch;
-    // The list's order varies from run to run; each row's sum does not (one item writes it).
-    const int at = n > 0 ? atomicAdd(batch_count, n) : 0;
+    const int at = n > 0 ? atomicAdd(counters, n) : 0;
     for (int b = 0; b < n; ++b) batches[at + b] = make_int2(static_cast<int>(strip), b * kBatch);
+    const int strips = static_cast<int>(gridDim.x);
+    order[listed > 0 ? atomicAdd(counters + 1, 1) : strips - 1 - atomicAdd(counters + 2, 1)] =
+        static_cast<int>(strip);
   }
 }
 
@@ -390,27 +401,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Block (strip, chunk of K): dW[strip's rows, chunk] from the strip's listed rows, staged
-// kThreads at a time with their values; an empty strip's rows are zeros. (Resident blocks
-// taking (strip, chunk) items in turn took 170 us on #75 against 152 for a block each.)
+// dW[strip's rows, chunk] from the strip's listed rows, staged kThreads at a time with their
+// values.
 template <class T>
-__global__ void __launch_bounds__(kThreads)
-    sparse_grad_weight_kernel(const T* __restrict__ dz, const T* __restrict__ x,
-                              const int* __restrict__ counts, const int* __restrict__ rows,
-                              T* __restrict__ dw, int M, int N, int K) {
-  __shared__ int s_row[kThreads];
-  __shared__ float s_val[kThreads][kStrip + 1];  // +1: a thread's row of values, own banks
-  const int64_t strip = blockIdx.x;
-  const int c0 = static_cast<int>(strip) * kStrip, nc = min(kStrip, N - c0);
-  const int k = blockIdx.y * static_cast<int>(kSparseWeightChunk) + kWeightPerThread * threadIdx.x;
+__device__ __forceinline__ void weight_item(const T* __restrict__ dz, const T* __restrict__ x,
+                                            const int* __restrict__ strip_rows, int count, int c0,
+                                            int nc, int chunk, T* __restrict__ dw, int N, int K,
+                                            int* s_row, float (*s_val)[kStrip + 1]) {
+  const int k = chunk * static_cast<int>(kSparseWeightChunk) + kWeightPerThread * threadIdx.x;
   const int nk = max(0, min(kWeightPerThread, K - k));
-  const int count = counts[strip];
   float acc[kStrip][kWeightPerThread] = {};
   for (int e0 = 0; e0 < count; e0 += kThreads) {
     const int n = min(kThreads, count - e0);
     __syncthreads();  // the last batch's entries are read
     if (static_cast<int>(threadIdx.x) < n) {
-      const int r = rows[strip * M + e0 + threadIdx.x];
+      const int r = strip_rows[e0 + threadIdx.x];
       float v[kStrip];
       load_strip(dz, r, N, c0, nc, v);
       s_row[threadIdx.x] = r;
@@ -427,6 +432,65 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// dW[strip's rows, chunk of kSparseZeroChunk] = 0 for a strip without rows: 16-byte stores where
+// dW's rows allow them.
+template <class T>
+__device__ __forceinline__ void zero_item(int c0, int nc, int chunk, T* __restrict__ dw, int K) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const int k0 = chunk * static_cast<int>(kSparseZeroChunk);
+  const int k1 = min(K, k0 + static_cast<int>(kSparseZeroChunk));
+  const bool vector = K % kVec == 0 && reinterpret_cast<uintptr_t>(dw) % 16 == 0;
+  for (int j = 0; j < nc; ++j) {
+    T* row = dw + static_cast<int64_t>(c0 + j) * K;
+    if (vector) {  // k0 and k1 are multiples of kVec
+      for (int k = k0 + kVec * static_cast<int>(threadIdx.x); k < k1; k += kVec * kThreads)
+        *reinterpret_cast<uint4*>(row + k) = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      for (int k = k0 + static_cast<int>(threadIdx.x); k < k1; k += kThreads)
+        row[k] = from_float<T>(0.f);
+    }
+  }
+}
+
+// dW: resident blocks take work items in turn from counters[3] (zeroed before): first (strip
+// with rows, chunk of K) items, a block's sum over the strip's listed rows in row order, then
+// the idle strips' zeros. A block per (strip, chunk), 8192 of them for #75 with almost every
+// strip idle, kept the SMs busy less than half the kernel's 177 us (ncu, H100, 2026-11-25);
+// the items come from a counter so that the strip holding most extremes (197 of #75's 1024
+// rows) does not hold up the blocks that would follow it.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    sparse_grad_weight_kernel(const T* __restrict__ dz, const T* __restrict__ x,
+                              const int* __restrict__ counts, const int* __restrict__ rows,
+                              const int* __restrict__ order, int* __restrict__ counters,
+                              T* __restrict__ dw, int M, int N, int K) {
+  __shared__ int s_row[kThreads];
+  __shared__ float s_val[kThreads][kStrip + 1];  // +1: a thread's row of values, own banks
+  __shared__ int64_t s_item;
+  const int strips = (N + kStrip - 1) / kStrip, busy = counters[1];
+  const int chunks = static_cast<int>((K + kSparseWeightChunk - 1) / kSparseWeightChunk);
+  const int zero_chunks = static_cast<int>((K + kSparseZeroChunk - 1) / kSparseZeroChunk);
+  const int64_t weighted = static_cast<int64_t>(busy) * chunks;
+  const int64_t items = weighted + static_cast<int64_t>(strips - busy) * zero_chunks;
+  for (;;) {
+    __syncthreads();  // the last item's s_item and entries are read
+    if (threadIdx.x == 0) s_item = atomicAdd(reinterpret_cast<unsigned*>(counters + 3), 1u);
+    __syncthreads();
+    const int64_t item = s_item;
+    if (item >= items) return;
+    if (item < weighted) {
+      const int strip = order[item / chunks];
+      const int c0 = strip * kStrip;
+      weight_item(dz, x, rows + static_cast<int64_t>(strip) * M, counts[strip], c0,
+                  min(kStrip, N - c0), static_cast<int>(item % chunks), dw, N, K, s_row, s_val);
+    } else {
+      const int64_t idle = (item - weighted) / zero_chunks;
+      const int strip = order[busy + idle], c0 = strip * kStrip;
+      zero_item(c0, min(kStrip, N - c0), static_cast<int>((item - weighted) % zero_chunks), dw, K);
+    }
+  }
+}
+
 int sm_count() {
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess)
@@ -439,27 +503,32 @@ cudaError_t launch(const T* dz, const T* w, const T* x, T* dx, T* dw, int* scrat
                    int N, int K, cudaStream_t stream) {
   const int64_t strips = (N + kStrip - 1) / kStrip;
   int* row_strips = scratch;
-  int* batch_count = scratch + M;
-  int* counts = batch_count + 1;
-  int* rows = counts + strips;
-  const int64_t listed_end = M + 1 + strips * (1 + M);  // the batches start 8-byte aligned
+  int* counters = scratch + M;
+  int* counts = counters + kSparseCounters;
+  int* order = counts + strips;
+  int* rows = order + strips;
+  const int64_t listed_end = M + kSparseCounters + strips * (2 + M);  // batches: 8-byte aligned
   int2* batches = reinterpret_cast<int2*>(scratch + listed_end + listed_end % 2);
-  cudaError_t err = cudaMemsetAsync(row_strips, 0, sizeof(int) * (M + 1), stream);
+  cudaError_t err = cudaMemsetAsync(row_strips, 0, sizeof(int) * (M + kSparseCounters), stream);
   if (err != cudaSuccess) return err;
   sparse_rows_kernel<T><<<static_cast<unsigned>(strips), kThreads, 0, stream>>>(
-      dz, M, N, counts, rows, row_strips, batch_count, batches);
+      dz, M, N, counts, rows, row_strips, counters, order, batches);
+  // Resident grids (their blocks take items in turn): four blocks an SM, as many as fit
+  const unsigned resident = static_cast<unsigned>(4 * sm_count());
   if (dx != nullptr) {
-    const unsigned resident = static_cast<unsigned>(4 * sm_count());
     sparse_input_strip_kernel<T><<<resident, kThreads, 0, stream>>>(
-        dz, w, counts, rows, row_strips, batch_count, batches, dx, M, N, K);
+        dz, w, counts, rows, row_strips, counters, batches, dx, M, N, K);
     // A block per chunk: the rows it takes are few (ties), and each would do its chunks in turn
+    // (a block per row, its chunks in turn, took 42 us against 20 on #75-like data; resident
+    // blocks taking (row, chunk) items in turn, 42 us too: the few tie rows' latency bounds it)
     const dim3 row_grid(M, static_cast<unsigned>((K + kSparseInputChunk - 1) / kSparseInputChunk));
     sparse_grad_input_kernel<T><<<row_grid, kThreads, 0, stream>>>(dz, w, row_strips, dx, N, K);
   }
   if (dw != nullptr) {
-    const dim3 grid(static_cast<unsigned>(strips),
-                    static_cast<unsigned>((K + kSparseWeightChunk - 1) / kSparseWeightChunk));
-    sparse_grad_weight_kernel<T><<<grid, kThreads, 0, stream>>>(dz, x, counts, rows, dw, M, N, K);
+    // The item counter runs to (strips with rows) * K / 512 + (idle strips) * K / 2048 plus the
+    // grid: about N * K / 8192, far from 2^32 for any dW that fits in a GPU's memory.
+    sparse_grad_weight_kernel<T><<<resident, kThreads, 0, stream>>>(dz, x, counts, rows, order,
+                                                                   counters, dw, M, N, K);
   }
   return cudaGetLastError();
 }

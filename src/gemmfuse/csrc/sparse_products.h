@@ -15,17 +15,22 @@ cudaError_t launch_sparse_products(const T* dz, const T* w, const T* x, T* dx, T
                                   int* scratch, int M, int N, int K, cudaStream_t stream);
 constexpr int kSparseStrip = 16;  // dz columns per strip
 constexpr int kSparseBatch = 16;  // rows of a strip per item of dx's strip kernel
-// The scratch's ints (an 8-byte aligned start: the batches are int pairs): each row's count of strips with a nonzero entry
-// [M], the count of dx's batches [1], each strip's count of rows [strips], its rows [strips, M],
-// one int to align, then dx's batches (pairs) [strips * ceil(M / kSparseBatch), 2].
+constexpr int kSparseCounters = 4;  // dx's batches, the busy and idle strips, dW's next item
+// The scratch's ints (an 8-byte aligned start: the batches are int pairs): each row's count of
+// strips with a nonzero entry [M], the counters [kSparseCounters], each strip's count of rows
+// [strips], the strips in two lists (those with rows from the front, the idle ones from the
+// back) [strips], each strip's rows [strips, M], one int to align, then dx's batches (pairs)
+// [strips * ceil(M / kSparseBatch), 2].
 inline int64_t sparse_scratch(int64_t M, int64_t N) {
   const int64_t strips = (N + kSparseStrip - 1) / kSparseStrip;
-  return M + 1 + strips * (1 + M) + 1 + 2 * strips * ((M + kSparseBatch - 1) / kSparseBatch);
+  return M + kSparseCounters + strips * (2 + M) + 1 +
+         2 * strips * ((M + kSparseBatch - 1) / kSparseBatch);
 }
 
-// Columns of K per block: dx's row kernel's, dW's. Their grids have a chunk of K per y index, at
-// most 65535.
-constexpr int64_t kSparseInputChunk = 2048, kSparseWeightChunk = 512;
-constexpr int64_t kSparseMaxK = int64_t{65535} * kSparseWeightChunk;
+// Columns of K per block or work item: dx's row kernel's, dW's (a strip with rows; an idle
+// strip's zeros take kSparseZeroChunk). dx's row kernel has a chunk per grid y index, at most
+// 65535; dW's blocks take items in turn.
+constexpr int64_t kSparseInputChunk = 2048, kSparseWeightChunk = 512, kSparseZeroChunk = 2048;
+constexpr int64_t kSparseMaxK = int64_t{65535} * kSparseInputChunk;
 
 }  // namespace gemmfuse
