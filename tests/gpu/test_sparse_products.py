@@ -172,6 +172,19 @@ def test_a_strip_holding_many_rows(host, dtype):
     assert (dx[5::50] == 0).all() and (dw[:32] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_all_zero_dz_gives_zeros(host, dtype):
+    """No strip has rows: dW is written by the idle strips' zero items alone (16-byte stores
+    where K allows them, element stores where it does not), dx by the row kernel's empty rows;
+    the outputs land in NaN-poisoned memory."""
+    for m, n, k in ((64, 512, 4096), (33, 200, 77)):
+        dz = torch.zeros(m, n, device=CUDA, dtype=dtype)
+        w, x = operand(n, k, dtype, 19), operand(m, k, dtype, 20)
+        poison((m + n) * k * 4)
+        dx, dw = host.sparse_products(dz, w, x, True, True)
+        assert (dx == 0).all() and (dw == 0).all()
+
+
 def test_empty_sizes_and_nothing_asked(host):
     w, x = operand(8, 5, torch.float32, 17), operand(4, 5, torch.float32, 18)
     assert host.sparse_products(torch.zeros(4, 8, device=CUDA), w, x, False, False) == [None, None]

@@ -10,22 +10,23 @@
 // (almost all: #75's ties are rare) from sparse_input_strip_kernel, which reads the strip's 16
 // rows of W once per batch of rows; the rest (ties over strips, empty rows) from
 // sparse_grad_input_kernel, a row at a time. dW: sparse_grad_weight_kernel, resident blocks
-// taking (strip, chunk of K) items from a counter, each summing its strip's listed rows, then the
-// idle strips' zeros. Every output is a float sum in a fixed order (columns, or rows,
-// ascending; the row lists come from block-wide scans, not atomics; each output is one item's),
-// rounded once: the same on every run. A NaN in dz is nonzero and reaches the products as in a dense
-// one. dx skips dz's zero entries, and dW the rows whose strip of dz is all zero, where a
-// dense product would turn an inf or NaN of W or x times those zeros into NaN (dW multiplies
-// the zeros within a listed row's strip, as a dense product does).
+// taking (strip, chunk of K) items from a counter, each summing its strip's listed rows, then
+// the idle strips' zeros. Every output is a float sum in a fixed order (columns, or rows,
+// ascending; the row lists come from block-wide scans, not atomics; each output is one
+// item's), rounded once: the same on every run. A NaN in dz is nonzero and reaches the
+// products as in a dense one. dx skips dz's zero entries, and dW the rows whose strip of dz is
+// all zero, where a dense product would turn an inf or NaN of W or x times those zeros into
+// NaN (dW multiplies the zeros within a listed row's strip, as a dense product does).
 //
-// Measured on #75's bf16 backward (H100, 2026-11-25, torch.profiler): rows 12 us, dx 71 + 27
-// us, dW 154 us, against cuBLAS's 158 and 178; float32 models, where PyTorch's products take
-// 2.6 ms each, gain the most. dW as items (H100, 2026-11-25, a standalone CUDA harness on
-// #75-like data, 1024 x 8192 x 8192 with one strip holding 197 rows' extremes, medians of 20
-// launches): 142 us against 162 for a block per (strip, chunk), float32 121 against 144;
-// its idle strips' zeros alone take 41 us, the strips with rows 118 (float32: 62), a cost not
-// yet explained (loads batched eight at a time for every strip, not only the long ones, did not
-// change it).
+// Measured on #75's bf16 backward (H100, 2026-11-25, torch.profiler, the kernels of 12c2ff5,
+// dW then a block per (strip, chunk)): rows 12 us, dx 71 + 27 us, dW 154 us, against cuBLAS's
+// 158 and 178; float32 models, where PyTorch's products take 2.6 ms each, gain the most. dW as
+// items (3680ce2; H100, 2026-11-25, a standalone CUDA harness, not kept, that ran this file and
+// 6c22eb8's on #75-like data, 1024 x 8192 x 8192 with one strip holding 197 rows' extremes,
+// outputs equal bit for bit, medians of 20 launches): 142 us against 162, float32 121 against
+// 144; its idle strips' zeros alone take 41 us, the strips with rows 118 (float32: 62), a cost
+// not yet explained (loads batched eight at a time for every strip, not only the long ones, did
+// not change it; at 80 registers three blocks fit an SM).
 #include <cstdint>
 #include <type_traits>
 
@@ -39,7 +40,7 @@ namespace sparse {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kInputPerThread = 8;   // dx columns per thread: a chunk of 2048
-constexpr int kStrip = kSparseStrip;  // dz columns (dW rows) per dW block
+constexpr int kStrip = kSparseStrip;  // dz columns (dW rows) per dW item
 constexpr int kWeightPerThread = 2;  // dW columns per thread: a chunk of 512
 constexpr int kStripPerThread = 2;  // dx columns per thread of the strip kernel: a chunk of 512
 constexpr int kBatch = kSparseBatch;
@@ -513,7 +514,8 @@ cudaError_t launch(const T* dz, const T* w, const T* x, T* dx, T* dw, int* scrat
   if (err != cudaSuccess) return err;
   sparse_rows_kernel<T><<<static_cast<unsigned>(strips), kThreads, 0, stream>>>(
       dz, M, N, counts, rows, row_strips, counters, order, batches);
-  // Resident grids (their blocks take items in turn): four blocks an SM, as many as fit
+  // Resident grids (their blocks take items in turn): four blocks an SM, as many as dx's strip
+  // kernel fits; dW's 80 registers fit three, and its fourth blocks find the items taken
   const unsigned resident = static_cast<unsigned>(4 * sm_count());
   if (dx != nullptr) {
     sparse_input_strip_kernel<T><<<resident, kThreads, 0, stream>>>(
