@@ -207,8 +207,9 @@ def main() -> int:
     paths, selection = test_selection()
     pytest = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-q", "-rs", "-p",
               "no:cacheprovider", *selection]  # fmt: skip
-    if "-k" in sys.argv:
-        pytest += ["-k", option("-k")]
+    expression = option("-k")
+    if expression:
+        pytest += ["-k", expression]
     rc_tests = 0
     if "--no-tests" not in sys.argv:
         timeout = float(option("--test-timeout") or 540)
