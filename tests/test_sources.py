@@ -73,9 +73,8 @@ def test_constants_python_shares_with_the_kernels_agree():
     assert dispatch.SPARSE_STRIP == _constant("sparse_products.h", "kSparseStrip")
     assert dispatch.SPARSE_BATCH == _constant("sparse_products.h", "kSparseBatch")
     assert dispatch.SPARSE_COUNTERS == _constant("sparse_products.h", "kSparseCounters")
-    chunk = re.search(r"kSparseInputChunk = (\d+),", read_csrc()["sparse_products.h"])
-    assert dispatch.SPARSE_INPUT_CHUNK == int(chunk.group(1))
-    assert "kSparseMaxK = int64_t{65535} * kSparseInputChunk;" in read_csrc()["sparse_products.h"]
+    assert dispatch.SPARSE_MAX_K == 2**30
+    assert "kSparseMaxK = int64_t{1} << 30;" in read_csrc()["sparse_products.h"]
     header = read_csrc()["row_reduce.cuh"].replace("\n// ", " ")
     kinds = re.search(r"Kinds are REDUCTIONS in epilogue\.py: (.*?)\.", header)
     documented = {name: int(code) for code, name in re.findall(r"(\d) (\w+)", kinds.group(1))}

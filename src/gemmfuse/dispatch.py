@@ -253,12 +253,11 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # The sparse products pay where a row's nonzero dz columns (one group per extreme) are at most
 # this fraction of its channels.
 SPARSE_MAX_FRACTION = 1 / 8
-# Their bounds (csrc/sparse_products.h): K up to 65535 chunks of 2048 (dx's row kernel's grid y
-# extent), int32 indexing of N (with a 2048-column piece of slack) and of the scratch's ints.
-SPARSE_INPUT_CHUNK = 2048  # kSparseInputChunk
-SPARSE_MAX_K = 65535 * SPARSE_INPUT_CHUNK
+# Their bounds (csrc/sparse_products.h): K up to 2^30 (int32 column indices with slack), int32
+# indexing of N (with a 2048-column piece of slack) and of the scratch's ints.
+SPARSE_MAX_K = 2**30  # kSparseMaxK
 SPARSE_STRIP = SPARSE_BATCH = 16  # kSparseStrip, kSparseBatch
-SPARSE_COUNTERS = 4  # kSparseCounters
+SPARSE_COUNTERS = 6  # kSparseCounters
 
 
 def sparse_gradient(epilogue: Epilogue, n: int) -> bool:
@@ -279,7 +278,7 @@ def sparse_fits(m: int, n: int, k: int) -> bool:
     """Whether the sparse products' kernels take an (m, n) dz and k columns of W and x
     (host_sparse.cpp's checks, so that a call beyond them keeps PyTorch's products)."""
     strips = -(-n // SPARSE_STRIP)
-    scratch = m + SPARSE_COUNTERS + strips * (2 + m) + 1 + 2 * strips * -(-m // SPARSE_BATCH)
+    scratch = 2 * m + SPARSE_COUNTERS + strips * (3 + m) + 1 + 2 * strips * -(-m // SPARSE_BATCH)
     return k <= SPARSE_MAX_K and n < 2**31 - 2048 and m < 2**31 and scratch < 2**31
 
 

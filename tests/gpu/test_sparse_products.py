@@ -133,10 +133,10 @@ def test_a_dense_dz_is_still_a_correct_product(host, m, n, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dx_rows_of_one_strip_or_several_get_the_same_sums(host, dtype):
-    """A row of dz with nonzero entries in one 16-column strip is summed by the strip kernel, a
-    row with entries in several by the row kernel: both add the entries in column order, so a
-    row that repeats another's strip and adds an entry whose row of W is zero (adding exactly
-    nothing) gets the same bits."""
+    """A row of dz with nonzero entries in one 16-column strip is summed by a strip item, a row
+    with entries in several by a row item: both add the entries in column order, so a row that
+    repeats another's strip and adds an entry whose row of W is zero (adding exactly nothing)
+    gets the same bits."""
     m, n, k = 64, 256, 300
     gen = torch.Generator().manual_seed(12)
     dz = torch.zeros(m, n)
@@ -155,9 +155,11 @@ def test_dx_rows_of_one_strip_or_several_get_the_same_sums(host, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_strip_holding_many_rows(host, dtype):
-    """Most rows' extremes in one strip (#75 holds 197 of its 1024 rows in one): dx's strip
-    kernel takes them in batches of 16 rows, dW's block sums them all; a few rows tie into a
-    second strip (the row kernel's), a few are empty."""
+    """Most rows' extremes in one strip (#75 holds 212 of its 1024 rows in one): dx's strip
+    items take them in batches of 16 rows; dW's items for a strip of more than 32 rows share
+    them among their warps, staged in two batches here (300 rows > 256), K's last 64-column
+    chunk partial (700 = 10 * 64 + 60); a few rows tie into a second strip (row items), a few
+    are empty. The same bits on a second run (the warps' sums are added in a fixed order)."""
     m, n, k = 300, 512, 700
     gen = torch.Generator().manual_seed(14)
     dz = torch.zeros(m, n)
@@ -170,13 +172,15 @@ def test_a_strip_holding_many_rows(host, dtype):
     check_product(dx, dz, w, dtype)
     check_product(dw, dz.t(), x, dtype)
     assert (dx[5::50] == 0).all() and (dw[:32] == 0).all()
+    again = host.sparse_products(dz, w, x, True, True)
+    assert torch.equal(again[0], dx) and torch.equal(again[1], dw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_all_zero_dz_gives_zeros(host, dtype):
     """No strip has rows: dW is written by the idle strips' zero items alone (16-byte stores
-    where K allows them, element stores where it does not), dx by the row kernel's empty rows;
-    the outputs land in NaN-poisoned memory."""
+    where K allows them, element stores where it does not), dx by the empty-row items; the
+    outputs land in NaN-poisoned memory."""
     for m, n, k in ((64, 512, 4096), (33, 200, 77)):
         dz = torch.zeros(m, n, device=CUDA, dtype=dtype)
         w, x = operand(n, k, dtype, 19), operand(m, k, dtype, 20)
@@ -262,6 +266,6 @@ def test_the_75_training_step_takes_the_sparse_products(dtype):
     # the first call is decided in Python (and keeps a plan); the later ones run the plan
     for _ in range(3):
         names = kernels_of(step)
-        assert any("sparse_input_strip_kernel" in n for n in names), names
-        assert any("sparse_grad_weight_kernel" in n for n in names), names
+        assert any("sparse_rows_kernel" in n for n in names), names
+        assert any("sparse_products_kernel" in n for n in names), names
         assert all(p.grad is not None and p.grad.isfinite().all() for p in new.parameters())

@@ -6,28 +6,32 @@
 // rows of W (or x) they select, and write the result.
 //
 // dz's columns are cut into strips of 16. sparse_rows_kernel lists, per strip, the rows with a
-// nonzero entry there (in row order) and counts each row's strips. dx: the rows of one strip
-// (almost all: #75's ties are rare) from sparse_input_strip_kernel, which reads the strip's 16
-// rows of W once per batch of rows; the rest (ties over strips, empty rows) from
-// sparse_grad_input_kernel, a row at a time. dW: sparse_grad_weight_kernel, resident blocks
-// taking (strip, chunk of K) items from a counter, each summing its strip's listed rows, then
-// the idle strips' zeros. Every output is a float sum in a fixed order (columns, or rows,
-// ascending; the row lists come from block-wide scans, not atomics; each output is one
-// item's), rounded once: the same on every run. A NaN in dz is nonzero and reaches the
-// products as in a dense one. dx skips dz's zero entries, and dW the rows whose strip of dz is
-// all zero, where a dense product would turn an inf or NaN of W or x times those zeros into
+// nonzero entry there (in row order) and counts each row's strips. Then sparse_products_kernel,
+// a resident grid whose blocks take work items from one counter, computes both products:
+// - dW for strips with many rows, each item's rows shared by its warps (the longest items:
+//   first, so that they end with the rest);
+// - dx for rows in several strips (ties; groups that straddle strips), a row at a time;
+// - dx for the rows of one strip (almost all: #75's ties are rare), the strip's 16 rows of W
+//   read once for a batch of rows;
+// - dW for the other strips with rows, then the zeros: dx's rows without nonzero entries and
+//   the idle strips' dW (pure stores, last).
+// One launch for all of it: as three kernels (dx's strips, dx's other rows, dW), each ended on a
+// tail of few busy blocks (dW's SMs were idle 47% of its 168 us: ncu, H100, 2026-11-25,
+// #75's bf16 step at 3680ce2), and the latency-bound dx items could not overlap dW's stores.
+// Every output is a float sum in a fixed order (columns, or rows, ascending; for a strip with
+// many rows, each warp's share of them in row order, then the warps' sums in warp order; the
+// row lists come from block-wide scans, not atomics; each output is one item's), rounded once:
+// the same on every run. A NaN in dz is nonzero and reaches
+// the products as in a dense one. dx skips dz's zero entries, and dW the rows whose strip of dz
+// is all zero, where a dense product would turn an inf or NaN of W or x times those zeros into
 // NaN (dW multiplies the zeros within a listed row's strip, as a dense product does).
 //
-// Measured on #75's bf16 backward (H100, 2026-11-25, torch.profiler, the kernels of 12c2ff5,
-// dW then a block per (strip, chunk)): rows 12 us, dx 71 + 27 us, dW 154 us, against cuBLAS's
-// 158 and 178; float32 models, where PyTorch's products take 2.6 ms each, gain the most. dW as
-// items (3680ce2; H100, 2026-11-25, a standalone CUDA harness, not kept, that ran this file and
-// 6c22eb8's on #75-like data, 1024 x 8192 x 8192 with one strip holding 197 rows' extremes,
-// outputs equal bit for bit, medians of 20 launches): 142 us against 162, float32 121 against
-// 144; its idle strips' zeros alone take 41 us, the strips with rows 118 (float32: 62), a cost
-// not yet explained (loads batched eight at a time for every strip, not only the long ones, did
-// not change it; at 80 registers three blocks fit an SM).
+// Measured on #75's bf16 backward (H100, 2026-11-25, torch.profiler, the kernels of 12c2ff5):
+// rows 12 us, dx 71 + 27 us, dW 154 us, against cuBLAS's 158 and 178; float32 models, where
+// PyTorch's products take 2.6 ms each, gain the most.
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "sparse_products.h"
@@ -142,7 +146,7 @@ __device__ __forceinline__ int block_offset(int count, int* scratch, int& total)
   return offset;
 }
 
-// dx's row kernel lists its row's nonzero entries in shared memory where they fit (the usual
+// dx's row items list their row's nonzero entries in shared memory where they fit (the usual
 // case: a few groups a row), else lists and adds them a piece at a time (a dz that is dense in
 // places). Both add the entries in column order, so the result does not depend on which.
 
@@ -202,79 +206,112 @@ __device__ __forceinline__ int list_input_piece(const T* __restrict__ dz_row, in
   return total;
 }
 
-// Block (row, chunk of K): dx[row, chunk] for a row whose nonzero entries are not in one strip
-// alone (sparse_input_strip_kernel takes those): in two or more (ties; groups that straddle
-// strips), or in none (dx's row is then zero).
-template <class T>
-__global__ void __launch_bounds__(kThreads)
-    sparse_grad_input_kernel(const T* __restrict__ dz, const T* __restrict__ w,
-                             const int* __restrict__ row_strips, T* __restrict__ dx, int N,
-                             int K) {
-  constexpr int kPiece = kThreads * kInputPerThread;
-  __shared__ int s_col[kPiece];
-  __shared__ float s_val[kPiece];
-  __shared__ int s_scratch[kWarps];
-  const int64_t row = blockIdx.x;
-  if (row_strips[row] == 1) return;
-  const T* dz_row = dz + row * N;
-  const int k = blockIdx.y * static_cast<int>(kSparseInputChunk) + kInputPerThread * threadIdx.x;
-  const int nk = max(0, min(kInputPerThread, K - k));
-  float acc[kInputPerThread] = {};
-  int listed = 0;
-  bool fits = true;
-  for (int c0 = 0; c0 < N && fits; c0 += kPiece) {
-    const int count = list_input_piece(dz_row, c0, N, listed, kPiece, s_col, s_val, s_scratch);
-    fits = listed + count <= kPiece;
-    listed += count;
-  }
-  __syncthreads();
-  if (fits) {
-    if (nk > 0) add_input_entries(s_col, s_val, listed, w, k, nk, K, acc);
-  } else {
-    for (int c0 = 0; c0 < N; c0 += kPiece) {
-      __syncthreads();  // the last piece's entries are read
-      const int count = list_input_piece(dz_row, c0, N, 0, kPiece, s_col, s_val, s_scratch);
-      __syncthreads();
-      if (nk > 0) add_input_entries(s_col, s_val, count, w, k, nk, K, acc);
-    }
-  }
-  if (nk > 0) store_run(dx + row * K + k, nk, acc);
-}
-
 // dW: entry e is row s_row[e] of dz with its strip's values s_val[e][0..16); each thread adds
-// value[j] * x[row, its 2 columns] into dW row j of the strip, kWeightDepth entries' loads in
-// flight. (add_input_entries' loop shape, with an outer product in place of a scaled row.)
+// value[j] * x[row, its 2 columns] into dW row j of the strip, the loads of kWeightDepth entries
+// in flight at once, the last few's too (most strips hold a few rows).
 template <class T>
 __device__ __forceinline__ void add_weight_entries(const int* s_row,
                                                    const float (*s_val)[kStrip + 1], int count,
                                                    const T* __restrict__ x, int k, int nk, int K,
                                                    float (&acc)[kStrip][kWeightPerThread]) {
-  int e = 0;
-  for (; e + kWeightDepth <= count; e += kWeightDepth) {
-    float xv[kWeightDepth][kWeightPerThread];
+  for (int e = 0; e < count; e += kWeightDepth) {
+    float xv[kWeightDepth][kWeightPerThread] = {};
 #pragma unroll
     for (int u = 0; u < kWeightDepth; ++u)
-      load_run(x + static_cast<int64_t>(s_row[e + u]) * K + k, nk, xv[u]);
+      if (e + u < count) load_run(x + static_cast<int64_t>(s_row[e + u]) * K + k, nk, xv[u]);
 #pragma unroll
     for (int u = 0; u < kWeightDepth; ++u) {
+      if (e + u < count) {
 #pragma unroll
-      for (int j = 0; j < kStrip; ++j) {
-        const float a = s_val[e + u][j];
+        for (int j = 0; j < kStrip; ++j) {
+          const float a = s_val[e + u][j];
 #pragma unroll
-        for (int i = 0; i < kWeightPerThread; ++i) acc[j][i] = fmaf(a, xv[u][i], acc[j][i]);
+          for (int i = 0; i < kWeightPerThread; ++i) acc[j][i] = fmaf(a, xv[u][i], acc[j][i]);
+        }
       }
     }
   }
-  for (; e < count; ++e) {
-    float xv[kWeightPerThread];
-    load_run(x + static_cast<int64_t>(s_row[e]) * K + k, nk, xv);
-#pragma unroll
-    for (int j = 0; j < kStrip; ++j) {
-      const float a = s_val[e][j];
-#pragma unroll
-      for (int i = 0; i < kWeightPerThread; ++i) acc[j][i] = fmaf(a, xv[i], acc[j][i]);
+}
+
+// Everything sparse_products_kernel reads and writes: the operands, the outputs (dx or dw null:
+// not computed) and sparse_rows_kernel's lists.
+template <class T>
+struct SparseArgs {
+  const T *dz, *w, *x;
+  T *dx, *dw;
+  int M, N, K;
+  const int *row_strips, *counts, *rows, *order, *heavy, *others;
+  const int2* batches;
+  int* counters;
+};
+
+// The items' shared memory, one item's at a time.
+union SparseShared {
+  struct {  // a dW item's staged rows and their strip's values (+1: a row's own banks)
+    int row[kThreads];
+    float val[kThreads][kStrip + 1];
+  } weight;
+  struct {  // a dx strip item's batch of rows
+    int row[kBatch];
+    float val[kBatch][kStrip + 1];
+  } strip;
+  float heavy[kStrip][32 * kWeightPerThread];  // a heavy dW item's sum, its warps' added in turn
+  struct {  // a dx row item's nonzero entries
+    int col[kThreads * kInputPerThread];
+    float val[kThreads * kInputPerThread];
+  } input;
+};
+
+// dx[row, chunk of kSparseInputChunk] for a row with nonzero entries in two or more strips
+// (ties; groups that straddle strips).
+template <class T>
+__device__ __forceinline__ void input_row_item(const SparseArgs<T>& a, int64_t row, int chunk,
+                                               SparseShared& s, int* s_scratch) {
+  constexpr int kPiece = kThreads * kInputPerThread;
+  const int N = a.N, K = a.K;
+  const T* dz_row = a.dz + row * N;
+  const int k = chunk * static_cast<int>(kSparseInputChunk) + kInputPerThread * threadIdx.x;
+  const int nk = max(0, min(kInputPerThread, K - k));
+  float acc[kInputPerThread] = {};
+  int listed = 0;
+  bool fits = true;
+  __syncthreads();  // the last item's entries are read
+  for (int c0 = 0; c0 < N && fits; c0 += kPiece) {
+    const int count = list_input_piece(dz_row, c0, N, listed, kPiece, s.input.col, s.input.val,
+                                       s_scratch);
+    fits = listed + count <= kPiece;
+    listed += count;
+  }
+  __syncthreads();
+  if (fits) {
+    if (nk > 0) add_input_entries(s.input.col, s.input.val, listed, a.w, k, nk, K, acc);
+  } else {
+    for (int c0 = 0; c0 < N; c0 += kPiece) {
+      __syncthreads();  // the last piece's entries are read
+      const int count = list_input_piece(dz_row, c0, N, 0, kPiece, s.input.col, s.input.val,
+                                         s_scratch);
+      __syncthreads();
+      if (nk > 0) add_input_entries(s.input.col, s.input.val, count, a.w, k, nk, K, acc);
     }
   }
+  if (nk > 0) store_run(a.dx + row * K + k, nk, acc);
+}
+
+// dx[r, chunk] = 0 for the rows of a range of kRange with no nonzero entry (row_strips[r] ==
+// 0): each warp reads the range's counts at once. Ranges, not a list: the counts are complete
+// only once sparse_rows_kernel has ended, and a range without such rows (almost every one)
+// costs one load.
+constexpr int kRange = 32;
+template <class T>
+__device__ __forceinline__ void empty_rows_item(const SparseArgs<T>& a, int64_t range, int chunk) {
+  const int64_t r0 = range * kRange;
+  const int64_t r = r0 + (threadIdx.x & 31);
+  unsigned empty = __ballot_sync(0xffffffffu, r < a.M && a.row_strips[r] == 0);
+  const int k = chunk * static_cast<int>(kSparseInputChunk) + kInputPerThread * threadIdx.x;
+  const int nk = max(0, min(kInputPerThread, a.K - k));
+  const float zeros[kInputPerThread] = {};
+  for (; empty != 0 && nk > 0; empty &= empty - 1)
+    store_run(a.dx + (r0 + __ffs(empty) - 1) * a.K + k, nk, zeros);
 }
 
 // dz[r, c0 .. c0 + nc) as floats, zeros past nc (nc <= 16).
@@ -295,16 +332,19 @@ __device__ __forceinline__ void load_strip(const T* __restrict__ dz, int64_t r, 
 // order, to rows[strip * M ...] and how many to counts[strip], kThreads rows at a time. Where the
 // blocks of dW listed them themselves, once per chunk of K, a strip that holds many rows'
 // extremes (197 of #75's 1024 rows in one strip, 2 on average) kept its blocks the longest.
-// row_strips[r] (zeroed before) gains one for each strip in which row r has a nonzero entry;
-// the strip's rows go to dx's work list in batches of kBatch: (strip, first entry) pairs at
-// batches[...], their number at counters[0]; the strip itself to `order`, from the front where
-// it has rows (their number at counters[1]), from the back where it has none (counters[2]).
-// The counters are zeroed before.
+// row_strips[r] (zeroed before) gains one for each strip in which row r has a nonzero entry,
+// and a row with two or more goes to `others` (their number at counters[5]); the strip's rows go to dx's work list in batches of kBatch: (strip, first entry) pairs at
+// batches[...], their number at counters[0]; the strip itself to a list for dW: `heavy` where
+// it has more than kHeavyRows rows (their number at counters[4]), else `order`, from the front
+// where it has rows (counters[1]), from the back where it has none (counters[2]). The counters
+// are zeroed before.
+constexpr int kHeavyRows = 4 * kWeightDepth;
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     sparse_rows_kernel(const T* __restrict__ dz, int M, int N, int* __restrict__ counts,
                        int* __restrict__ rows, int* __restrict__ row_strips,
                        int* __restrict__ counters, int* __restrict__ order,
+                       int* __restrict__ heavy, int* __restrict__ others,
                        int2* __restrict__ batches) {
   __shared__ int s_scratch[kWarps];
   const int64_t strip = blockIdx.x;
@@ -321,7 +361,9 @@ __global__ void __launch_bounds__(kThreads)
     const int at = listed + block_offset(nonzero, s_scratch, total);
     if (nonzero) {
       rows[strip * M + at] = r;
-      atomicAdd(row_strips + r, 1);  // a count: the same whatever the order
+      // A count (the same whatever the order); the increment that finds one strip there lists
+      // the row, once, for a row item
+      if (atomicAdd(row_strips + r, 1) == 1) others[atomicAdd(counters + 5, 1)] = r;
     }
     listed += total;
   }
@@ -331,118 +373,165 @@ __global__ void __launch_bounds__(kThreads)
     const int n = (listed + kBatch - 1) / kBatch;
     const int at = n > 0 ? atomicAdd(counters, n) : 0;
     for (int b = 0; b < n; ++b) batches[at + b] = make_int2(static_cast<int>(strip), b * kBatch);
-    const int strips = static_cast<int>(gridDim.x);
-    order[listed > 0 ? atomicAdd(counters + 1, 1) : strips - 1 - atomicAdd(counters + 2, 1)] =
-        static_cast<int>(strip);
+    const int strips = static_cast<int>(gridDim.x), s = static_cast<int>(strip);
+    if (listed > kHeavyRows)
+      heavy[atomicAdd(counters + 4, 1)] = s;
+    else if (listed > 0)
+      order[atomicAdd(counters + 1, 1)] = s;
+    else
+      order[strips - 1 - atomicAdd(counters + 2, 1)] = s;
   }
 }
 
-// dx[r, chunk] for each row r listed in a strip that has no nonzero entry elsewhere
-// (row_strips[r] == 1), the strip's 16 rows of w read once for all of a batch: #75's extremes
-// fall in 145 of 512 strips, so w is read a quarter over, where the row kernel reads 16 rows of
-// w for every row of dx. The sum runs over the strip's columns in order, zeros skipped: the row
-// kernel's sum, bit for bit. Blocks stay resident and take (batch, chunk) items in turn: one
-// item per (strip, chunk) left the strip with 197 of #75's 1024 rows to a few blocks, which the
-// rest waited for (86-107 us); rows are independent, so a strip's batches share the work.
+// dx[r, chunk] for each row r of a batch of a strip's rows (those in no other strip:
+// row_strips[r] == 1), the strip's 16 rows of w read once for the batch: #75's extremes fall in
+// 145 of 512 strips, so w is read a quarter over, where a row at a time reads 16 rows of w for
+// every row of dx. The sum runs over the strip's columns in order, zeros skipped: the row
+// item's sum, bit for bit. Batches, not whole strips: the strip with 197 of #75's 1024 rows
+// would hold one block while the rest waited.
 template <class T>
-__global__ void __launch_bounds__(kThreads)
-    sparse_input_strip_kernel(const T* __restrict__ dz, const T* __restrict__ w,
-                              const int* __restrict__ counts, const int* __restrict__ rows,
-                              const int* __restrict__ row_strips,
-                              const int* __restrict__ batch_count,
-                              const int2* __restrict__ batches, T* __restrict__ dx, int M, int N,
-                              int K) {
-  __shared__ int s_row[kBatch];
-  __shared__ float s_val[kBatch][kStrip + 1];
-  const int chunks = static_cast<int>((K + kSparseStripChunk - 1) / kSparseStripChunk);
-  const int64_t items = static_cast<int64_t>(*batch_count) * chunks;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int2 batch = batches[item / chunks];
-    const int64_t strip = batch.x;
-    const int n = min(kBatch, counts[strip] - batch.y);
-    const int c0 = static_cast<int>(strip) * kStrip, nc = min(kStrip, N - c0);
-    const int k = static_cast<int>(item % chunks) * static_cast<int>(kSparseStripChunk) +
-                  kStripPerThread * threadIdx.x;
-    const int nk = max(0, min(kStripPerThread, K - k));
-    __syncthreads();  // the last item's entries are read
-    if (static_cast<int>(threadIdx.x) < n) {
-      const int r = rows[strip * M + batch.y + threadIdx.x];
-      float v[kStrip];
-      load_strip(dz, r, N, c0, nc, v);
-      s_row[threadIdx.x] = row_strips[r] == 1 ? r : -1;
+__device__ __forceinline__ void input_strip_item(const SparseArgs<T>& a, int64_t item, int chunks,
+                                                 SparseShared& s) {
+  const int2 batch = a.batches[item / chunks];
+  const int64_t strip = batch.x;
+  const int n = min(kBatch, a.counts[strip] - batch.y);
+  const int c0 = static_cast<int>(strip) * kStrip, nc = min(kStrip, a.N - c0);
+  const int k = static_cast<int>(item % chunks) * static_cast<int>(kSparseStripChunk) +
+                kStripPerThread * threadIdx.x;
+  const int nk = max(0, min(kStripPerThread, a.K - k));
+  __syncthreads();  // the last item's entries are read
+  if (static_cast<int>(threadIdx.x) < n) {
+    const int r = a.rows[strip * a.M + batch.y + threadIdx.x];
+    float v[kStrip];
+    load_strip(a.dz, r, a.N, c0, nc, v);
+    s.strip.row[threadIdx.x] = a.row_strips[r] == 1 ? r : -1;
 #pragma unroll
-      for (int j = 0; j < kStrip; ++j) s_val[threadIdx.x][j] = v[j];
+    for (int j = 0; j < kStrip; ++j) s.strip.val[threadIdx.x][j] = v[j];
+  }
+  float wv[kStrip][kStripPerThread];
+#pragma unroll
+  for (int j = 0; j < kStrip; ++j) {
+    if (j < nc && nk > 0) {
+      load_run(a.w + static_cast<int64_t>(c0 + j) * a.K + k, nk, wv[j]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kStripPerThread; ++i) wv[j][i] = 0.f;
     }
-    float wv[kStrip][kStripPerThread];
+  }
+  __syncthreads();
+  if (nk == 0) return;
+  for (int e = 0; e < n; ++e) {
+    const int r = s.strip.row[e];
+    if (r < 0) continue;  // a row item's
+    float acc[kStripPerThread] = {};
 #pragma unroll
     for (int j = 0; j < kStrip; ++j) {
-      if (j < nc && nk > 0) {
-        load_run(w + static_cast<int64_t>(c0 + j) * K + k, nk, wv[j]);
-      } else {
+      const float v = s.strip.val[e][j];
+      if (v != 0.f) {
 #pragma unroll
-        for (int i = 0; i < kStripPerThread; ++i) wv[j][i] = 0.f;
+        for (int i = 0; i < kStripPerThread; ++i) acc[i] = fmaf(v, wv[j][i], acc[i]);
       }
     }
-    __syncthreads();
-    if (nk == 0) continue;
-    for (int e = 0; e < n; ++e) {
-      const int r = s_row[e];
-      if (r < 0) continue;  // the row kernel's
-      float acc[kStripPerThread] = {};
-#pragma unroll
-      for (int j = 0; j < kStrip; ++j) {
-        const float a = s_val[e][j];
-        if (a != 0.f) {
-#pragma unroll
-          for (int i = 0; i < kStripPerThread; ++i) acc[i] = fmaf(a, wv[j][i], acc[i]);
-        }
-      }
-      store_run(dx + static_cast<int64_t>(r) * K + k, nk, acc);
-    }
+    store_run(a.dx + static_cast<int64_t>(r) * a.K + k, nk, acc);
   }
 }
 
-// dW[strip's rows, chunk] from the strip's listed rows, staged kThreads at a time with their
-// values.
+// The n (<= kThreads) rows at strip_rows and their values in the strip's columns, to s.weight.
 template <class T>
-__device__ __forceinline__ void weight_item(const T* __restrict__ dz, const T* __restrict__ x,
-                                            const int* __restrict__ strip_rows, int count, int c0,
-                                            int nc, int chunk, T* __restrict__ dw, int N, int K,
-                                            int* s_row, float (*s_val)[kStrip + 1]) {
+__device__ __forceinline__ void stage_weight_rows(const SparseArgs<T>& a, const int* strip_rows,
+                                                  int n, int c0, int nc, SparseShared& s) {
+  __syncthreads();  // the last item's or batch's entries are read
+  if (static_cast<int>(threadIdx.x) < n) {
+    const int r = strip_rows[threadIdx.x];
+    float v[kStrip];
+    load_strip(a.dz, r, a.N, c0, nc, v);
+    s.weight.row[threadIdx.x] = r;
+#pragma unroll
+    for (int j = 0; j < kStrip; ++j) s.weight.val[threadIdx.x][j] = v[j];
+  }
+  __syncthreads();
+}
+
+// dW[strip's rows, chunk of kSparseWeightChunk] from the strip's listed rows, staged kThreads at
+// a time with their values.
+template <class T>
+__device__ __forceinline__ void weight_item(const SparseArgs<T>& a, int strip, int chunk,
+                                            SparseShared& s) {
+  const int K = a.K, c0 = strip * kStrip, nc = min(kStrip, a.N - c0), count = a.counts[strip];
+  const int* strip_rows = a.rows + static_cast<int64_t>(strip) * a.M;
   const int k = chunk * static_cast<int>(kSparseWeightChunk) + kWeightPerThread * threadIdx.x;
   const int nk = max(0, min(kWeightPerThread, K - k));
   float acc[kStrip][kWeightPerThread] = {};
   for (int e0 = 0; e0 < count; e0 += kThreads) {
     const int n = min(kThreads, count - e0);
-    __syncthreads();  // the last batch's entries are read
-    if (static_cast<int>(threadIdx.x) < n) {
-      const int r = strip_rows[e0 + threadIdx.x];
-      float v[kStrip];
-      load_strip(dz, r, N, c0, nc, v);
-      s_row[threadIdx.x] = r;
-#pragma unroll
-      for (int j = 0; j < kStrip; ++j) s_val[threadIdx.x][j] = v[j];
-    }
-    __syncthreads();
-    if (nk > 0) add_weight_entries(s_row, s_val, n, x, k, nk, K, acc);
+    stage_weight_rows(a, strip_rows + e0, n, c0, nc, s);
+    if (nk > 0) add_weight_entries(s.weight.row, s.weight.val, n, a.x, k, nk, K, acc);
   }
   if (nk > 0) {
 #pragma unroll
     for (int j = 0; j < kStrip; ++j)
-      if (j < nc) store_run(dw + static_cast<int64_t>(c0 + j) * K + k, nk, acc[j]);
+      if (j < nc) store_run(a.dw + static_cast<int64_t>(c0 + j) * K + k, nk, acc[j]);
+  }
+}
+
+// dW[strip's rows, chunk of kHeavyChunk] for a strip with more than kHeavyRows rows: each warp
+// sums a fixed share of the rows (its 32 of every kThreads staged) over its lanes' columns, then
+// the warps' sums are added in warp order. A warp's chain of loads and FMAs is then an eighth of
+// the strip's rows: as weight_item, the strip holding 212 of #75's 1024 rows ended its items
+// last, long after the rest (dW 156 us, the same as with its items taken first).
+constexpr int kHeavyChunk = 32 * kWeightPerThread;
+template <class T>
+__device__ __forceinline__ void heavy_weight_item(const SparseArgs<T>& a, int strip, int chunk,
+                                                  SparseShared& s) {
+  constexpr int kShare = kThreads / kWarps;
+  const int K = a.K, c0 = strip * kStrip, nc = min(kStrip, a.N - c0), count = a.counts[strip];
+  const int* strip_rows = a.rows + static_cast<int64_t>(strip) * a.M;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int k = chunk * kHeavyChunk + kWeightPerThread * lane;
+  const int nk = max(0, min(kWeightPerThread, K - k));
+  float acc[kStrip][kWeightPerThread] = {};
+  for (int e0 = 0; e0 < count; e0 += kThreads) {
+    const int n = min(kThreads, count - e0);
+    stage_weight_rows(a, strip_rows + e0, n, c0, nc, s);
+    const int first = warp * kShare, mine = min(kShare, n - first);
+    if (nk > 0 && mine > 0)
+      add_weight_entries(s.weight.row + first, s.weight.val + first, mine, a.x, k, nk, K, acc);
+  }
+  for (int w = 0; w < kWarps; ++w) {
+    __syncthreads();  // the entries (s.heavy shares their memory), then warp w - 1's sum, are read
+    if (warp == w) {
+#pragma unroll
+      for (int j = 0; j < kStrip; ++j)
+#pragma unroll
+        for (int i = 0; i < kWeightPerThread; ++i) {
+          float& sum = s.heavy[j][kWeightPerThread * lane + i];
+          sum = w == 0 ? acc[j][i] : sum + acc[j][i];
+        }
+    }
+  }
+  __syncthreads();
+  constexpr int kPerThread = kStrip * kHeavyChunk / kThreads, kRowThreads = kThreads / kStrip;
+  const int j = threadIdx.x / kRowThreads, col = (threadIdx.x % kRowThreads) * kPerThread;
+  const int kk = chunk * kHeavyChunk + col, nkk = max(0, min(kPerThread, K - kk));
+  if (j < nc && nkk > 0) {
+    float v[kPerThread];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) v[i] = s.heavy[j][col + i];
+    store_run(a.dw + static_cast<int64_t>(c0 + j) * K + kk, nkk, v);
   }
 }
 
 // dW[strip's rows, chunk of kSparseZeroChunk] = 0 for a strip without rows: 16-byte stores where
 // dW's rows allow them.
 template <class T>
-__device__ __forceinline__ void zero_item(int c0, int nc, int chunk, T* __restrict__ dw, int K) {
+__device__ __forceinline__ void zero_item(const SparseArgs<T>& a, int strip, int chunk) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const int K = a.K, c0 = strip * kStrip, nc = min(kStrip, a.N - c0);
   const int k0 = chunk * static_cast<int>(kSparseZeroChunk);
   const int k1 = min(K, k0 + static_cast<int>(kSparseZeroChunk));
-  const bool vector = K % kVec == 0 && reinterpret_cast<uintptr_t>(dw) % 16 == 0;
+  const bool vector = K % kVec == 0 && reinterpret_cast<uintptr_t>(a.dw) % 16 == 0;
   for (int j = 0; j < nc; ++j) {
-    T* row = dw + static_cast<int64_t>(c0 + j) * K;
+    T* row = a.dw + static_cast<int64_t>(c0 + j) * K;
     if (vector) {  // k0 and k1 are multiples of kVec
       for (int k = k0 + kVec * static_cast<int>(threadIdx.x); k < k1; k += kVec * kThreads)
         *reinterpret_cast<uint4*>(row + k) = make_uint4(0u, 0u, 0u, 0u);
@@ -453,50 +542,86 @@ __device__ __forceinline__ void zero_item(int c0, int nc, int chunk, T* __restri
   }
 }
 
-// dW: resident blocks take work items in turn from counters[3] (zeroed before): first (strip
-// with rows, chunk of K) items, a block's sum over the strip's listed rows in row order, then
-// the idle strips' zeros. A block per (strip, chunk), 8192 of them for #75 with almost every
-// strip idle, kept the SMs busy less than half the kernel's 177 us (ncu, H100, 2026-11-25);
-// the items come from a counter so that the strip holding most extremes (197 of #75's 1024
-// rows) does not hold up the blocks that would follow it.
+// Both products: resident blocks take items from counters[3] (zeroed before) in the order of
+// the comment at the top (longest first, pure stores last); a product not asked for has no
+// items.
+// bf16 at four blocks an SM (64 registers, a few spilled): on #75-like data both products took
+// 151 us against 169 at three (80 registers); float32 kept at three, where four spill more and
+// took 179 against 180 (a standalone CUDA harness, H100, 2026-11-25, medians of 30 launches).
 template <class T>
-__global__ void __launch_bounds__(kThreads)
-    sparse_grad_weight_kernel(const T* __restrict__ dz, const T* __restrict__ x,
-                              const int* __restrict__ counts, const int* __restrict__ rows,
-                              const int* __restrict__ order, int* __restrict__ counters,
-                              T* __restrict__ dw, int M, int N, int K) {
-  __shared__ int s_row[kThreads];
-  __shared__ float s_val[kThreads][kStrip + 1];  // +1: a thread's row of values, own banks
+__global__ void __launch_bounds__(kThreads, std::is_same<T, float>::value ? 3 : 4)
+    sparse_products_kernel(const SparseArgs<T> a) {
+  __shared__ SparseShared s;
+  __shared__ int s_scratch[kWarps];
   __shared__ int64_t s_item;
-  const int strips = (N + kStrip - 1) / kStrip, busy = counters[1];
-  const int chunks = static_cast<int>((K + kSparseWeightChunk - 1) / kSparseWeightChunk);
-  const int zero_chunks = static_cast<int>((K + kSparseZeroChunk - 1) / kSparseZeroChunk);
-  const int64_t weighted = static_cast<int64_t>(busy) * chunks;
-  const int64_t items = weighted + static_cast<int64_t>(strips - busy) * zero_chunks;
+  const int strips = (a.N + kStrip - 1) / kStrip;
+  const auto chunks_of = [&](int64_t chunk) { return static_cast<int>((a.K + chunk - 1) / chunk); };
+  const int weight_chunks = chunks_of(kSparseWeightChunk), zero_chunks = chunks_of(kSparseZeroChunk);
+  const int heavy_chunks = chunks_of(kHeavyChunk);
+  const int row_chunks = chunks_of(kSparseInputChunk), strip_chunks = chunks_of(kSparseStripChunk);
+  const bool dx = a.dx != nullptr, dw = a.dw != nullptr;
+  const int64_t heavy = dw ? static_cast<int64_t>(a.counters[4]) * heavy_chunks : 0;
+  const int64_t others = dx ? static_cast<int64_t>(a.counters[5]) * row_chunks : 0;
+  const int64_t batches = dx ? static_cast<int64_t>(a.counters[0]) * strip_chunks : 0;
+  const int64_t light = dw ? static_cast<int64_t>(a.counters[1]) * weight_chunks : 0;
+  const int64_t ranges = dx ? (a.M + int64_t{kRange} - 1) / kRange * row_chunks : 0;
+  const int64_t idle = dw ? static_cast<int64_t>(a.counters[2]) * zero_chunks : 0;
   for (;;) {
-    __syncthreads();  // the last item's s_item and entries are read
-    if (threadIdx.x == 0) s_item = atomicAdd(reinterpret_cast<unsigned*>(counters + 3), 1u);
+    __syncthreads();  // the last item's s_item is read
+    if (threadIdx.x == 0) s_item = atomicAdd(reinterpret_cast<unsigned*>(a.counters + 3), 1u);
     __syncthreads();
-    const int64_t item = s_item;
-    if (item >= items) return;
-    if (item < weighted) {
-      const int strip = order[item / chunks];
-      const int c0 = strip * kStrip;
-      weight_item(dz, x, rows + static_cast<int64_t>(strip) * M, counts[strip], c0,
-                  min(kStrip, N - c0), static_cast<int>(item % chunks), dw, N, K, s_row, s_val);
-    } else {
-      const int64_t idle = (item - weighted) / zero_chunks;
-      const int strip = order[busy + idle], c0 = strip * kStrip;
-      zero_item(c0, min(kStrip, N - c0), static_cast<int>((item - weighted) % zero_chunks), dw, K);
+    int64_t item = s_item;
+    if (item < heavy) {
+      heavy_weight_item(a, a.heavy[item / heavy_chunks], static_cast<int>(item % heavy_chunks), s);
+      continue;
     }
+    item -= heavy;
+    if (item < others) {
+      input_row_item(a, a.others[item / row_chunks], static_cast<int>(item % row_chunks), s,
+                     s_scratch);
+      continue;
+    }
+    item -= others;
+    if (item < batches) {
+      input_strip_item(a, item, strip_chunks, s);
+      continue;
+    }
+    item -= batches;
+    if (item < light) {
+      weight_item(a, a.order[item / weight_chunks], static_cast<int>(item % weight_chunks), s);
+      continue;
+    }
+    item -= light;
+    if (item < ranges) {
+      empty_rows_item(a, item / row_chunks, static_cast<int>(item % row_chunks));
+      continue;
+    }
+    item -= ranges;
+    if (item >= idle) return;
+    zero_item(a, a.order[strips - 1 - item / zero_chunks], static_cast<int>(item % zero_chunks));
   }
 }
 
-int sm_count() {
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) == cudaSuccess)
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms;
+// Blocks of sparse_products_kernel<T> resident on the current GPU at once, queried once per
+// device (the attribute calls cost microseconds).
+template <class T>
+int resident_blocks() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  static std::mutex lock;
+  static std::map<int, int> known;
+  std::lock_guard<std::mutex> guard(lock);
+  auto found = known.find(device);
+  if (found == known.end()) {
+    int sms = 0, per_sm = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_products_kernel<T>,
+                                                      kThreads, 0) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    found = known.emplace(device, ok ? max(1, per_sm * sms) : 0).first;
+  }
+  return found->second;
 }
 
 template <class T>
@@ -507,31 +632,22 @@ cudaError_t launch(const T* dz, const T* w, const T* x, T* dx, T* dw, int* scrat
   int* counters = scratch + M;
   int* counts = counters + kSparseCounters;
   int* order = counts + strips;
-  int* rows = order + strips;
-  const int64_t listed_end = M + kSparseCounters + strips * (2 + M);  // batches: 8-byte aligned
+  int* heavy = order + strips;
+  int* others = heavy + strips;
+  int* rows = others + M;
+  const int64_t listed_end = 2 * M + kSparseCounters + strips * (3 + M);  // batches: aligned
   int2* batches = reinterpret_cast<int2*>(scratch + listed_end + listed_end % 2);
+  const int blocks = resident_blocks<T>();
+  if (blocks < 1) return cudaErrorLaunchOutOfResources;
   cudaError_t err = cudaMemsetAsync(row_strips, 0, sizeof(int) * (M + kSparseCounters), stream);
   if (err != cudaSuccess) return err;
   sparse_rows_kernel<T><<<static_cast<unsigned>(strips), kThreads, 0, stream>>>(
-      dz, M, N, counts, rows, row_strips, counters, order, batches);
-  // Resident grids (their blocks take items in turn): four blocks an SM, as many as dx's strip
-  // kernel fits; dW's 80 registers fit three, and its fourth blocks find the items taken
-  const unsigned resident = static_cast<unsigned>(4 * sm_count());
-  if (dx != nullptr) {
-    sparse_input_strip_kernel<T><<<resident, kThreads, 0, stream>>>(
-        dz, w, counts, rows, row_strips, counters, batches, dx, M, N, K);
-    // A block per chunk: the rows it takes are few (ties), and each would do its chunks in turn
-    // (a block per row, its chunks in turn, took 42 us against 20 on #75-like data; resident
-    // blocks taking (row, chunk) items in turn, 42 us too: the few tie rows' latency bounds it)
-    const dim3 row_grid(M, static_cast<unsigned>((K + kSparseInputChunk - 1) / kSparseInputChunk));
-    sparse_grad_input_kernel<T><<<row_grid, kThreads, 0, stream>>>(dz, w, row_strips, dx, N, K);
-  }
-  if (dw != nullptr) {
-    // The item counter runs to (strips with rows) * K / 512 + (idle strips) * K / 2048 plus the
-    // grid: about N * K / 8192, far from 2^32 for any dW that fits in a GPU's memory.
-    sparse_grad_weight_kernel<T><<<resident, kThreads, 0, stream>>>(dz, x, counts, rows, order,
-                                                                   counters, dw, M, N, K);
-  }
+      dz, M, N, counts, rows, row_strips, counters, order, heavy, others, batches);
+  // The item counter runs to about N * K / 8192 (dW) + M * K / 2048 (dx, all rows in several
+  // strips) plus the grid: far from 2^32 for operands that fit in a GPU's memory.
+  const SparseArgs<T> args{dz, w, x, dx, dw, M, N, K, row_strips, counts, rows, order, heavy,
+                           others, batches, counters};
+  sparse_products_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
