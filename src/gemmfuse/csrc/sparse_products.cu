@@ -44,9 +44,9 @@ namespace sparse {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kInputPerThread = 8;   // dx columns per thread: a chunk of 2048
-constexpr int kStrip = kSparseStrip;  // dz columns (dW rows) per dW item
+constexpr int kStrip = kSparseStrip;  // dz columns (dW rows) per strip
 constexpr int kWeightPerThread = 2;  // dW columns per thread: a chunk of 512
-constexpr int kStripPerThread = 2;  // dx columns per thread of the strip kernel: a chunk of 512
+constexpr int kStripPerThread = 2;  // dx columns per thread of a strip item: a chunk of 512
 constexpr int kBatch = kSparseBatch;
 // Entries whose loads a thread has in flight at once: dx's four (more registers, fewer blocks
 // per SM: 8 took 113 registers against 64, the same bytes in flight per SM), dW's eight.
