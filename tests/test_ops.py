@@ -113,7 +113,7 @@ def test_min_and_max_after_small_groups_take_the_sparse_products(norm, reduce, s
 
 
 def test_the_sparse_products_keep_to_their_kernels_sizes():
-    """Beyond the kernels' bounds (K over 65535 chunks of 2048; N or the scratch beyond int32) the
+    """Beyond the kernels' bounds (K over 2^30; N or the scratch beyond int32) the
     products stay PyTorch's, where the host extension would refuse the call in the backward."""
     assert sparse_fits(1024, 8192, 8192)
     assert sparse_fits(8, 64, SPARSE_MAX_K) and not sparse_fits(8, 64, SPARSE_MAX_K + 1)

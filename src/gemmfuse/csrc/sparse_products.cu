@@ -603,25 +603,28 @@ __global__ void __launch_bounds__(kThreads, std::is_same<T, float>::value ? 3 : 
 }
 
 // Blocks of sparse_products_kernel<T> resident on the current GPU at once, queried once per
-// device (the attribute calls cost microseconds).
+// device (the attribute calls cost microseconds); a failed query is returned, not kept.
 template <class T>
-int resident_blocks() {
+cudaError_t resident_blocks(int& blocks) {
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
   static std::mutex lock;
   static std::map<int, int> known;
   std::lock_guard<std::mutex> guard(lock);
   auto found = known.find(device);
   if (found == known.end()) {
     int sms = 0, per_sm = 0;
-    const bool ok =
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_products_kernel<T>,
-                                                      kThreads, 0) == cudaSuccess;
-    if (!ok) cudaGetLastError();
-    found = known.emplace(device, ok ? max(1, per_sm * sms) : 0).first;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_products_kernel<T>,
+                                                          kThreads, 0);
+    if (err != cudaSuccess) return err;
+    if (per_sm * sms < 1) return cudaErrorLaunchOutOfResources;
+    found = known.emplace(device, per_sm * sms).first;
   }
-  return found->second;
+  blocks = found->second;
+  return cudaSuccess;
 }
 
 template <class T>
@@ -637,14 +640,16 @@ cudaError_t launch(const T* dz, const T* w, const T* x, T* dx, T* dw, int* scrat
   int* rows = others + M;
   const int64_t listed_end = 2 * M + kSparseCounters + strips * (3 + M);  // batches: aligned
   int2* batches = reinterpret_cast<int2*>(scratch + listed_end + listed_end % 2);
-  const int blocks = resident_blocks<T>();
-  if (blocks < 1) return cudaErrorLaunchOutOfResources;
-  cudaError_t err = cudaMemsetAsync(row_strips, 0, sizeof(int) * (M + kSparseCounters), stream);
+  int blocks = 0;
+  cudaError_t err = resident_blocks<T>(blocks);
+  if (err != cudaSuccess) return err;
+  err = cudaMemsetAsync(row_strips, 0, sizeof(int) * (M + kSparseCounters), stream);
   if (err != cudaSuccess) return err;
   sparse_rows_kernel<T><<<static_cast<unsigned>(strips), kThreads, 0, stream>>>(
       dz, M, N, counts, rows, row_strips, counters, order, heavy, others, batches);
-  // The item counter runs to about N * K / 8192 (dW) + M * K / 2048 (dx, all rows in several
-  // strips) plus the grid: far from 2^32 for operands that fit in a GPU's memory.
+  // The item counter runs to at most about N * K / 1024 (dW, every strip heavy: 16 x 64 values
+  // an item) + M * K / 2048 (dx, every row in several strips) plus the grid: far from 2^32 for
+  // operands that fit in a GPU's memory.
   const SparseArgs<T> args{dz, w, x, dx, dw, M, N, K, row_strips, counts, rows, order, heavy,
                            others, batches, counters};
   sparse_products_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args);
