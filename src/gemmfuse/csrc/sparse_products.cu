@@ -275,7 +275,6 @@ __device__ __forceinline__ void input_row_item(const SparseArgs<T>& a, int64_t r
   float acc[kInputPerThread] = {};
   int listed = 0;
   bool fits = true;
-  __syncthreads();  // the last item's entries are read
   for (int c0 = 0; c0 < N && fits; c0 += kPiece) {
     const int count = list_input_piece(dz_row, c0, N, listed, kPiece, s.input.col, s.input.val,
                                        s_scratch);
@@ -333,11 +332,11 @@ __device__ __forceinline__ void load_strip(const T* __restrict__ dz, int64_t r, 
 // blocks of dW listed them themselves, once per chunk of K, a strip that holds many rows'
 // extremes (197 of #75's 1024 rows in one strip, 2 on average) kept its blocks the longest.
 // row_strips[r] (zeroed before) gains one for each strip in which row r has a nonzero entry,
-// and a row with two or more goes to `others` (their number at counters[5]); the strip's rows go to dx's work list in batches of kBatch: (strip, first entry) pairs at
-// batches[...], their number at counters[0]; the strip itself to a list for dW: `heavy` where
-// it has more than kHeavyRows rows (their number at counters[4]), else `order`, from the front
-// where it has rows (counters[1]), from the back where it has none (counters[2]). The counters
-// are zeroed before.
+// and a row with two or more goes to `others` (their number at counters[5]). The strip's rows
+// go to dx's work list in batches of kBatch: (strip, first entry) pairs at batches[...], their
+// number at counters[0]; the strip itself to a list for dW: `heavy` where it has more than
+// kHeavyRows rows (their number at counters[4]), else `order`, from the front where it has rows
+// (counters[1]), from the back where it has none (counters[2]). The counters are zeroed before.
 constexpr int kHeavyRows = 4 * kWeightDepth;
 template <class T>
 __global__ void __launch_bounds__(kThreads)
@@ -399,7 +398,6 @@ __device__ __forceinline__ void input_strip_item(const SparseArgs<T>& a, int64_t
   const int k = static_cast<int>(item % chunks) * static_cast<int>(kSparseStripChunk) +
                 kStripPerThread * threadIdx.x;
   const int nk = max(0, min(kStripPerThread, a.K - k));
-  __syncthreads();  // the last item's entries are read
   if (static_cast<int>(threadIdx.x) < n) {
     const int r = a.rows[strip * a.M + batch.y + threadIdx.x];
     float v[kStrip];
@@ -440,7 +438,7 @@ __device__ __forceinline__ void input_strip_item(const SparseArgs<T>& a, int64_t
 template <class T>
 __device__ __forceinline__ void stage_weight_rows(const SparseArgs<T>& a, const int* strip_rows,
                                                   int n, int c0, int nc, SparseShared& s) {
-  __syncthreads();  // the last item's or batch's entries are read
+  __syncthreads();  // the last batch's entries are read (the item loop separates items)
   if (static_cast<int>(threadIdx.x) < n) {
     const int r = strip_rows[threadIdx.x];
     float v[kStrip];
@@ -567,7 +565,9 @@ __global__ void __launch_bounds__(kThreads, std::is_same<T, float>::value ? 3 : 
   const int64_t ranges = dx ? (a.M + int64_t{kRange} - 1) / kRange * row_chunks : 0;
   const int64_t idle = dw ? static_cast<int64_t>(a.counters[2]) * zero_chunks : 0;
   for (;;) {
-    __syncthreads();  // the last item's s_item is read
+    // These two barriers separate items: the last item's shared memory and s_item are read
+    // before the next item writes them, so the items themselves start without one
+    __syncthreads();
     if (threadIdx.x == 0) s_item = atomicAdd(reinterpret_cast<unsigned*>(a.counters + 3), 1u);
     __syncthreads();
     int64_t item = s_item;
