@@ -87,6 +87,14 @@ def test_structure_keeps_what_the_kernels_tell_apart():
         (lambda: GroupNormSpec(1, layer=True, softmax=True), "needs .* affine=False"),
         (lambda: GroupNormSpec(1, affine=False, layer=True, log=True), "log=True .* softmax"),
         (lambda: Reduction("median"), "unknown reduction"),
+        (lambda: Reduction("sum", pool=0), "pool must be an int >= 1"),
+        (lambda: Reduction("sum", pool=2.0), "pool must be an int >= 1"),
+        (lambda: Reduction("sum", pool=6), "power of two up to 128"),
+        (lambda: Reduction("sum", pool=256), "power of two up to 128"),
+        (
+            lambda: Epilogue(norm=GroupNormSpec(2), reduce=Reduction("sum", pool=2)),
+            "max pooling before the reduction .* without a norm",
+        ),
         (lambda: Epilogue(post=(Pointwise("relu"),)), "post ops need a GroupNorm"),
         (lambda: Epilogue(pre=(Pointwise("add", (1.0,)),) * 9), "at most 8 float"),
     ],
@@ -186,6 +194,7 @@ def test_chain_pool_covers_the_grammar():
         *value_chains(),
         *softmax_chains(),
         Epilogue(reduce=Reduction("max"), tail=(Pointwise("mish"), Pointwise("mul", (Value(0),)))),
+        Epilogue(pre=(Pointwise("gelu"),), reduce=Reduction("sum", True, 2)),
     ],
 )
 def test_spec_round_trips(epilogue):
@@ -230,3 +239,15 @@ def test_generated_code_keeps_values_in_registers():
     assert "float d0 = 0.f;" in code and "d0 += d;" in code and "d += d0;" in code
     detached = cuda_epilogue(value_chains()[1].structure)
     assert "float d0" not in detached  # the detached read sends no gradient back
+
+
+def test_a_pooled_reduction_is_its_own_structure():
+    """The max-pooling window is compiled in (kPool): it stays in the structure."""
+    pooled = Epilogue(reduce=Reduction("sum", pool=4))
+    assert pooled.structure.reduce == Reduction("sum", pool=4)
+    assert pooled.structure != Epilogue(reduce=Reduction("sum")).structure
+    assert "kPool = 4" in cuda_epilogue(pooled)
+    assert "kPool = 1" in cuda_epilogue(Epilogue(reduce=Reduction("sum")))
+    assert "kPool = 1" in cuda_epilogue(Epilogue())
+    assert epilogue_problem(norm=(2, 1e-5), reduce=Reduction("max", pool=2))
+    assert not epilogue_problem(reduce=Reduction("max", pool=2))

@@ -71,6 +71,17 @@ def test_one_value_per_group_raises_like_pytorch():
         fused_linear(x, w, b, Epilogue(norm=GroupNormSpec(4, affine=False)))
 
 
+def test_a_pooling_window_wider_than_the_row_raises_like_pytorch():
+    x, w, b, _, _ = args(n=16)
+    pooled = Epilogue(reduce=Reduction("sum", pool=32))
+    with pytest.raises(RuntimeError):  # PyTorch's own error for such a max_pool1d
+        torch.nn.functional.max_pool1d(torch.randn(5, 1, 16), 32)
+    with pytest.raises(ValueError, match="max-pooling window of 32 channels .* wider than the "
+                                         "chain's 16 channels"):  # fmt: skip
+        fused_linear(x, w, b, pooled)
+    assert fused_linear(x, w, b, Epilogue(reduce=Reduction("sum", pool=16))).shape == (5,)
+
+
 def test_cpu_takes_reference_path_without_warning(recwarn):
     x, w, b, gw, gb = args()
     out, path = fused_linear_with_path(x, w, b, EPI, gw, gb)

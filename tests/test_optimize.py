@@ -43,10 +43,30 @@ EXPECTED = {
          "stopped at add (operator.add): operand getattr_1 is computed after the Linear (fused"
          " operands computed in the forward come before it) [line 26: `return a + b + "
          "c.sum(dim=1)`]"),
-        ("fc3", True, "fc3",
-         "stopped at max_pool (channel pooling): a max pooling (nn.MaxPool1d) is not in the "
-         "grammar; an average pooling folds into the Linear's weights [line 25: `c = "
-         "self.max_pool(self.fc3(x).unsqueeze(1)).squeeze(1)`]"),
+        ("fc3", True, "fc3 -> max_pool1d(2) over the channels -> sum(dim=1)",
+         "stopped at add_1 (operator.add): operand add is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 26: `return a + b + "
+         "c.sum(dim=1)`]"),
+    ],
+    "max_pool_over_channels": [
+        ("fc1", True, "fc1 -> max_pool1d(2) over the channels -> sum(dim=1) -> x * 0.5",
+         "stopped at add (operator.add): operand mean is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 26: `b = "
+         "F.max_pool1d(self.fc2(x).unsqueeze(1), 4).squeeze(1).mean(dim=1)`] [line 29: `return "
+         "a + b + c + d`]"),
+        ("fc2", True, "fc2 -> max_pool1d(4) over the channels -> mean(dim=1) -> x + mul",
+         "stopped at add_1 (operator.add): operand logsumexp is computed after the Linear "
+         "(fused operands computed in the forward come before it) [line 27: `c = "
+         "torch.logsumexp(self.wide_pool(self.fc3(x).unsqueeze(1)).squeeze(1), dim=1)`] [line "
+         "29: `return a + b + c + d`]"),
+        ("fc3", True, "fc3 -> max_pool1d(8) over the channels -> logsumexp(dim=1)",
+         "stopped at add_1 (operator.add): operand add is computed after the Linear (fused "
+         "operands computed in the forward come before it) [line 29: `return a + b + c + d`]"),
+        ("fc4", True, "fc4",
+         "stopped at max_pool_1 (channel pooling): a max pooling over the channels is fused "
+         "where a channel reduction follows it at once, the kernels taking the windows' maxima "
+         "as they reduce a row (stopped at relu (torch.relu): not a channel reduction [line 28: "
+         "`d = torch.relu(self.max_pool(self.fc4(x).unsqueeze(1)).squeeze(1)).sum(dim=1)`])"),
     ],
     "batchnorm_eval": [
         ("fc1", True, "fc1 -> x * 2.0 -> bn1 (eval: (x - mean) * scale + bias) -> relu",
@@ -281,6 +301,7 @@ def test_in_place_updates_to_the_models_parameters_reach_the_optimized_model():
         "values_read_again",
         "values_around_norm",
         "avg_pool_over_channels",
+        "max_pool_over_channels",
     ],
 )
 def test_gradients_reach_the_models_parameters(name):

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gemmfuse import FusedLinear, optimize
+from gemmfuse import Epilogue, FusedLinear, Reduction, optimize
 from gemmfuse.pooling import ChannelPool, mean_rows, pool_problem, pooled_linear
 from gemmfuse.weight_cache import SplitWeightCache
 from helpers import Chain
@@ -102,10 +102,12 @@ def test_a_pooling_module_changed_later_runs_the_model_instead():
         (nn.AvgPool1d(5, ceil_mode=True), "stopped at pool (channel pooling): ceil_mode=True "
          "adds a partial window (24 channels, 5 a window)"),
         (nn.AvgPool1d(4, padding=1), "stopped at pool (channel pooling): its padding 1 is not 0"),
-        (nn.MaxPool1d(2), "stopped at pool (channel pooling): a max pooling (nn.MaxPool1d) is "
-         "not in the grammar; an average pooling folds into the Linear's weights"),
+        (nn.MaxPool1d(2), "stopped at pool (channel pooling): a max pooling over the channels "
+         "is fused where a channel reduction follows it at once"),
         (lambda y: F.max_pool1d(y, 2), "stopped at max_pool1d (channel pooling): a max pooling "
-         "is not in the grammar; an average pooling folds into the Linear's weights"),
+         "over the channels is fused where a channel reduction follows it at once"),
+        (nn.LPPool1d(2, 2), "stopped at pool (channel pooling): nn.LPPool1d is not in the "
+         "grammar (average and max pooling are)"),
     ],
 )  # fmt: skip
 def test_poolings_that_do_not_fold_stop_the_chain(pool, stopped):
@@ -123,3 +125,78 @@ def test_squeeze_without_a_dim_stops_the_chain():
     _, report = optimize(model, (torch.randn(5, 8),))
     assert report.linears[0].chain == ("fc",)
     assert "squeeze() without a dim would also drop a batch of one row" in report.linears[0].stopped
+
+
+def max_pooled(pool, reduce) -> Chain:
+    """Linear(8, 24) -> pool(x.unsqueeze(1)).squeeze(1) -> reduce."""
+    return Chain(lambda s, x: reduce(s.pool(x.unsqueeze(1)).squeeze(1)), n=24, pool=pool)
+
+
+@pytest.mark.parametrize(
+    "pool, reduce, want",
+    [
+        (nn.MaxPool1d(2), lambda v: torch.sum(v, dim=1), Reduction("sum", pool=2)),
+        (nn.MaxPool1d(8), lambda v: v.amax(dim=-1, keepdim=True), Reduction("max", True, 8)),
+        (lambda y: F.max_pool1d(y, 4), lambda v: v.mean(1), Reduction("mean", pool=4)),
+        (lambda y: F.max_pool1d(y, kernel_size=16, stride=16), lambda v: v.logsumexp(1),
+         Reduction("logsumexp", pool=16)),
+        (nn.MaxPool1d(16, ceil_mode=False), lambda v: v.min(dim=1).values,
+         Reduction("min", pool=16)),
+    ],
+)  # fmt: skip
+def test_a_max_pooling_before_a_reduction_joins_it(pool, reduce, want):
+    """The reduction takes the windows' maxima (Reduction.pool), a partial last window dropped
+    as max_pool1d drops it (24 channels in windows of 16)."""
+    torch.manual_seed(0)
+    model, x = max_pooled(pool, reduce), torch.randn(5, 8)
+    new, report = optimize(model, (x,))
+    assert new.fc.epilogue.reduce == want and new.fc.pool is None
+    assert "over the channels" in report.linears[0].chain[1]
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "pool, stopped",
+    [
+        (nn.MaxPool1d(3), "a reduction's max-pooling window must be a power of two up to 128"),
+        (nn.MaxPool1d(2, stride=1), "its stride 1 is not its kernel_size 2 (overlapping windows)"),
+        (nn.MaxPool1d(2, padding=1), "its padding 1 is not 0"),
+        (nn.MaxPool1d(2, dilation=2), "its dilation 2 is not 1"),
+        (nn.MaxPool1d(16, ceil_mode=True), "ceil_mode=True adds a partial window (24 channels, "
+         "16 a window)"),
+    ],
+)  # fmt: skip
+def test_max_poolings_the_kernels_do_not_take_stop_the_chain(pool, stopped):
+    model, x = max_pooled(pool, lambda v: v.sum(1)), torch.randn(5, 8)
+    new, report = optimize(model, (x,))
+    (entry,) = report.linears
+    assert entry.chain == ("fc",) and new.fc.epilogue == Epilogue()
+    assert entry.stopped.startswith(f"stopped at pool (channel pooling): {stopped}"), entry.stopped
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "after, stopped",
+    [
+        (lambda v: torch.relu(v).sum(1), "stopped at relu (torch.relu): not a channel reduction"),
+        (lambda v: F.layer_norm(v, (12,)).sum(1), "stopped at layer_norm (F.layer_norm): not a "
+         "channel reduction"),
+        (lambda v: v, "ends at the model's output"),
+    ],
+)  # fmt: skip
+def test_a_max_pooling_not_followed_by_a_reduction_stops_the_chain(after, stopped):
+    """Only a channel reduction may come right after a max pooling: the kernels take the window
+    maxima as they reduce a row (a norm after it, say, would need the pooled row)."""
+    model, x = max_pooled(nn.MaxPool1d(2), after), torch.randn(5, 8)
+    new, report = optimize(model, (x,))
+    (entry,) = report.linears
+    assert entry.chain == ("fc",) and new.fc.epilogue == Epilogue()
+    assert entry.stopped.startswith(
+        "stopped at pool (channel pooling): a max pooling over the channels is fused where a "
+        f"channel reduction follows it at once, the kernels taking the windows' maxima as they "
+        f"reduce a row ({stopped}"
+    ), entry.stopped
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)

@@ -45,6 +45,21 @@ def test_reductions(op, keepdim):
     torch.testing.assert_close(got, expect, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("op", ["min", "max", "sum", "mean", "logsumexp"])
+@pytest.mark.parametrize("pool, n", [(2, 32), (4, 30), (16, 40)])
+def test_pooled_reductions_take_the_windows_maxima(op, pool, n):
+    """Reduction.pool: max_pool1d over the channels first, a partial last window dropped (a
+    mean divides by the whole windows)."""
+    torch.manual_seed(0)
+    fc, x = nn.Linear(16, n), torch.randn(9, 16)
+    fn = {"min": torch.amin, "max": torch.amax, "sum": torch.sum, "mean": torch.mean,
+          "logsumexp": torch.logsumexp}[op]  # fmt: skip
+    windows = torch.relu(fc(x))[:, : n // pool * pool].view(9, n // pool, pool).amax(2)
+    epi = Epilogue(pre=(Pointwise("relu"),), reduce=Reduction(op, pool=pool))
+    got = linear_epilogue(x, fc.weight, fc.bias, epi)
+    torch.testing.assert_close(got, fn(windows, dim=1), rtol=0, atol=0)
+
+
 def test_per_channel_params_and_tail_broadcast_like_75():
     """#75's tail: (M, 1) + (1, C, 1, 1) -> (1, C, M, 1), and per-channel operands before it."""
     torch.manual_seed(1)

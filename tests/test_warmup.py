@@ -8,6 +8,7 @@ from model_files import build, path_of
 import gemmfuse.warmup as warmup
 from gemmfuse import Epilogue, FusedLinear, optimize
 from gemmfuse.cli import main
+from gemmfuse.epilogue import split_epilogue
 from gemmfuse.kernelbench.export import ExportError
 from gemmfuse.kernelbench.registry import PROBLEMS
 
@@ -65,3 +66,41 @@ def test_cli_errors_name_the_argument(capsys):
     assert "--jobs must be at least 1" in capsys.readouterr().err
     assert main(["warmup", str(path_of("unfit_computed_weight"))]) == 2
     assert "no Linear of Model can be swapped" in capsys.readouterr().err
+
+
+def test_cli_builds_several_targets_together_each_structure_once(monkeypatch, capsys):
+    """62 and 75 share the plain GEMM's structure: one pool builds it once with both chains."""
+    built = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        warmup, "build_in_processes", lambda s, jobs, on_done: built.extend(s) or []
+    )
+    assert main(["warmup", "62", "75", "--jobs", "3"]) == 0
+    want = list(dict.fromkeys(warmup.structures_for("62") + warmup.structures_for("75")))
+    assert built == want and len(want) == 3
+    assert f"{len(want)} kernel structure(s), 3 at a time" in capsys.readouterr().err
+
+
+class _ScaledBatchNorm(torch.nn.Module):
+    """KernelBench #33's pattern: Linear -> * s -> BatchNorm1d in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 96)
+        self.scale = torch.nn.Parameter(torch.randn(96))
+        self.bn = torch.nn.BatchNorm1d(96)
+
+    def forward(self, x):
+        return self.bn(self.fc(x) * self.scale)
+
+
+def test_a_batch_statistics_chain_needs_its_two_halves():
+    """A BatchNorm1d in training mode splits its chain's call in two (the fused call up to it,
+    then the rest): warmup builds those halves, not the whole chain no call launches."""
+    new, _ = optimize(_ScaledBatchNorm(), [torch.randn(32, 64)])
+    fc = next(m for m in new.modules() if isinstance(m, FusedLinear))
+    head, rest = split_epilogue(fc.epilogue, 1)
+    assert fc.kernel_structures == [head.structure, rest.structure]
+    assert head.structure.pre and rest.structure.pre and head.structure != Epilogue()
+    got = warmup.model_structures(new)
+    assert got == fc.kernel_structures and fc.epilogue.structure not in got

@@ -154,10 +154,12 @@ def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) 
 def kernel_backward_serves(chain: Epilogue, dtype: torch.dtype, n: int, device) -> bool:
     """Whether the chain backward kernel takes a chain's backward on n channels: CUDA float32 or
     bfloat16, a column slab's working set within a block's shared memory, no softmax over the
-    channels (the kernel does not differentiate one)."""
+    channels and no max pooling before the reduction (the kernel differentiates neither)."""
     if device.type != "cuda" or dtype not in (torch.float32, torch.bfloat16):
         return False
     if chain.norm is not None and chain.norm.softmax:
+        return False
+    if chain.reduce is not None and chain.reduce.pool > 1:
         return False
     return _kernel_fits(chain.structure, n, norm_settings(chain, n)[0], device)
 

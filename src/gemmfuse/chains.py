@@ -80,6 +80,7 @@ class ChainSpec:
     reduce: str | None
     keepdim: bool
     tail: tuple[OpSpec, ...]
+    pool: int = 1  # the reduction's max-pooling window (Reduction.pool; chains without a norm)
 
     def instantiate(
         self, gen: torch.Generator, n: int, num_groups: int = 1, eps: float = 1e-5
@@ -114,7 +115,7 @@ class ChainSpec:
         pre, post = ops(self.pre), ops(self.post)
         tail = ops(self.tail, tail=True)
         norm = GroupNormSpec(num_groups, eps, self.affine) if self.norm else None
-        reduce = Reduction(self.reduce, self.keepdim) if self.reduce else None
+        reduce = Reduction(self.reduce, self.keepdim, self.pool) if self.reduce else None
         return Epilogue(pre, norm, post, reduce, tail), params
 
     @property
@@ -130,6 +131,8 @@ class ChainSpec:
         if self.norm:
             parts.append("group_norm" + ("" if self.affine else "[no affine]"))
         parts += names(self.post)
+        if self.pool > 1:
+            parts.append(f"max_pool1d({self.pool})")
         if self.reduce:
             parts.append(f"{self.reduce}{'[keepdim]' if self.keepdim else ''}")
         parts += names(self.tail)
@@ -200,27 +203,33 @@ def random_chain(rng: random.Random, units: tuple[int, int] = (0, 3)) -> ChainSp
         tail = [rng.choice(scalar_units) for _ in range(rng.randint(0, 1))]
         if rng.random() < 0.5:
             tail.append((OpSpec("add", (ArgSpec(True, -1, 1),)),))
+    affine, keepdim = rng.random() < 0.5, rng.random() < 0.5
+    # a max pooling over the channels before the reduction, in chains without a norm; windows
+    # of at most 16 channels, the fewest the tests draw (a wider window than the row raises)
+    pool = rng.choice((2, 4, 8, 16)) if reduce and not norm and rng.random() < 0.5 else 1
     return ChainSpec(
         pre=tuple(op for u in pre for op in u),
         norm=norm,
-        affine=rng.random() < 0.5,
+        affine=affine,
         post=tuple(op for u in post for op in u),
         reduce=reduce,
-        keepdim=rng.random() < 0.5,
+        keepdim=keepdim,
         tail=tuple(op for u in tail for op in u),
+        pool=pool,
     )
 
 
 def chain_pool(size: int = 2, seed: int = 0) -> list[ChainSpec]:
     """``size`` random chains, then longer ones (the best of 50 draws each) until every
-    pointwise op appears in a kernel (before the reduction) and every reduction appears: a
-    small pool, so few kernels to build (each takes minutes of nvcc)."""
+    pointwise op appears in a kernel (before the reduction), every reduction appears and a max
+    pooling before one: a small pool, so few kernels to build (each takes seconds of nvcc)."""
     rng = random.Random(seed)
     pool: list[ChainSpec] = []
-    missing = set(POINTWISE) | set(REDUCTIONS)
+    missing = set(POINTWISE) | set(REDUCTIONS) | {"max_pool1d"}
 
     def covers(spec):
-        return ({op.name for op in spec.pre + spec.post} | {spec.reduce}) & missing
+        pooled = {"max_pool1d"} if spec.pool > 1 else set()
+        return ({op.name for op in spec.pre + spec.post} | {spec.reduce} | pooled) & missing
 
     while len(pool) < size or missing:
         spec = random_chain(rng)

@@ -62,10 +62,10 @@ def parser() -> argparse.ArgumentParser:
         "warmup", help="build every kernel a model needs into the cache, in parallel (needs a GPU)"
     )
     warmup.add_argument(
-        "target",
+        "targets", nargs="+", metavar="target",
         help=f"a shipped problem ({', '.join(map(str, sorted(PROBLEMS)))}) or the path of a "
-        "KernelBench problem file",
-    )
+        "KernelBench problem file; several are built together, each structure once",
+    )  # fmt: skip
     warmup.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 4,
         help="builds at once (default: one per core)",
@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _warmup(p: argparse.ArgumentParser, target: str, jobs: int) -> int:
+def _warmup(p: argparse.ArgumentParser, targets: list[str], jobs: int) -> int:
     import torch
 
     from gemmfuse.kernelbench.export import ExportError
@@ -81,13 +81,16 @@ def _warmup(p: argparse.ArgumentParser, target: str, jobs: int) -> int:
 
     if jobs < 1:
         p.error(f"--jobs must be at least 1, got {jobs}")
-    try:
-        structures = structures_for(target)
-    except ExportError as exc:
-        print(f"gemmfuse warmup: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        p.error(f"{exc}, and {target!r} is not a file")
+    structures = []
+    for target in targets:
+        try:
+            structures += structures_for(target)
+        except ExportError as exc:
+            print(f"gemmfuse warmup: {target}: {exc}", file=sys.stderr)
+            return 2
+        except ValueError as exc:
+            p.error(f"{exc}, and {target!r} is not a file")
+    structures = list(dict.fromkeys(structures))
     if not torch.cuda.is_available():
         print(
             "gemmfuse warmup: kernels are built for this machine's GPU, and torch sees no CUDA "
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(p, args.problem)
     if args.command == "warmup":
-        return _warmup(p, args.target, args.jobs)
+        return _warmup(p, args.targets, args.jobs)
     if args.iters < 30 or args.seeds < 1:
         parser().error("--iters must be >= 30 and --seeds >= 1")
     from gemmfuse.bench_cli import main as bench_main

@@ -197,14 +197,44 @@ class GroupNormSpec:
 
 @dataclass(frozen=True)
 class Reduction:
-    """A reduction over the channel dimension (dim 1) of the (M, N) result."""
+    """A reduction over the channel dimension (dim 1) of the (M, N) result.
+
+    ``pool`` > 1: the reduction takes the maxima of windows of ``pool`` consecutive channels
+    instead of the channels themselves, as a model writes a max pooling over the channels right
+    before it (``F.max_pool1d(x.unsqueeze(1), pool).squeeze(1)``: a window's stride its size,
+    no padding, a partial last window dropped; a mean divides by the N // pool windows). A power
+    of two up to 128, so that no window straddles two of the kernels' 128-column tiles, and in
+    chains without a norm (the kernels pool where they reduce a row's values themselves).
+    """
 
     op: str
     keepdim: bool = False
+    pool: int = 1
 
     def __post_init__(self):
         if self.op not in REDUCTIONS:
             raise ValueError(f"unknown reduction {self.op!r}; expected one of {sorted(REDUCTIONS)}")
+        problem = max_pool_problem(self.pool)
+        if problem:
+            raise ValueError(problem)
+
+
+MAX_POOL = 128  # kTile in csrc/fused_args.h: a max-pooling window stays within one tile
+
+
+def max_pool_problem(pool) -> str:
+    """Why ``pool`` is not a :class:`Reduction`'s max-pooling window ("" where it is)."""
+    if not isinstance(pool, int) or isinstance(pool, bool) or pool < 1:
+        return f"a reduction's pool must be an int >= 1, got {pool!r}"
+    if pool > MAX_POOL or pool & (pool - 1):
+        return (
+            f"a reduction's max-pooling window must be a power of two up to {MAX_POOL} (no "
+            f"window then straddles two of the kernels' {MAX_POOL}-channel tiles), got {pool}"
+        )
+    return ""
+
+
+_POOL_WITH_NORM = "a max pooling before the reduction (Reduction.pool > 1) is fused without a norm"
 
 
 @dataclass(frozen=True)
@@ -220,6 +250,8 @@ class Epilogue:
             raise ValueError("post ops need a GroupNorm; put ops without one in `pre`")
         if self.reduce is None and self.tail:
             raise ValueError("tail ops need a reduction; put ops without one in `pre`/`post`")
+        if self.norm is not None and self.reduce is not None and self.reduce.pool > 1:
+            raise ValueError(_POOL_WITH_NORM)
         # Plain attributes set once, not cached_property: torch.compile traces a chain built
         # inside forward (a ModelNew's), and cannot trace a cached_property's lock (Python 3.11).
         for stretch, ops in (("pre", self.pre), ("post", self.post), ("tail", self.tail)):
@@ -286,7 +318,7 @@ class Epilogue:
         if norm is not None:  # a LayerNorm is a one-group GroupNorm to the kernels
             row_op = norm.rms or norm.softmax
             norm = GroupNormSpec(1, 0.0, norm.affine, row_op, norm.rms, norm.softmax, norm.log)
-        reduce = None if self.reduce is None else Reduction(self.reduce.op)
+        reduce = None if self.reduce is None else Reduction(self.reduce.op, pool=self.reduce.pool)
         return Epilogue(strip(self.pre), norm, strip(self.post), reduce)
 
 
@@ -360,7 +392,7 @@ def epilogue_spec(epilogue: "Epilogue", tail: bool = True) -> str:
         norm_spec = f"[{norm.num_groups}, {_number_spec(norm.eps)}, {flags}]"
     reduce_spec = "null"
     if reduce is not None:
-        reduce_spec = f'["{reduce.op}", {"true" if reduce.keepdim else "false"}]'
+        reduce_spec = f'["{reduce.op}", {"true" if reduce.keepdim else "false"}, {reduce.pool}]'
     return (
         f'{{"pre": {_ops_spec(epilogue.pre)}, "norm": {norm_spec}, '
         f'"post": {_ops_spec(epilogue.post)}, "reduce": {reduce_spec}, '
@@ -422,6 +454,8 @@ def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
         return "post ops need a GroupNorm"
     if reduce is None and tail:
         return "tail ops need a reduction"
+    if norm is not None and reduce is not None and reduce.pool > 1:
+        return _POOL_WITH_NORM
     args = [a for _, op_args in (*pre, *post) for a in op_args if not isinstance(a, Value)]
     if sum(not isinstance(a, Param) for a in args) > MAX_SCALARS:
         return f"an epilogue takes at most {MAX_SCALARS} float arguments before its reduction"
@@ -552,6 +586,7 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
     """The ``GeneratedEpilogue`` struct the kernels in csrc/ are instantiated with: the ops
     forward (``pre``, ``post``) and backward (``pre_backward``, ``post_backward``)."""
     reduce = 0 if epilogue.reduce is None else REDUCTIONS[epilogue.reduce.op]
+    pool = 1 if epilogue.reduce is None else epilogue.reduce.pool
     plain = epilogue.structure == Epilogue()
     norm = epilogue.norm or GroupNormSpec(1, affine=False)
     sums, param_slot = column_sum_slots(epilogue)
@@ -577,6 +612,8 @@ def cuda_epilogue(epilogue: Epilogue) -> str:
             f"  static constexpr bool kSoftmax = {'true' if norm.softmax else 'false'};",
             f"  static constexpr bool kLogSoftmax = {'true' if norm.log else 'false'};",
             f"  static constexpr int kReduce = {reduce};",
+            # The reduction's max-pooling window (Reduction.pool): 1, or it takes window maxima.
+            f"  static constexpr int kPool = {pool};",
             # A plain GEMM (+ bias): the backward's matrix products run on this structure.
             f"  static constexpr bool kPlain = {'true' if plain else 'false'};",
             # The backward's column sums (chain_backward.cuh): see column_sum_slots.

@@ -319,6 +319,19 @@ class FusedLinear(nn.Module):
         """The chain with the current settings (None when they are outside the grammar)."""
         return self._state()[2]
 
+    @property
+    def kernel_structures(self) -> list[Epilogue]:
+        """The kernel structures this module's calls launch as its settings are now: its
+        chain's, or with a BatchNorm1d normalising with batch statistics, the chain up to it
+        and the rest (the two calls ``_batch_norm_call`` makes). Empty outside the grammar."""
+        epilogue = self.epilogue
+        if epilogue is None:
+            return []
+        found = []
+        for at in self._batch_statistics():
+            found += [part.structure for part in split_epilogue(epilogue, at.position)]
+        return found or [epilogue.structure]
+
     def _state(self, weight=None, inputs=None):
         """(operands, GroupNorm values or None, epilogue or None) as of now; ``weight``: the
         Linear's, where the caller has it already (its dtype resolves an RMSNorm's eps=None);

@@ -55,6 +55,8 @@ def apply_epilogue(
     if norm is not None:
         y = apply_pointwise(y, epilogue.post, params)
     if epilogue.reduce is not None:
+        if epilogue.reduce.pool > 1:
+            y = F.max_pool1d(y.unsqueeze(1), epilogue.reduce.pool).squeeze(1)
         y = REDUCTION_FNS[epilogue.reduce.op](y, dim=1, keepdim=epilogue.reduce.keepdim)
         y = apply_pointwise(y, epilogue.tail, params)
     return y

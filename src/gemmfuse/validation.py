@@ -89,6 +89,12 @@ def _chain_tensors_problem(
                 f"params[{i}] of shape {shape} does not broadcast to the chain's "
                 f"({x.shape[0]}, {n}): the ops before the reduction keep the GEMM's shape"
             )
+    pool = 1 if epilogue.reduce is None else epilogue.reduce.pool
+    if pool > n:  # max_pool1d refuses a window wider than its input
+        return ValueError, (
+            f"the reduction's max-pooling window of {pool} channels (Reduction.pool) is wider "
+            f"than the chain's {n} channels"
+        )
     return _norm_problem(x, n, like, epilogue, gn_weight, gn_bias, like_name)
 
 

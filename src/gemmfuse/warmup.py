@@ -44,9 +44,9 @@ def structures_for(target: str) -> list[Epilogue]:
 
 
 def model_structures(model) -> list[Epilogue]:
-    """The kernel structures of an optimized model's FusedLinears (as their settings are now)."""
-    return [m.epilogue.structure for m in model.modules()
-            if isinstance(m, FusedLinear) and m.epilogue is not None]  # fmt: skip
+    """The kernel structures an optimized model's FusedLinears launch (as their settings are
+    now: a BatchNorm1d in training mode splits its chain in two)."""
+    return [s for m in model.modules() if isinstance(m, FusedLinear) for s in m.kernel_structures]
 
 
 def build_in_processes(

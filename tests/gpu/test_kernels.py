@@ -10,10 +10,19 @@ import torch
 
 from gemmfuse import Epilogue, FallbackWarning, GroupNormSpec, Reduction
 from gemmfuse.bench import check
+from gemmfuse.chains import chain_references, linear_data
 from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import fused_linear_with_path
-from helpers import build_pair, float64_bar, max_abs_err, ops_alone, run_both, small_pair
+from helpers import (
+    build_pair,
+    float64_bar,
+    max_abs_err,
+    ops_alone,
+    poison_allocator,
+    run_both,
+    small_pair,
+)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -349,3 +358,30 @@ def test_standalone_export_runs_fused(number):
     assert new.last_path == "fused"
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
     assert max_abs_err(got, exact) <= max_abs_err(expect, exact)
+
+
+# Reductions over a max pooling's windows (Reduction.pool), the structures the model file
+# max_pool_over_channels.py also builds. 998 channels leave a partial last window of 2, 4 or 8
+# columns (dropped, as max_pool1d drops it) in the last tile; M = 1 and 2 run the few-rows
+# kernel under kernel="epilogue".
+POOLED = [Reduction("sum", pool=2), Reduction("mean", True, 4), Reduction("logsumexp", pool=8)]
+
+
+@pytest.mark.parametrize("reduce", POOLED, ids=[r.op for r in POOLED])
+@pytest.mark.parametrize("m,k,n", [(1, 1024, 998), (2, 512, 130), (257, 1024, 998),
+                                   (128, 2048, 4096)])  # fmt: skip
+def test_pooled_reductions(reduce, m, k, n, kernel):
+    gen = torch.Generator().manual_seed(m + k + n)
+    x, w, b = (t.to(CUDA) for t in linear_data(gen, m, k, n)[:3])
+    x = x + 0.5  # rows with a mean: window maxima and sums of one sign
+    epilogue = Epilogue(reduce=reduce)
+    with torch.no_grad():
+        eager, exact, ops = chain_references(x, w, b, epilogue, None, None, [])
+        poison_allocator(4 * m * n, CUDA)
+        got, path = fused_linear_with_path(x, w, b, epilogue, kernel=kernel)
+    assert path == path_of(kernel)
+    assert got.shape == eager.shape == ((m, 1) if reduce.keepdim else (m,))
+    assert not got.isnan().any()
+    err, err_eager = max_abs_err(got, exact), max_abs_err(eager, exact)
+    bar = max(float64_bar(err_eager, max_abs_err(ops, exact), exact), 1e-4)
+    assert err <= bar, f"gemmfuse {err:.3e} vs eager {err_eager:.3e}, bar {bar:.3e}"

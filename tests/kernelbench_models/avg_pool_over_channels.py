@@ -1,6 +1,6 @@
 """KernelBench #98's and #55's patterns, pooling over the channels: Linear -> AvgPool1d over
 x.unsqueeze(1) -> squeeze(1) -> GELU -> * 2 -> max values (folded into the weights); Linear ->
-F.avg_pool1d -> tanh -> sum; Linear -> MaxPool1d (not in the grammar: a bare GEMM)."""
+F.avg_pool1d -> tanh -> sum; Linear -> MaxPool1d -> sum (over the windows' maxima)."""
 
 import torch
 import torch.nn as nn

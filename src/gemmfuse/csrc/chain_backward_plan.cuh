@@ -53,10 +53,11 @@ int resident_blocks(Kernel kernel, size_t bytes) {
 // number of slabs (at most N / 1024, each a whole number of groups; one for logsumexp, whose
 // row-wide sum is not split). Then as many row blocks as fill the GPU. row_blocks 0: a slab's
 // working set exceeds what the device gives a block, or the chain has a softmax over the
-// channels, which the kernels do not differentiate (the chain's backward runs in PyTorch).
+// channels or a max pooling before its reduction, which the kernels do not differentiate (the
+// chain's backward runs in PyTorch).
 template <class Epi>
 BackwardPlan chain_backward_plan_for(int m, int n, int group_size, bool bf16) {
-  if constexpr (Epi::kSoftmax) return {1, 0, 0, 0};
+  if constexpr (Epi::kSoftmax || Epi::kPool > 1) return {1, 0, 0, 0};
   if (backward_in_registers<Epi>(n, group_size)) {
     const int slabs = n / kWarpSlab;
     const int resident = bf16 ? resident_blocks(chain_backward_warp_kernel<Epi, false>, 0)

@@ -16,6 +16,7 @@
 // `Epi` is generated from the Python epilogue description (epilogue.py); it provides
 //   static constexpr bool kNorm, kRms, kSoftmax, kLogSoftmax;
 //   static constexpr int kReduce;  (0 none, 1 min, 2 max, 3 sum, 4 mean, 5 logsumexp)
+//   static constexpr int kPool;    (the reduction's max-pooling window: 1 none)
 //   static __device__ float pre(float v, int row, int col, const EpilogueParams& p);
 //   static __device__ float post(float v, int row, int col, const EpilogueParams& p);
 // and is defined before this header is included (see fused_linear.cu).

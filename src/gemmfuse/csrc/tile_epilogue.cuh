@@ -700,10 +700,21 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
         put_partial(r, acc);
       }
     } else {
+      // A max pooling over the channels first (Epi::kPool > 1): the row's values are its
+      // windows' maxima, NaN-propagating as max_pool1d; windows never straddle tiles, and the
+      // last tile's partial window is dropped, as max_pool1d drops it.
+      constexpr int kPool = Epi::kPool;
+      static_assert(kPool >= 1 && kTile % kPool == 0, "a pooling window within a tile");
+      const int windows = cols_here / kPool;
       for (int r = warp; r < rows_here; r += kThreads / 32) {
+        const float* row = tile + r * kEpiStride;
         RowAcc acc = row_acc_empty<kind>();
-        for (int c = lane; c < cols_here; c += 32)
-          row_acc_push<kind>(acc, tile[r * kEpiStride + c]);
+        for (int w = lane; w < windows; w += 32) {
+          float v = row[w * kPool];
+#pragma unroll
+          for (int j = 1; j < kPool; ++j) v = max_nan(v, row[w * kPool + j]);
+          row_acc_push<kind>(acc, v);
+        }
         acc = row_acc_warp<kind>(acc);
         if (lane == 0) put_partial(r, acc);
       }
@@ -726,7 +737,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
           if constexpr (kPairs) part.s = __ldcg(args.row_partial + s_half + at);
           acc = tn == 0 ? part : row_acc_merge<kind>(acc, part);
         }
-        args.row_out[tc.m0 + r] = row_acc_finish<kind>(acc, args.N);
+        args.row_out[tc.m0 + r] = row_acc_finish<kind>(acc, args.N / Epi::kPool);
       }
       if (tid == 0) args.row_counter[tc.m_idx] = 0;  // ready for the next launch
     }

@@ -22,10 +22,13 @@ the reductions act on dimension 1, not on the features). A reduction over
 dimension 1 after the chain's own kept it (size 1) is the value itself, or drops it. An average
 pooling over the channels right after the Linear (``avg_pool1d`` of ``x.unsqueeze(1)``, then
 ``squeeze(1)``; stride equal to the window, no padding) is folded into the Linear's weights
-(gemmfuse/pooling.py), and the chain goes on over the pooled channels. An ``nn.BatchNorm1d`` in
-eval mode on the (M, N) value is per-channel ops read from the module at each call
-(``modules.BatchNormAffine``); in training mode (or without running statistics) the same ops
-with the batch's statistics, the fused call splitting there (``modules.FusedLinear``).
+(gemmfuse/pooling.py), and the chain goes on over the pooled channels. A max pooling there
+(``max_pool1d``, the same settings, a window of a power of two up to 128) joins the channel
+reduction that must follow it at once (``Reduction.pool``: the kernels reduce window maxima).
+An ``nn.BatchNorm1d`` in eval mode on the (M, N) value is per-channel ops read from the module
+at each call (``modules.BatchNormAffine``); in training mode (or without running statistics)
+the same ops with the batch's statistics, the fused call splitting there
+(``modules.FusedLinear``).
 
 A binary op's other operand may be a number, a parameter, buffer or tensor attribute, or a
 tensor the forward computes before the Linear, of the chain's own shape (read per element: a

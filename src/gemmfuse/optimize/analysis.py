@@ -4,14 +4,24 @@ Each node after the Linear is recognised as a grammar step (matching.py) or refu
 :class:`_Refusal` saying why it cannot join; the chain stops at the first refusal and records it.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 import torch.nn as nn
 
-from gemmfuse.epilogue import MAX_SCALARS, MAX_TENSORS, Param, Reduction, Value, per_channel
+from gemmfuse.epilogue import (
+    MAX_SCALARS,
+    MAX_TENSORS,
+    Param,
+    Reduction,
+    Value,
+    max_pool_problem,
+    per_channel,
+)
 from gemmfuse.modules import BatchNormAffine, ChainNorm, ChainOp
 from gemmfuse.optimize.grammar import (
+    MaxPool,
     _alias_of,
     _first_refusal,
     _has_hooks,
@@ -43,6 +53,7 @@ class _Chain:
     labels: list[str] = field(default_factory=list)
     stopped: str = ""
     pool: ChannelPool | None = None  # folded into the Linear (pooling.py)
+    max_pool: int = 1  # a max pooling's window, taken into the reduction that must follow it
     gemm: _Meta | None = None  # the product's output as the kernel computes it (pooled)
 
     @property
@@ -93,6 +104,8 @@ class _Analysis(_NodeMatcher):
         linear = chain.gemm
         if end not in self.meta or self.meta[end].dtype != linear.dtype:
             return _Refusal(f"its result is not a {linear.dtype} tensor")
+        if chain.max_pool > 1 and chain.reduce is None and step.kind != "reduce":
+            return _Refusal("not a channel reduction")
         softmax = step.name in ("softmax", "log_softmax")
         layer, rms = softmax or step.name in ("layer_norm", "rms_norm"), step.name == "rms_norm"
         if len(linear.shape) > 2 and step.kind != "op" and not layer:
@@ -120,7 +133,7 @@ class _Analysis(_NodeMatcher):
         if step.kind == "reduce":
             if stage == "tail":
                 return self._reduce_kept_dim(chain, step)
-            chain.reduce = step.reduction
+            chain.reduce = dataclasses.replace(step.reduction, pool=chain.max_pool)
             return "tail"
         if stage != "tail":
             if self.meta[end].shape != linear.shape:
@@ -194,7 +207,7 @@ class _Analysis(_NodeMatcher):
             return "tail"
         if any(op.stage == "tail" for op in chain.ops):
             return _Refusal("a reduction dropping the kept dimension after tail ops")
-        chain.reduce = Reduction(chain.reduce.op, keepdim=False)
+        chain.reduce = dataclasses.replace(chain.reduce, keepdim=False)
         return "tail"
 
     @staticmethod
@@ -252,6 +265,14 @@ class _Analysis(_NodeMatcher):
                 saved = _Saved.of(chain, v)
         if self.stretch.pending:
             chain.stopped = self._unread(chain, saved)
+        if chain.max_pool > 1 and chain.reduce is None:  # the pooling did not reach a reduction
+            chain.stopped = (
+                f"stopped at {chain.nodes[1].name} (channel pooling): a max pooling over the "
+                "channels is fused where a channel reduction follows it at once, the kernels "
+                f"taking the windows' maxima as they reduce a row ({chain.stopped})"
+            )
+            chain.nodes, chain.ops, chain.operands = [], [], []
+            chain.labels = chain.labels[:1]
         return chain
 
     def _fold_pool(self, chain: _Chain) -> "fx.Node | _Refusal | None":
@@ -268,13 +289,19 @@ class _Analysis(_NodeMatcher):
         at = f"stopped at {nodes[1].name} (channel pooling)"
         # (M, N): avg_pool1d takes (M, 1, N), so a higher Linear output never gets here
         problem = pool_problem(*settings, chain.gemm.shape[-1])
+        if not problem and isinstance(pool, MaxPool):
+            problem = max_pool_problem(pool.kernel_size)
         if problem:
             return _Refusal(f"{at}: {problem}{_source(nodes[1])}")
         if nodes[-1] not in self.meta or self.meta[nodes[-1]].dtype != chain.gemm.dtype:
             return _Refusal(f"{at}: its result is not a {chain.gemm.dtype} tensor")
+        chain.nodes += nodes
+        if isinstance(pool, MaxPool):  # the kernel's product stays (M, N): the reduction pools
+            chain.max_pool = pool.kernel_size
+            chain.labels.append(f"max_pool1d({pool.kernel_size}) over the channels")
+            return nodes[-1]
         chain.pool = pool
         chain.gemm = self.meta[nodes[-1]]
-        chain.nodes += nodes
         chain.labels.append(
             f"avg_pool1d({settings[0]}) over the channels (folded into the weights)"
         )

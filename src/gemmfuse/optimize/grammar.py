@@ -8,6 +8,7 @@ result would be), whose text says why; nothing here raises for it.
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -227,6 +228,7 @@ _SQUEEZES = (torch.squeeze, "squeeze")
 _AVG_POOLS = (F.avg_pool1d, torch.avg_pool1d)
 _MAX_POOLS = (F.max_pool1d, torch.max_pool1d, F.max_pool1d_with_indices, F.lp_pool1d)
 _POOL_PARAMS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
+_MAX_POOL_PARAMS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
 _NOT_A_DIM_OP = object()
 
 
@@ -247,18 +249,19 @@ def _sole_user(node: fx.Node) -> "fx.Node | None":
 
 
 def _pooling(gm: fx.GraphModule, linear: fx.Node):
-    """An average pooling over the channels right after ``linear``: ``([unsqueeze, pool,
-    squeeze] nodes, ChannelPool, (kernel_size, stride, padding, ceil_mode))`` where the Linear's
-    one user is ``unsqueeze(1)``, its one user an ``nn.AvgPool1d`` or ``F.avg_pool1d``, and that
-    one's a ``squeeze(1)``. None where the Linear's one user is no ``unsqueeze(1)``; a
-    :class:`_Refusal` where the rest does not hold (a max pooling, say)."""
+    """A pooling over the channels right after ``linear``: ``([unsqueeze, pool, squeeze] nodes,
+    ChannelPool or MaxPool, (kernel_size, stride, padding, ceil_mode))`` where the Linear's one
+    user is ``unsqueeze(1)``, its one user an average or max pooling (``nn.AvgPool1d``,
+    ``F.avg_pool1d``, ``nn.MaxPool1d``, ``F.max_pool1d``), and that one's a ``squeeze(1)``. None
+    where the Linear's one user is no ``unsqueeze(1)``; a :class:`_Refusal` where the rest does
+    not hold."""
     u = _sole_user(linear)
     if u is None or _dim_of(u, linear, _UNSQUEEZES) not in (1, -2):
         return None
     pool = _sole_user(u)
     if pool is None:
         return _Refusal(f"stopped at {u.name}: x.unsqueeze(1) is used {len(u.users)} times")
-    found = _avg_pool(gm, pool, u)
+    found = _channel_pool(gm, pool, u)
     if isinstance(found, _Refusal):
         return _Refusal(f"stopped at {pool.name} (channel pooling): {found}")
     squeeze = _sole_user(pool)
@@ -272,33 +275,60 @@ def _pooling(gm: fx.GraphModule, linear: fx.Node):
     return [u, pool, squeeze], *found
 
 
-def _avg_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
-    """(ChannelPool, settings) when ``node`` is an average pooling of ``v`` (as
-    :func:`_pooling` returns them), else a :class:`_Refusal`."""
+class MaxPool(NamedTuple):
+    """A max pooling over the channels (``nn.MaxPool1d``'s settings read when ``optimize``
+    ran): the chain's reduction takes its windows' maxima (``Reduction.pool``)."""
+
+    kernel_size: int
+
+
+def _channel_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
+    """(ChannelPool or MaxPool, settings) when ``node`` is an average or max pooling of ``v``
+    (as :func:`_pooling` returns them), else a :class:`_Refusal`."""
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
-        if type(module) is not nn.AvgPool1d:
-            kind = "a max" if isinstance(module, (nn.MaxPool1d, nn.LPPool1d)) else "not an average"
-            return _Refusal(f"{kind} pooling (nn.{type(module).__name__}) is not in the grammar; "
-                            "an average pooling folds into the Linear's weights")  # fmt: skip
+        if type(module) not in (nn.AvgPool1d, nn.MaxPool1d):
+            return _Refusal(f"nn.{type(module).__name__} is not in the grammar (average and max "
+                            "pooling are)")  # fmt: skip
         if node.args != (v,) or node.kwargs or _has_hooks(module):
-            return _Refusal("the AvgPool1d takes more than the chain's value, or has hooks")
+            return _Refusal(f"the {type(module).__name__} takes more than the chain's value, or "
+                            "has hooks")  # fmt: skip
         settings = (module.kernel_size, module.stride, module.padding, module.ceil_mode)
-        return ChannelPool(module=module), tuple(single(a) for a in settings)
-    if node.op == "call_function" and node.target in _MAX_POOLS:
-        return _Refusal("a max pooling is not in the grammar; an average pooling folds into the "
-                        "Linear's weights")  # fmt: skip
-    if node.op != "call_function" or node.target not in _AVG_POOLS or _input(node) is not v:
-        return _Refusal("not an average pooling of x.unsqueeze(1)")
-    bound = dict(zip(("input", *_POOL_PARAMS), node.args, strict=False)) | node.kwargs
-    if bound.keys() - {"input", *_POOL_PARAMS}:
-        return _Refusal("arguments beyond avg_pool1d's")
+        settings = tuple(single(a) for a in settings)
+        if type(module) is nn.AvgPool1d:
+            return ChannelPool(module=module), settings
+        return _max_pool(settings, module.dilation, module.return_indices)
+    is_max = node.op == "call_function" and node.target in _MAX_POOLS
+    if (
+        node.op != "call_function"
+        or node.target not in (*_AVG_POOLS, *_MAX_POOLS)
+        or (_input(node) is not v)
+    ):
+        return _Refusal("not an average or max pooling of x.unsqueeze(1)")
+    if node.target is F.lp_pool1d:
+        return _Refusal("an lp_pool1d is not in the grammar (average and max pooling are)")
+    names = _MAX_POOL_PARAMS if is_max else _POOL_PARAMS
+    bound = dict(zip(("input", *names), node.args, strict=False)) | node.kwargs
+    if bound.keys() - {"input", *names}:
+        return _Refusal(f"arguments beyond {_target_name(node.target)}'s")
     if any(isinstance(a, fx.Node) for k, a in bound.items() if k != "input"):
         return _Refusal("its settings are computed in the forward")
     k = single(bound.get("kernel_size"))
     settings = (k, single(bound.get("stride")), single(bound.get("padding", 0)),
                 bound.get("ceil_mode", False))  # fmt: skip
-    return ChannelPool(kernel_size=k), settings
+    if not is_max:
+        return ChannelPool(kernel_size=k), settings
+    indices = node.target is F.max_pool1d_with_indices or bound.get("return_indices", False)
+    return _max_pool(settings, single(bound.get("dilation", 1)), indices)
+
+
+def _max_pool(settings: tuple, dilation, return_indices) -> "tuple | _Refusal":
+    """(MaxPool, settings) of a max pooling's settings, or why it is not fused."""
+    if return_indices:
+        return _Refusal("a max pooling that returns its indices")
+    if single(dilation) != 1:
+        return _Refusal(f"its dilation {dilation!r} is not 1")
+    return MaxPool(settings[0]), settings
 
 
 def _input(node: fx.Node):
