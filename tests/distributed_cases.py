@@ -174,6 +174,26 @@ def case_refuses_a_pooled_linear(mesh, device, kernel, size):
     _refused(lambda: PooledChain(64, 64), mesh, device, kernel, "channel pooling")
 
 
+class MaxPooledChain(nn.Module):
+    """Linear -> a max pooling over the channels -> sum (the reduction takes window maxima)."""
+
+    def __init__(self, k, n, window):
+        super().__init__()
+        self.fc, self.pool = nn.Linear(k, n), nn.MaxPool1d(window)
+
+    def forward(self, x):
+        return self.pool(self.fc(x).unsqueeze(1)).squeeze(1).sum(dim=1)
+
+
+def case_split_max_pooled_reduction(mesh, device, kernel, size):
+    """Each rank reduces the windows of its channels; a split that would cut one is refused."""
+    k = n = size or 64
+    model, optimized, x = _models(functools.partial(MaxPooledChain, k, n, 4), device, kernel)
+    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+    cut = functools.partial(MaxPooledChain, 64, 68, 4)  # 34 channels a rank
+    _refused(cut, mesh, device, kernel, "cut a max-pooling window of 4 channels")
+
+
 class ResidualChain(nn.Module):
     """Linear -> tanh -> + x: an operand the forward computes, read per element."""
 

@@ -66,7 +66,7 @@ def test_constants_python_shares_with_the_kernels_agree():
     from gemmfuse import dispatch, epilogue
 
     assert epilogue.MAX_SCALARS == epilogue.MAX_TENSORS == _constant("fused_args.h", "kMaxParams")
-    assert dispatch.TILE == _constant("fused_args.h", "kTile")
+    assert dispatch.TILE == epilogue.MAX_POOL == _constant("fused_args.h", "kTile")
     assert dispatch.GEMV_MAX_ROWS == _constant("fused_args.h", "kGemvMaxRows")
     assert dispatch.K_ALIGN == _constant("gemm_gn_sm90.cuh", "kBlockK")
     assert dispatch.K_ALIGN == _constant("split.h", "kKAlign")

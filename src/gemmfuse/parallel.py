@@ -201,6 +201,12 @@ def _splittable_epilogue(fused: FusedLinear, world: int) -> Epilogue:
             "column split would need its statistics all-reduced, which parallelize does not do "
             "yet"
         )
+    pool = 1 if epilogue.reduce is None else epilogue.reduce.pool
+    if (n // world) % pool:
+        raise ValueError(
+            f"splitting {n} channels over {world} ranks would cut a max-pooling window of "
+            f"{pool} channels before the reduction: {n // world} is not a multiple of {pool}"
+        )
     if epilogue.norm is not None and epilogue.norm.num_groups % world:
         raise ValueError(
             f"splitting {n} channels over {world} ranks would cut a GroupNorm group: "
