@@ -408,6 +408,11 @@ def test_hard_data_gradients(data):
 # docstring): a min's ties after saturation; a one-group GroupNorm after log (allclose count)
 @example(index=6, m=1024, k=1024, group_size=200, groups=1, seed=1, kernel="hopper")
 @example(index=1, m=130, k=300, group_size=16, groups=1, seed=6, kernel="hopper")
+# Found at f028e38 on an H200 (2026-11-25), failing the allclose count alone: the Hopper kernel
+# forced on N = 16, dW of 16 x 2048 off allclose in 8 entries against eager's draw of 5, its
+# relative L2 error 6.9e-7 against eager's 8.3e-7 and its largest error 3.0e-4 against 3.9e-4
+# (not yet looked into; no pooling in this chain)
+@example(index=1, m=1024, k=2048, group_size=16, groups=1, seed=615720, kernel="hopper")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]
     gen = torch.Generator().manual_seed(seed)

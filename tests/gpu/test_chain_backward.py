@@ -97,6 +97,17 @@ def check(chain, z, grad, tensors, label):
         assert off_allclose(got, e) <= off_allclose(refs32[0], e), line
 
 
+def declined(chain, z, grad, group_size, label) -> bool:
+    """Whether the chain has a max pooling before its reduction, which the kernel does not
+    differentiate: then its rules and its plan (row_blocks 0) must both decline the chain, whose
+    backward is PyTorch's (test_autograd.py's random-chain gradients check it end to end)."""
+    if chain.reduce is None or chain.reduce.pool == 1:
+        return False
+    assert not _kernel_backward_fits(chain, z, grad), label
+    assert kernel_plan(chain.structure, *z.shape, group_size, CUDA)[1] == 0, label
+    return True
+
+
 @pytest.mark.parametrize("index", range(len(POOL)))
 def test_every_pool_chain(index):
     """Every pointwise op and every reduction of the grammar (the pool covers them; its
@@ -105,7 +116,9 @@ def test_every_pool_chain(index):
     for m, n, groups, seed in ((7, 48, 3, index), (130, 600, 6, 100 + index)):
         groups = groups if spec.norm else 1
         chain, z, grad, tensors = draw(spec, m, n, groups, seed)
-        check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n}")
+        label = f"{spec.describe()} m={m} n={n}"
+        if not declined(chain, z, grad, n // groups if spec.norm else 1, label):
+            check(chain, z, grad, tensors, label)
 
 
 # (N, groups with a GroupNorm, the plan without logsumexp: slabs, in registers)
@@ -125,8 +138,11 @@ def test_every_pool_chain_in_column_slabs(index, layout):
     if chain.reduce is not None and chain.reduce.op == "logsumexp":
         plan = [1, 0]
     group_size = n // groups if spec.norm else 1
+    label = f"{spec.describe()} m={m} n={n} ({layout})"
+    if declined(chain, z, grad, group_size, label):
+        return
     assert kernel_plan(chain.structure, m, n, group_size, CUDA)[::2] == plan
-    check(chain, z, grad, tensors, f"{spec.describe()} m={m} n={n} ({layout})")
+    check(chain, z, grad, tensors, label)
 
 
 def chain_62(groups):
