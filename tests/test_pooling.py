@@ -107,7 +107,7 @@ def test_a_pooling_module_changed_later_runs_the_model_instead():
         (lambda y: F.max_pool1d(y, 2), "stopped at max_pool1d (channel pooling): a max pooling "
          "over the channels is fused where a channel reduction follows it at once"),
         (nn.LPPool1d(2, 2), "stopped at pool (channel pooling): nn.LPPool1d is not in the "
-         "grammar (average and max pooling are)"),
+         "grammar (nn.AvgPool1d and nn.MaxPool1d are)"),
     ],
 )  # fmt: skip
 def test_poolings_that_do_not_fold_stop_the_chain(pool, stopped):
@@ -200,3 +200,26 @@ def test_a_max_pooling_not_followed_by_a_reduction_stops_the_chain(after, stoppe
     ), entry.stopped
     with torch.no_grad():
         torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
+def test_a_max_pooling_module_changed_later_is_read_at_each_call():
+    """An nn.MaxPool1d is read at each call, as an nn.AvgPool1d is: another window the kernels
+    take is a new chain; settings they do not take run the model's own chain."""
+    torch.manual_seed(0)
+    model, x = max_pooled(nn.MaxPool1d(2), lambda v: v.sum(1)), torch.randn(5, 8)
+    new, _ = optimize(model, (x,))
+    fused = new.fc
+    assert fused.epilogue.reduce == Reduction("sum", pool=2)
+    with torch.no_grad():
+        model.pool.kernel_size = model.pool.stride = 4
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+        assert fused.epilogue.reduce == Reduction("sum", pool=4)
+        assert fused.last_path == "torch"
+        for setting, value in (("dilation", 2), ("stride", 2), ("return_indices", True)):
+            setattr(model.pool, setting, value)
+            assert fused.epilogue is None
+            if setting != "return_indices":  # the model itself cannot sum a tuple
+                torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+                assert fused.last_path == "fallback"
+            setattr(model.pool, setting, {"dilation": 1, "stride": 4}.get(setting, False))
+        assert fused.epilogue.reduce == Reduction("sum", pool=4)

@@ -123,12 +123,21 @@ def test_random_chains_match_pytorch_modules(seed, m, groups, group_size):
     v = run(epi.pre, fc(x))
     if epi.norm:
         v = run(epi.post, gn(v))
+    gn_args = (gn.weight, gn.bias) if epi.norm else (None, None)
+    if epi.reduce and epi.reduce.pool > 1:  # max_pool1d over the channels, as a model writes it
+        pool = nn.MaxPool1d(epi.reduce.pool)
+        if epi.reduce.pool > n:  # a window wider than the row: PyTorch refuses, and so must we
+            with pytest.raises(RuntimeError):
+                pool(v.unsqueeze(1))
+            with pytest.raises(ValueError, match="wider than the chain's"):
+                fused_linear(x, fc.weight, fc.bias, epi, *gn_args, params=params)
+            return
+        v = pool(v.unsqueeze(1)).squeeze(1)
     if epi.reduce:
         reduce = {"min": lambda t, d, kd: torch.min(t, d, kd)[0],
                   "max": lambda t, d, kd: torch.max(t, d, kd)[0],
                   "sum": torch.sum, "mean": torch.mean, "logsumexp": torch.logsumexp}  # fmt: skip
         v = run(epi.tail, reduce[epi.reduce.op](v, 1, epi.reduce.keepdim))
     with torch.no_grad():
-        gn_args = (gn.weight, gn.bias) if epi.norm else (None, None)
         got = fused_linear(x, fc.weight, fc.bias, epi, *gn_args, params=params)
     torch.testing.assert_close(got, v.detach(), rtol=0, atol=0, equal_nan=True)

@@ -205,7 +205,8 @@ def random_chain(rng: random.Random, units: tuple[int, int] = (0, 3)) -> ChainSp
             tail.append((OpSpec("add", (ArgSpec(True, -1, 1),)),))
     affine, keepdim = rng.random() < 0.5, rng.random() < 0.5
     # a max pooling over the channels before the reduction, in chains without a norm; windows
-    # of at most 16 channels, the fewest the tests draw (a wider window than the row raises)
+    # of at most 16 channels, the fewest the GPU tests draw (a window wider than the row raises,
+    # as max_pool1d does: the CPU tests that draw fewer channels check that)
     pool = rng.choice((2, 4, 8, 16)) if reduce and not norm and rng.random() < 0.5 else 1
     return ChainSpec(
         pre=tuple(op for u in pre for op in u),

@@ -32,6 +32,7 @@ This module imports only torch and the standard library (plus the package's own 
 modules): ``gemmfuse export`` inlines it into standalone files.
 """
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ from gemmfuse.epilogue_op import fused_epilogue_with_path
 from gemmfuse.ops import fused_linear_with_path, plans_apply
 from gemmfuse.plan import planned_call
 from gemmfuse.pointwise import POINTWISE
-from gemmfuse.pooling import ChannelPool, pooled_linear
+from gemmfuse.pooling import ChannelPool, max_pool_window, pooled_linear
 from gemmfuse.reference import apply_epilogue, apply_pointwise, linear_epilogue
 from gemmfuse.validation import argument_problem
 from gemmfuse.weight_cache import SplitWeightCache
@@ -238,6 +239,9 @@ class FusedLinear(nn.Module):
             for one the forward computes, in the ``Param`` indices' order.
         pool: an average pooling over the Linear's output channels right after it, folded into
             its weight and bias (pooling.py); the chain then acts on the pooled channels.
+        max_pool: the ``nn.MaxPool1d`` whose windows ``reduce`` takes (``Reduction.pool``),
+            read at each call: where its settings no longer make such a window, the original
+            chain runs. None for none, or for ``F.max_pool1d``'s constant window.
         fallback: the original chain, called as ``fallback(x, weight, bias, *operands)``.
         labels: the chain in model terms, for ``repr`` and reports.
         kernel, precision: as in ``fused_linear``; attributes, changeable later.
@@ -254,6 +258,7 @@ class FusedLinear(nn.Module):
         reduce: Reduction | None = None,
         operands: Sequence[tuple[nn.Module, str]] = (),
         pool: ChannelPool | None = None,
+        max_pool: nn.MaxPool1d | None = None,
         fallback: Callable[..., torch.Tensor],
         labels: Sequence[str] = (),
         kernel: str = "auto",
@@ -282,6 +287,9 @@ class FusedLinear(nn.Module):
         # Not an attribute assignment: nn.Module would register the GraphModule (and with it
         # the chain's modules) a second time, adding duplicate state_dict keys.
         object.__setattr__(self, "_fallback", fallback)
+        object.__setattr__(self, "_max_pool", max_pool)  # the model's module, not a child
+        if max_pool is not None and (reduce is None or reduce.pool == 1):
+            raise ValueError("max_pool needs a reduce whose pool is its window")
         self.labels = tuple(labels)
         self._batch_norms = _batch_norm_positions(self._operands, self._ops)
         self.weight_split = SplitWeightCache()
@@ -349,6 +357,7 @@ class FusedLinear(nn.Module):
         key = (
             tuple(op.current() for op in self._ops),
             None if norm is None else (norm.num_groups, norm.eps, norm.weight is not None),
+            self._pool_window(),
         )
         epilogue = self._epilogues.get(key, _MISSING)
         if epilogue is _MISSING:
@@ -358,13 +367,25 @@ class FusedLinear(nn.Module):
             self._epilogues[key] = epilogue
         return operands, norm, epilogue
 
-    def _build_epilogue(self, ops, norm) -> Epilogue | None:
+    def _pool_window(self) -> int | None:
+        """The reduction's max-pooling window as the chain's nn.MaxPool1d is set now (None:
+        no longer a window the kernels take); the traced one where there is no module."""
+        if self._max_pool is None:
+            return None if self._reduce is None else self._reduce.pool
+        return max_pool_window(self._max_pool, self._linear()[0].shape[0])
+
+    def _build_epilogue(self, ops, norm, pool) -> Epilogue | None:
         """The Epilogue of these settings; None when they are outside the grammar."""
+        reduce = self._reduce
+        if reduce is not None:
+            if pool is None:  # a max pooling's module set to something the kernels do not take
+                return None
+            reduce = dataclasses.replace(reduce, pool=pool)
         stages = {stage: [] for stage in _STAGES}
         for op, (name, args) in zip(self._ops, ops, strict=True):
             stages[op.stage].append((name, tuple(args)))
         # e.g. a GELU set to approximate="sigmoid" after tracing: outside the grammar
-        if epilogue_problem(stages["pre"], norm, stages["post"], self._reduce, stages["tail"]):
+        if epilogue_problem(stages["pre"], norm, stages["post"], reduce, stages["tail"]):
             return None
         return Epilogue(
             pre=tuple(Pointwise(*op) for op in stages["pre"]),
@@ -374,7 +395,7 @@ class FusedLinear(nn.Module):
                 *norm, self._norm.layer, self._norm.rms, self._norm.softmax, self._norm.log
             ),
             post=tuple(Pointwise(*op) for op in stages["post"]),
-            reduce=self._reduce,
+            reduce=reduce,
             tail=tuple(Pointwise(*op) for op in stages["tail"]),
         )
 

@@ -1,4 +1,5 @@
-"""An average pooling over a Linear's output channels, folded into the Linear.
+"""An average pooling over a Linear's output channels, folded into the Linear; the settings of a
+max pooling that a channel reduction takes (``Reduction.pool``).
 
 ``avg_pool1d(linear(x, W, b).unsqueeze(1), k).squeeze(1)`` (stride k, no padding) is
 ``linear(x, W', b')`` where row j of W' is the mean of rows jk .. jk+k-1 of W (b' likewise;
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from gemmfuse.epilogue import max_pool_problem
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
 
 
@@ -63,6 +65,29 @@ class ChannelPool:
         if pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, channels):
             return None
         return single(m.kernel_size)
+
+
+def max_pool_problem_of(settings: tuple, dilation, return_indices, channels: int) -> str:
+    """Why a max_pool1d with these settings (kernel_size, stride, padding, ceil_mode) over
+    ``channels`` channels is not a window the kernels take before a reduction
+    (``Reduction.pool``; "" when it is): :func:`pool_problem`'s rules, dilation 1, no indices,
+    a power of two up to 128."""
+    if return_indices:
+        return "a max pooling that returns its indices"
+    if single(dilation) != 1:
+        return f"its dilation {dilation!r} is not 1"
+    return pool_problem(*settings, channels) or max_pool_problem(single(settings[0]))
+
+
+def max_pool_window(module: nn.MaxPool1d, channels: int) -> int | None:
+    """An ``nn.MaxPool1d``'s window now, as a reduction takes it (``Reduction.pool``); None
+    where its current settings are no such window. Read at each call, as an ``nn.AvgPool1d``'s
+    (:class:`ChannelPool`) is."""
+    m = module
+    settings = (m.kernel_size, m.stride, m.padding, m.ceil_mode)
+    if max_pool_problem_of(settings, m.dilation, m.return_indices, channels):
+        return None
+    return single(m.kernel_size)
 
 
 def mean_rows(t: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -701,8 +701,9 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       }
     } else {
       // A max pooling over the channels first (Epi::kPool > 1): the row's values are its
-      // windows' maxima, NaN-propagating as max_pool1d; windows never straddle tiles, and the
-      // last tile's partial window is dropped, as max_pool1d drops it.
+      // windows' maxima, taken as max_pool1d takes them (a later value replaces the maximum
+      // only if greater or NaN: of -0 and +0 the first stays); windows never straddle tiles,
+      // and the last tile's partial window is dropped, as max_pool1d drops it.
       constexpr int kPool = Epi::kPool;
       static_assert(kPool >= 1 && kTile % kPool == 0, "a pooling window within a tile");
       const int windows = cols_here / kPool;
@@ -712,7 +713,10 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
         for (int w = lane; w < windows; w += 32) {
           float v = row[w * kPool];
 #pragma unroll
-          for (int j = 1; j < kPool; ++j) v = max_nan(v, row[w * kPool + j]);
+          for (int j = 1; j < kPool; ++j) {
+            const float x = row[w * kPool + j];
+            v = (x > v || x != x) ? x : v;
+          }
           row_acc_push<kind>(acc, v);
         }
         acc = row_acc_warp<kind>(acc);

@@ -16,7 +16,6 @@ from gemmfuse.epilogue import (
     Param,
     Reduction,
     Value,
-    max_pool_problem,
     per_channel,
 )
 from gemmfuse.modules import BatchNormAffine, ChainNorm, ChainOp
@@ -35,7 +34,7 @@ from gemmfuse.optimize.grammar import (
 )
 from gemmfuse.optimize.matching import _NodeMatcher, _Stretch
 from gemmfuse.optimize.tracing import _Meta, _source
-from gemmfuse.pooling import ChannelPool, pool_problem
+from gemmfuse.pooling import ChannelPool, max_pool_problem_of, pool_problem
 
 
 @dataclass
@@ -54,6 +53,7 @@ class _Chain:
     stopped: str = ""
     pool: ChannelPool | None = None  # folded into the Linear (pooling.py)
     max_pool: int = 1  # a max pooling's window, taken into the reduction that must follow it
+    max_pool_module: nn.Module | None = None  # its nn.MaxPool1d, read at each call
     gemm: _Meta | None = None  # the product's output as the kernel computes it (pooled)
 
     @property
@@ -288,16 +288,18 @@ class _Analysis(_NodeMatcher):
         nodes, pool, settings = found
         at = f"stopped at {nodes[1].name} (channel pooling)"
         # (M, N): avg_pool1d takes (M, 1, N), so a higher Linear output never gets here
-        problem = pool_problem(*settings, chain.gemm.shape[-1])
-        if not problem and isinstance(pool, MaxPool):
-            problem = max_pool_problem(pool.kernel_size)
+        channels = chain.gemm.shape[-1]
+        if isinstance(pool, MaxPool):
+            problem = max_pool_problem_of(settings, pool.dilation, pool.return_indices, channels)
+        else:
+            problem = pool_problem(*settings, channels)
         if problem:
             return _Refusal(f"{at}: {problem}{_source(nodes[1])}")
         if nodes[-1] not in self.meta or self.meta[nodes[-1]].dtype != chain.gemm.dtype:
             return _Refusal(f"{at}: its result is not a {chain.gemm.dtype} tensor")
         chain.nodes += nodes
         if isinstance(pool, MaxPool):  # the kernel's product stays (M, N): the reduction pools
-            chain.max_pool = pool.kernel_size
+            chain.max_pool, chain.max_pool_module = pool.kernel_size, pool.module
             chain.labels.append(f"max_pool1d({pool.kernel_size}) over the channels")
             return nodes[-1]
         chain.pool = pool

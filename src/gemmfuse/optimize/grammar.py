@@ -276,10 +276,14 @@ def _pooling(gm: fx.GraphModule, linear: fx.Node):
 
 
 class MaxPool(NamedTuple):
-    """A max pooling over the channels (``nn.MaxPool1d``'s settings read when ``optimize``
-    ran): the chain's reduction takes its windows' maxima (``Reduction.pool``)."""
+    """A max pooling over the channels: the chain's reduction takes its windows' maxima
+    (``Reduction.pool``); an ``nn.MaxPool1d`` is read again at each call
+    (``FusedLinear(max_pool=)``), ``F.max_pool1d``'s settings are constants."""
 
     kernel_size: int
+    module: nn.MaxPool1d | None = None
+    dilation: object = 1
+    return_indices: bool = False
 
 
 def _channel_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
@@ -288,8 +292,8 @@ def _channel_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         if type(module) not in (nn.AvgPool1d, nn.MaxPool1d):
-            return _Refusal(f"nn.{type(module).__name__} is not in the grammar (average and max "
-                            "pooling are)")  # fmt: skip
+            return _Refusal(f"nn.{type(module).__name__} is not in the grammar (nn.AvgPool1d "
+                            "and nn.MaxPool1d are)")  # fmt: skip
         if node.args != (v,) or node.kwargs or _has_hooks(module):
             return _Refusal(f"the {type(module).__name__} takes more than the chain's value, or "
                             "has hooks")  # fmt: skip
@@ -297,7 +301,7 @@ def _channel_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
         settings = tuple(single(a) for a in settings)
         if type(module) is nn.AvgPool1d:
             return ChannelPool(module=module), settings
-        return _max_pool(settings, module.dilation, module.return_indices)
+        return MaxPool(settings[0], module, module.dilation, module.return_indices), settings
     is_max = node.op == "call_function" and node.target in _MAX_POOLS
     if (
         node.op != "call_function"
@@ -306,7 +310,7 @@ def _channel_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
     ):
         return _Refusal("not an average or max pooling of x.unsqueeze(1)")
     if node.target is F.lp_pool1d:
-        return _Refusal("an lp_pool1d is not in the grammar (average and max pooling are)")
+        return _Refusal("an lp_pool1d is not in the grammar (avg_pool1d and max_pool1d are)")
     names = _MAX_POOL_PARAMS if is_max else _POOL_PARAMS
     bound = dict(zip(("input", *names), node.args, strict=False)) | node.kwargs
     if bound.keys() - {"input", *names}:
@@ -319,16 +323,7 @@ def _channel_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
     if not is_max:
         return ChannelPool(kernel_size=k), settings
     indices = node.target is F.max_pool1d_with_indices or bound.get("return_indices", False)
-    return _max_pool(settings, single(bound.get("dilation", 1)), indices)
-
-
-def _max_pool(settings: tuple, dilation, return_indices) -> "tuple | _Refusal":
-    """(MaxPool, settings) of a max pooling's settings, or why it is not fused."""
-    if return_indices:
-        return _Refusal("a max pooling that returns its indices")
-    if single(dilation) != 1:
-        return _Refusal(f"its dilation {dilation!r} is not 1")
-    return MaxPool(settings[0]), settings
+    return MaxPool(k, None, single(bound.get("dilation", 1)), bool(indices)), settings
 
 
 def _input(node: fx.Node):

@@ -362,6 +362,7 @@ class _Swapper:
             reduce=chain.reduce,
             operands=_operand_refs(gm, chain),
             pool=chain.pool,
+            max_pool=chain.max_pool_module if chain.reduce is not None else None,
             fallback=_fallback(gm, chain),
             labels=chain.labels,
             kernel=self.kernel,
