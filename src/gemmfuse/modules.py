@@ -357,7 +357,7 @@ class FusedLinear(nn.Module):
         key = (
             tuple(op.current() for op in self._ops),
             None if norm is None else (norm.num_groups, norm.eps, norm.weight is not None),
-            self._pool_window(),
+            self._pool_window(weight),
         )
         epilogue = self._epilogues.get(key, _MISSING)
         if epilogue is _MISSING:
@@ -367,12 +367,13 @@ class FusedLinear(nn.Module):
             self._epilogues[key] = epilogue
         return operands, norm, epilogue
 
-    def _pool_window(self) -> int | None:
+    def _pool_window(self, weight) -> int | None:
         """The reduction's max-pooling window as the chain's nn.MaxPool1d is set now (None:
-        no longer a window the kernels take); the traced one where there is no module."""
+        no longer a window the kernels take) over the Linear's channels (``weight``'s rows);
+        the traced one where there is no module."""
         if self._max_pool is None:
             return None if self._reduce is None else self._reduce.pool
-        return max_pool_window(self._max_pool, self._linear()[0].shape[0])
+        return max_pool_window(self._max_pool, weight.shape[0])
 
     def _build_epilogue(self, ops, norm, pool) -> Epilogue | None:
         """The Epilogue of these settings; None when they are outside the grammar."""

@@ -67,7 +67,7 @@ class ChannelPool:
         return single(m.kernel_size)
 
 
-def max_pool_problem_of(settings: tuple, dilation, return_indices, channels: int) -> str:
+def max_pool_settings_problem(settings: tuple, dilation, return_indices, channels: int) -> str:
     """Why a max_pool1d with these settings (kernel_size, stride, padding, ceil_mode) over
     ``channels`` channels is not a window the kernels take before a reduction
     (``Reduction.pool``; "" when it is): :func:`pool_problem`'s rules, dilation 1, no indices,
@@ -85,7 +85,7 @@ def max_pool_window(module: nn.MaxPool1d, channels: int) -> int | None:
     (:class:`ChannelPool`) is."""
     m = module
     settings = (m.kernel_size, m.stride, m.padding, m.ceil_mode)
-    if max_pool_problem_of(settings, m.dilation, m.return_indices, channels):
+    if max_pool_settings_problem(settings, m.dilation, m.return_indices, channels):
         return None
     return single(m.kernel_size)
 

@@ -34,7 +34,7 @@ from gemmfuse.optimize.grammar import (
 )
 from gemmfuse.optimize.matching import _NodeMatcher, _Stretch
 from gemmfuse.optimize.tracing import _Meta, _source
-from gemmfuse.pooling import ChannelPool, max_pool_problem_of, pool_problem
+from gemmfuse.pooling import ChannelPool, max_pool_settings_problem, pool_problem
 
 
 @dataclass
@@ -52,8 +52,7 @@ class _Chain:
     labels: list[str] = field(default_factory=list)
     stopped: str = ""
     pool: ChannelPool | None = None  # folded into the Linear (pooling.py)
-    max_pool: int = 1  # a max pooling's window, taken into the reduction that must follow it
-    max_pool_module: nn.Module | None = None  # its nn.MaxPool1d, read at each call
+    max_pool: MaxPool | None = None  # taken into the reduction that must follow it
     gemm: _Meta | None = None  # the product's output as the kernel computes it (pooled)
 
     @property
@@ -104,7 +103,7 @@ class _Analysis(_NodeMatcher):
         linear = chain.gemm
         if end not in self.meta or self.meta[end].dtype != linear.dtype:
             return _Refusal(f"its result is not a {linear.dtype} tensor")
-        if chain.max_pool > 1 and chain.reduce is None and step.kind != "reduce":
+        if chain.max_pool is not None and chain.reduce is None and step.kind != "reduce":
             return _Refusal("not a channel reduction")
         softmax = step.name in ("softmax", "log_softmax")
         layer, rms = softmax or step.name in ("layer_norm", "rms_norm"), step.name == "rms_norm"
@@ -133,7 +132,8 @@ class _Analysis(_NodeMatcher):
         if step.kind == "reduce":
             if stage == "tail":
                 return self._reduce_kept_dim(chain, step)
-            chain.reduce = dataclasses.replace(step.reduction, pool=chain.max_pool)
+            pool = 1 if chain.max_pool is None else chain.max_pool.kernel_size
+            chain.reduce = dataclasses.replace(step.reduction, pool=pool)
             return "tail"
         if stage != "tail":
             if self.meta[end].shape != linear.shape:
@@ -265,14 +265,14 @@ class _Analysis(_NodeMatcher):
                 saved = _Saved.of(chain, v)
         if self.stretch.pending:
             chain.stopped = self._unread(chain, saved)
-        if chain.max_pool > 1 and chain.reduce is None:  # the pooling did not reach a reduction
+        if chain.max_pool is not None and chain.reduce is None:  # it reached no reduction
             chain.stopped = (
                 f"stopped at {chain.nodes[1].name} (channel pooling): a max pooling over the "
                 "channels is fused where a channel reduction follows it at once, the kernels "
                 f"taking the windows' maxima as they reduce a row ({chain.stopped})"
             )
             chain.nodes, chain.ops, chain.operands = [], [], []
-            chain.labels = chain.labels[:1]
+            chain.labels, chain.max_pool = chain.labels[:1], None
         return chain
 
     def _fold_pool(self, chain: _Chain) -> "fx.Node | _Refusal | None":
@@ -290,7 +290,8 @@ class _Analysis(_NodeMatcher):
         # (M, N): avg_pool1d takes (M, 1, N), so a higher Linear output never gets here
         channels = chain.gemm.shape[-1]
         if isinstance(pool, MaxPool):
-            problem = max_pool_problem_of(settings, pool.dilation, pool.return_indices, channels)
+            problem = max_pool_settings_problem(settings, pool.dilation, pool.return_indices,
+                                                channels)  # fmt: skip
         else:
             problem = pool_problem(*settings, channels)
         if problem:
@@ -299,7 +300,7 @@ class _Analysis(_NodeMatcher):
             return _Refusal(f"{at}: its result is not a {chain.gemm.dtype} tensor")
         chain.nodes += nodes
         if isinstance(pool, MaxPool):  # the kernel's product stays (M, N): the reduction pools
-            chain.max_pool, chain.max_pool_module = pool.kernel_size, pool.module
+            chain.max_pool = pool
             chain.labels.append(f"max_pool1d({pool.kernel_size}) over the channels")
             return nodes[-1]
         chain.pool = pool

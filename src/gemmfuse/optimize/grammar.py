@@ -303,11 +303,9 @@ def _channel_pool(gm: fx.GraphModule, node: fx.Node, v: fx.Node):
             return ChannelPool(module=module), settings
         return MaxPool(settings[0], module, module.dilation, module.return_indices), settings
     is_max = node.op == "call_function" and node.target in _MAX_POOLS
-    if (
-        node.op != "call_function"
-        or node.target not in (*_AVG_POOLS, *_MAX_POOLS)
-        or (_input(node) is not v)
-    ):
+    if node.op != "call_function" or node.target not in (*_AVG_POOLS, *_MAX_POOLS):
+        return _Refusal("not an average or max pooling of x.unsqueeze(1)")
+    if _input(node) is not v:
         return _Refusal("not an average or max pooling of x.unsqueeze(1)")
     if node.target is F.lp_pool1d:
         return _Refusal("an lp_pool1d is not in the grammar (avg_pool1d and max_pool1d are)")

@@ -362,7 +362,7 @@ class _Swapper:
             reduce=chain.reduce,
             operands=_operand_refs(gm, chain),
             pool=chain.pool,
-            max_pool=chain.max_pool_module if chain.reduce is not None else None,
+            max_pool=None if chain.max_pool is None else chain.max_pool.module,
             fallback=_fallback(gm, chain),
             labels=chain.labels,
             kernel=self.kernel,
