@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import gemmfuse
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction, Value, optimize
 from gemmfuse.epilogue import epilogue_spec
+from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.reference import linear_epilogue
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
@@ -274,6 +275,41 @@ def test_compiled_model_new_builds_its_chain_in_the_graph(number):
                if str(n.target).startswith("gemmfuse.")]  # fmt: skip
     expected = problem.epilogue_fn(*_settings(model, number))
     assert node.args[6] == epilogue_spec(expected, tail=False)
+
+
+@pytest.mark.parametrize("number", [62, 75])
+def test_compiled_model_new_checks_its_arguments(number):
+    """ModelNew's compiled forward holds its chain as constants and leaves the checks to the
+    op's fake implementation: a bad input or setting still names itself when traced."""
+    problem = get_problem(number)
+    model = problem.model_new(*problem.small_init)
+
+    def trace_only(gm, example_inputs):  # the checks must fire while tracing, not at run time
+        return lambda *args: pytest.fail("the traced graph ran: no check fired at trace time")
+
+    compiled = torch.compile(model, fullgraph=True, backend=trace_only)
+    k = problem.small_init[0]
+    with pytest.raises(Exception, match=rf"x must have shape \(batch, {k}\)"):
+        compiled(torch.randn(4, k - 1))
+    model.kernel = "fastest"
+    with pytest.raises(Exception, match="kernel must be one of"):
+        compiled(torch.randn(4, k))
+
+
+@pytest.mark.parametrize("number", [62, 75])
+def test_compiled_standalone_export(number):
+    """The exported file's ModelNew (its traced_specs function copied with it) compiles to one
+    graph holding the op, with the eager call's outputs."""
+    namespace = {}
+    exec(compile(standalone_source(number), "<string>", "exec"), namespace)
+    problem = get_problem(number)
+    torch.manual_seed(0)
+    model = namespace["ModelNew"](*problem.small_init)
+    x = torch.randn(16, problem.small_init[0])
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, fullgraph=True, backend=recorder)
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    assert recorder.gemmfuse_ops() == ["gemmfuse.fused_linear_saving_z"]
 
 
 def _settings(model, number):

@@ -68,7 +68,7 @@ def fused_epilogue_with_path(
             warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
         return apply_epilogue(z, epilogue, gn_weight, gn_bias, params), path
     launch = _epilogue_launcher(epilogue)
-    if records_grad(epilogue, params, z, gn_weight, gn_bias):
+    if records_grad(epilogue.channel_params, params, z, gn_weight, gn_bias):
         out = FusedEpilogueFunction.apply(epilogue.untailed, launch, z, gn_weight, gn_bias, *params)
     else:
         out = launch(z, gn_weight, gn_bias, params)

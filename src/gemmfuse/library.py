@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from gemmfuse.autograd import fused_backward
 from gemmfuse.dispatch import select_path, take_path
 from gemmfuse.epilogue import Epilogue, epilogue_from_spec
-from gemmfuse.ops import backward_plan, fused_linear_with_path, launch_path
+from gemmfuse.ops import backward_plan, check_arguments, fused_linear_with_path, launch_path
 from gemmfuse.reference import apply_epilogue
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
 
@@ -129,6 +129,9 @@ def _chain_shape(x: torch.Tensor, weight: torch.Tensor, epilogue: Epilogue) -> t
 
 def _forward_fake(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
     epilogue = epilogue_from_spec(chain)
+    # A traced call that built its chain as constants (ops.chain_call_specs) is checked here,
+    # when torch.compile or torch.export traces it; the eager call checks again when it runs.
+    check_arguments(x, weight, bias, epilogue, gn_weight, gn_bias, params, kernel, precision)
     dtype = functools.reduce(  # a chain tensor of another dtype promotes as PyTorch does
         torch.promote_types, [params[i].dtype for i in epilogue.channel_params], x.dtype
     )

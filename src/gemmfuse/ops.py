@@ -63,7 +63,7 @@ from gemmfuse.dispatch import (
 from gemmfuse.epilogue import Epilogue, epilogue_spec
 from gemmfuse.jit import extension_for
 from gemmfuse.plan import keep_plan, plannable, planned_call
-from gemmfuse.reference import apply_pointwise, linear_epilogue
+from gemmfuse.reference import apply_plain_ops, apply_pointwise, linear_epilogue, plain_ops
 from gemmfuse.validation import validate
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call, fsdp_in_use
 
@@ -113,16 +113,17 @@ def chain_arguments(epilogue: Epilogue, params, m: int, n: int) -> tuple:
     return channel_vectors(epilogue, params, m, n), epilogue.scalars, group_size, eps, norm_wide
 
 
-def records_grad(epilogue: Epilogue, params, *tensors) -> bool:
+def records_grad(channel_params: tuple[int, ...], params, *tensors) -> bool:
     """Whether autograd records a call on ``tensors`` (None for an absent one) and the chain's
-    ``params`` through the chain up to its tail ops."""
+    ``params`` through the chain up to its tail ops (``channel_params``: the indices of those
+    the chain reads, ``Epilogue.channel_params``)."""
     # Runs on every call before the launch: plain tests, no containers built.
     if not torch.is_grad_enabled():
         return False
     for t in tensors:
         if t is not None and t.requires_grad:
             return True
-    return any(params[i].requires_grad for i in epilogue.channel_params)
+    return any(params[i].requires_grad for i in channel_params)
 
 
 def backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision) -> FusedCall:
@@ -200,11 +201,7 @@ def fused_linear_with_path(
         if planned is not None:
             out, path = planned
             return (apply_pointwise(out, epilogue.tail, params) if epilogue.tail else out), path
-    validate(x, weight, bias, epilogue, gn_weight, gn_bias, params)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    check_arguments(x, weight, bias, epilogue, gn_weight, gn_bias, params, kernel, precision)
     if torch.compiler.is_compiling():
         out = _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params,
                            weight_cache, kernel, precision)  # fmt: skip
@@ -214,7 +211,7 @@ def fused_linear_with_path(
         return linear_epilogue(x, weight, bias, epilogue, gn_weight, gn_bias, params), path
     cache = cache_for_call(weight_cache)
     launch = functools.partial(launch_path, path, epilogue, cache, kernel, precision)
-    grad = records_grad(epilogue, params, x, weight, bias, gn_weight, gn_bias)
+    grad = records_grad(epilogue.channel_params, params, x, weight, bias, gn_weight, gn_bias)
     if grad:
         call = backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision)
         out = FusedLinearFunction.apply(call, x, weight, bias, gn_weight, gn_bias, *params)
@@ -226,6 +223,16 @@ def fused_linear_with_path(
     return apply_pointwise(out, epilogue.tail, params), path
 
 
+def check_arguments(x, weight, bias, epilogue, gn_weight, gn_bias, params, kernel, precision):
+    """Raises TypeError/ValueError naming the first bad argument of a ``fused_linear`` call
+    (validation.validate, then ``kernel`` and ``precision``)."""
+    validate(x, weight, bias, epilogue, gn_weight, gn_bias, params)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+
+
 def plans_apply() -> bool:
     """Whether a plan may run this call: not while torch.compile traces it (the
     ``gemmfuse::`` op stands for the call there) nor while FSDP2 manages modules (their
@@ -234,15 +241,37 @@ def plans_apply() -> bool:
 
 
 def _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, kernel, precision):
+    """The call as torch.compile and torch.export record it (:func:`traced_chain_call`)."""
+    specs = chain_call_specs(epilogue)
+    return traced_chain_call(specs, x, weight, bias, gn_weight, gn_bias, params, cache, kernel,
+                             precision)  # fmt: skip
+
+
+def chain_call_specs(epilogue: Epilogue) -> tuple:
+    """What :func:`traced_chain_call` needs of a chain, as plain constants: (the chain's spec
+    without its tail ops, ``channel_params``, the tail ops as ``reference.plain_ops``).
+
+    A module whose chain follows from a few settings (kernelbench/models.py) computes these in
+    a function marked ``torch.compiler.assume_constant_result``: torch.compile then holds them
+    as constants instead of tracing the chain's construction, whose frozen dataclasses each add
+    a guard that costs a Python call at every compiled call under torch 2.11 (measured on #62,
+    H200: 146 us of guard evaluation against 39 us, the compiled call's host time 152 against
+    99 us)."""
+    return epilogue_spec(epilogue, tail=False), epilogue.channel_params, plain_ops(epilogue.tail)
+
+
+def traced_chain_call(specs, x, weight, bias, gn_weight, gn_bias, params, cache, kernel,
+                      precision):  # fmt: skip
     """The call as torch.compile and torch.export record it: the ``gemmfuse::`` torch.library
     op (library.py), whose implementation is this module's eager call, then the tail ops in
     PyTorch. The extension's functions are opaque to tracing; the op has a fake implementation
-    (the output's shape) and an autograd formula. The weight cache goes by its token."""
+    (the output's shape, and the arguments' checks) and an autograd formula. The weight cache
+    goes by its token; ``specs`` is :func:`chain_call_specs` of the chain."""
+    chain, channel_params, tail = specs
     token = -1 if cache is None else cache.token
-    chain = epilogue_spec(epilogue, tail=False)  # a string constant of the traced graph
     args = (x, weight, bias, gn_weight, gn_bias, list(params), chain, kernel, precision, token)
-    if records_grad(epilogue, params, x, weight, bias, gn_weight, gn_bias):
+    if records_grad(channel_params, params, x, weight, bias, gn_weight, gn_bias):
         out = torch.ops.gemmfuse.fused_linear_saving_z(*args)[0]
     else:
         out = torch.ops.gemmfuse.fused_linear(*args)
-    return apply_pointwise(out, epilogue.tail, params)
+    return apply_plain_ops(out, tail, params)

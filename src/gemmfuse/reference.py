@@ -4,6 +4,7 @@ This module imports only torch and the standard library: ``gemmfuse export`` inl
 standalone files.
 """
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -17,20 +18,40 @@ def apply_pointwise(
 ) -> torch.Tensor:
     """A stretch of ops on ``v`` in turn; a :class:`Value` argument reads the stretch's earlier
     value (0: ``v`` itself), detached where it says."""
+    return apply_plain_ops(v, plain_ops(ops), params)
+
+
+@functools.lru_cache(maxsize=1024)  # an eager call's tail ops: converted once per chain
+def plain_ops(ops: tuple[Pointwise, ...]) -> tuple:
+    """``ops`` as plain tuples ``(name, args)``: a :class:`Param` argument becomes
+    ``("param", index)``, a :class:`Value` ``("value", index, detach)``, a number stays. What a
+    torch.compile graph holds as constants (ops.chain_call_specs)."""
+    return tuple((op.name, tuple(_plain_argument(a) for a in op.args)) for op in ops)
+
+
+def _plain_argument(a):
+    if isinstance(a, Param):
+        return ("param", a.index)
+    if isinstance(a, Value):
+        return ("value", a.index, a.detach)
+    return a
+
+
+def apply_plain_ops(v: torch.Tensor, ops: tuple, params: Sequence[torch.Tensor] = ()):
+    """:func:`apply_pointwise` of ops given as :func:`plain_ops`."""
     values = [v]
-    for op in ops:
-        args = (_argument(a, params, values) for a in op.args)
-        v = POINTWISE[op.name].torch(v, *args)
+    for name, args in ops:
+        v = POINTWISE[name].torch(v, *(_argument(a, params, values) for a in args))
         values.append(v)
     return v
 
 
 def _argument(a, params, values):
-    if isinstance(a, Param):
-        return params[a.index]
-    if isinstance(a, Value):
-        return values[a.index].detach() if a.detach else values[a.index]
-    return a
+    if not isinstance(a, tuple):
+        return a
+    if a[0] == "param":
+        return params[a[1]]
+    return values[a[1]].detach() if a[2] else values[a[1]]
 
 
 def apply_epilogue(

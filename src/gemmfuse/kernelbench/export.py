@@ -206,8 +206,10 @@ def standalone_source(number: int | str) -> str:
     model_new = inspect.getsource(problem.model_new).replace(
         f"class {problem.model_new.__name__}(", "class ModelNew(", 1
     )
-    helper = inspect.getsource(problem.epilogue_fn)
-    tail = ("ModelNew", f"import functools\n\n\n{helper}\n\n{model_new}")
+    helpers = "\n\n".join(
+        inspect.getsource(fn) for fn in (problem.epilogue_fn, problem.traced_specs_fn)
+    )
+    tail = ("ModelNew", f"import functools\n\n\n{helpers}\n\n{model_new}")
     return _assemble(f"#{problem.number} {problem.name}", [*_bundle(BUNDLED_MODULES), tail])
 
 

@@ -3,9 +3,11 @@
 Each class takes its problem Model's constructor arguments and creates the same parameters, in
 the same order, with the same initialisers and names, so seeded construction gives identical
 weights and state_dicts load either way. Forward runs ``fused_linear``: one fused kernel on a
-CUDA float32 input, the PyTorch reference elsewhere. ``last_path`` records the path taken;
-setting ``kernel`` to "portable" or "hopper" forces that fused kernel, and ``precision`` to
-"tf32" opts into the speed mode, the hi*hi product alone (see ``fused_linear``).
+CUDA float32 input, the PyTorch reference elsewhere. ``last_path`` records the path an eager
+call took (a compiled graph's calls leave it as it was: they hold the ``gemmfuse::`` op, whose
+chain a ``traced_specs_*`` function gives as constants); setting ``kernel`` to "portable" or
+"hopper" forces that fused kernel, and ``precision`` to "tf32" opts into the speed mode, the
+hi*hi product alone (see ``fused_linear``).
 
 ``gemmfuse export`` copies these classes (renamed ``ModelNew``) into standalone files, so they
 use only torch and names from the standalone-safe modules.
@@ -18,7 +20,7 @@ import torch.nn as nn
 
 from gemmfuse.epilogue import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.modules import FusedLinear
-from gemmfuse.ops import fused_linear_with_path
+from gemmfuse.ops import chain_call_specs, fused_linear_with_path, traced_chain_call
 from gemmfuse.optimize import optimize
 from gemmfuse.weight_cache import SplitWeightCache
 
@@ -32,6 +34,12 @@ def epilogue_62(num_groups, eps, affine, negative_slope) -> Epilogue:
     )
 
 
+@torch.compiler.assume_constant_result
+def traced_specs_62(num_groups, eps, affine, negative_slope) -> tuple:
+    """#62's chain as a compiled graph holds it: constants (ops.chain_call_specs says why)."""
+    return chain_call_specs(epilogue_62(num_groups, eps, affine, negative_slope))
+
+
 @functools.lru_cache(maxsize=64)
 def epilogue_75(num_groups, eps, affine) -> Epilogue:
     """#75's chain: the row minimum in the kernel, then the bias add as PyTorch broadcasts it,
@@ -41,6 +49,12 @@ def epilogue_75(num_groups, eps, affine) -> Epilogue:
         reduce=Reduction("min", keepdim=True),
         tail=(Pointwise("add", (Param(0),)),),
     )
+
+
+@torch.compiler.assume_constant_result
+def traced_specs_75(num_groups, eps, affine) -> tuple:
+    """#75's chain as a compiled graph holds it: constants (ops.chain_call_specs says why)."""
+    return chain_call_specs(epilogue_75(num_groups, eps, affine))
 
 
 class ModelNew62(nn.Module):
@@ -58,11 +72,15 @@ class ModelNew62(nn.Module):
 
     def forward(self, x):
         gn = self.gn
-        epilogue = epilogue_62(
-            gn.num_groups, gn.eps, gn.affine, float(self.leaky_relu.negative_slope)
-        )
+        settings = (gn.num_groups, gn.eps, gn.affine, float(self.leaky_relu.negative_slope))
+        tensors = (x, self.fc.weight, self.fc.bias, gn.weight, gn.bias)
+        if torch.compiler.is_compiling():
+            specs = traced_specs_62(*settings)
+            return traced_chain_call(specs, *tensors, (), self.weight_split, self.kernel,
+                                     self.precision)  # fmt: skip
+        x, weight, bias, gn_weight, gn_bias = tensors
         out, self.last_path = fused_linear_with_path(
-            x, self.fc.weight, self.fc.bias, epilogue, gn.weight, gn.bias,
+            x, weight, bias, epilogue_62(*settings), gn_weight, gn_bias,
             weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
         )  # fmt: skip
         return out
@@ -83,11 +101,16 @@ class ModelNew75(nn.Module):
 
     def forward(self, x):
         gn = self.group_norm
-        epilogue = epilogue_75(gn.num_groups, gn.eps, gn.affine)
+        settings = (gn.num_groups, gn.eps, gn.affine)
+        tensors = (x, self.gemm.weight, self.gemm.bias, gn.weight, gn.bias)
+        if torch.compiler.is_compiling():
+            specs = traced_specs_75(*settings)
+            return traced_chain_call(specs, *tensors, (self.bias,), self.weight_split,
+                                     self.kernel, self.precision)  # fmt: skip
+        x, weight, bias, gn_weight, gn_bias = tensors
         out, self.last_path = fused_linear_with_path(
-            x, self.gemm.weight, self.gemm.bias, epilogue, gn.weight, gn.bias,
-            params=(self.bias,), weight_cache=self.weight_split, kernel=self.kernel,
-            precision=self.precision,
+            x, weight, bias, epilogue_75(*settings), gn_weight, gn_bias, params=(self.bias,),
+            weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
         )  # fmt: skip
         return out
 

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from gemmfuse.epilogue import Epilogue
-from gemmfuse.kernelbench.models import ModelNew62, ModelNew75, epilogue_62, epilogue_75
+from gemmfuse.kernelbench.models import (
+    ModelNew62,
+    ModelNew75,
+    epilogue_62,
+    epilogue_75,
+    traced_specs_62,
+    traced_specs_75,
+)
 
 
 @dataclass(frozen=True)
@@ -18,6 +25,7 @@ class Problem:
     module: str  # under gemmfuse.kernelbench.problems
     model_new: type
     epilogue_fn: Callable[..., Epilogue]  # builds the chain ModelNew runs; exports copy it
+    traced_specs_fn: Callable[..., tuple]  # the chain as a compiled graph holds it; copied too
     epilogue_args: tuple  # any valid arguments of epilogue_fn (values do not matter)
     small_init: tuple  # constructor arguments of a CPU-sized instance
 
@@ -37,6 +45,7 @@ PROBLEMS = {
         module="p62_matmul_groupnorm_leakyrelu_sum",
         model_new=ModelNew62,
         epilogue_fn=epilogue_62,
+        traced_specs_fn=traced_specs_62,
         epilogue_args=(8, 1e-5, True, 0.01),
         small_init=(96, 64, 8),
     ),
@@ -46,6 +55,7 @@ PROBLEMS = {
         module="p75_gemm_groupnorm_min_biasadd",
         model_new=ModelNew75,
         epilogue_fn=epilogue_75,
+        traced_specs_fn=traced_specs_75,
         epilogue_args=(8, 1e-5, True),
         small_init=(96, 64, 8, (1, 64, 1, 1)),
     ),
