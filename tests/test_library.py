@@ -343,3 +343,19 @@ def test_backward_returns_no_alias_of_its_inputs():
     )
     torch.testing.assert_close(out[5], grad)
     assert out[5].data_ptr() != grad.data_ptr()
+
+
+def test_forward_output_unviews_without_copying_and_copies_an_input_alias():
+    """A forward op's (M, 1) view of its own (M,) result is returned as the same memory, not a
+    view (no copy kernel); a result sharing an input's storage is copied."""
+    from gemmfuse.library import _forward_output
+
+    made = torch.randn(6)
+    out = _forward_output(made.view(6, 1), torch.randn(3))
+    assert out._base is None and out.shape == (6, 1)
+    assert out.untyped_storage().data_ptr() == made.untyped_storage().data_ptr()
+    torch.testing.assert_close(out.view(6), made, rtol=0, atol=0)
+    x = torch.randn(6)
+    copied = _forward_output(x.view(6, 1), x, None)
+    assert copied.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    torch.testing.assert_close(copied.view(6), x, rtol=0, atol=0)

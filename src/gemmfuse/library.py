@@ -67,13 +67,28 @@ def _owned(out: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _forward_output(out: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """A forward op's result, aliasing none of its ``inputs``: copied where it shares their
+    storage; a view of a tensor the call made itself (a keepdim reduction's (M, 1) of the
+    kernel's (M,)) becomes the same memory under a tensor that is not a view, where a copy
+    would be one more kernel launch on the compiled call's host path."""
+    ptr = out.untyped_storage().data_ptr()
+    if any(t is not None and t.untyped_storage().data_ptr() == ptr for t in inputs):
+        return out.clone()
+    if out._base is not None:
+        return out.new_empty(0).set_(
+            out.untyped_storage(), out.storage_offset(), out.shape, out.stride()
+        )
+    return out
+
+
 def _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
     with torch.no_grad():  # the ops' own autograd formula covers the call
         out = fused_linear_with_path(
             x, weight, bias, epilogue_from_spec(chain), gn_weight, gn_bias, params=params,
             weight_cache=_cache(cache), kernel=kernel, precision=precision,
         )[0]  # fmt: skip
-    return _owned(out)
+    return _forward_output(out, x, weight, bias, gn_weight, gn_bias, *params)
 
 
 def _saving_z(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
@@ -86,7 +101,7 @@ def _saving_z(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precis
         else:
             tensors = (x, weight, bias, gn_weight, gn_bias, params)
             out, z = launch_path(path, epilogue, _cache(cache), kernel, precision, *tensors, True)
-    return _owned(out, z), z
+    return _forward_output(out, z, x, weight, bias, gn_weight, gn_bias, *params), z
 
 
 def _backward(grad, x, weight, z, gn_weight, gn_bias, params, chain, kernel, precision, cache,
