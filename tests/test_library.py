@@ -5,6 +5,7 @@ implementation is the PyTorch path; tests/gpu/test_library.py runs the same on t
 
 import dataclasses
 import io
+import warnings
 
 import pytest
 import torch
@@ -359,3 +360,14 @@ def test_forward_output_unviews_without_copying_and_copies_an_input_alias():
     copied = _forward_output(x.view(6, 1), x, None)
     assert copied.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     torch.testing.assert_close(copied.view(6), x, rtol=0, atol=0)
+
+
+def test_compiling_an_optimized_model_warns_nothing_of_ours():
+    """The traced call reads no lru_cache-wrapped function of the package (Dynamo warns at each
+    such call that it ignores the cache)."""
+    _, optimized, x = small_problem(75)
+    compiled = torch.compile(optimized, fullgraph=True, backend=GraphRecorder())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x)
+    assert not [w for w in caught if "lru_cache" in str(w.message)]

@@ -4,7 +4,6 @@ This module imports only torch and the standard library: ``gemmfuse export`` inl
 standalone files.
 """
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -18,10 +17,9 @@ def apply_pointwise(
 ) -> torch.Tensor:
     """A stretch of ops on ``v`` in turn; a :class:`Value` argument reads the stretch's earlier
     value (0: ``v`` itself), detached where it says."""
-    return apply_plain_ops(v, plain_ops(ops), params)
+    return apply_plain_ops(v, ((op.name, op.args) for op in ops), params)
 
 
-@functools.lru_cache(maxsize=1024)  # an eager call's tail ops: converted once per chain
 def plain_ops(ops: tuple[Pointwise, ...]) -> tuple:
     """``ops`` as plain tuples ``(name, args)``: a :class:`Param` argument becomes
     ``("param", index)``, a :class:`Value` ``("value", index, detach)``, a number stays. What a
@@ -37,8 +35,9 @@ def _plain_argument(a):
     return a
 
 
-def apply_plain_ops(v: torch.Tensor, ops: tuple, params: Sequence[torch.Tensor] = ()):
-    """:func:`apply_pointwise` of ops given as :func:`plain_ops`."""
+def apply_plain_ops(v: torch.Tensor, ops, params: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """:func:`apply_pointwise` of ``(name, args)`` pairs, their arguments as :func:`plain_ops`
+    writes them or as :class:`Param` / :class:`Value` objects."""
     values = [v]
     for name, args in ops:
         v = POINTWISE[name].torch(v, *(_argument(a, params, values) for a in args))
@@ -47,11 +46,15 @@ def apply_plain_ops(v: torch.Tensor, ops: tuple, params: Sequence[torch.Tensor] 
 
 
 def _argument(a, params, values):
-    if not isinstance(a, tuple):
-        return a
-    if a[0] == "param":
-        return params[a[1]]
-    return values[a[1]].detach() if a[2] else values[a[1]]
+    if isinstance(a, Param):
+        return params[a.index]
+    if isinstance(a, Value):
+        return values[a.index].detach() if a.detach else values[a.index]
+    if isinstance(a, tuple):  # plain_ops' form: ("param", index) or ("value", index, detach)
+        if a[0] == "param":
+            return params[a[1]]
+        return values[a[1]].detach() if a[2] else values[a[1]]
+    return a
 
 
 def apply_epilogue(
