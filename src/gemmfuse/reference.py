@@ -46,15 +46,13 @@ def apply_plain_ops(v: torch.Tensor, ops, params: Sequence[torch.Tensor] = ()) -
 
 
 def _argument(a, params, values):
-    if isinstance(a, Param):
-        return params[a.index]
-    if isinstance(a, Value):
-        return values[a.index].detach() if a.detach else values[a.index]
-    if isinstance(a, tuple):  # plain_ops' form: ("param", index) or ("value", index, detach)
-        if a[0] == "param":
-            return params[a[1]]
-        return values[a[1]].detach() if a[2] else values[a[1]]
-    return a
+    if isinstance(a, (Param, Value)):
+        a = _plain_argument(a)
+    if not isinstance(a, tuple):  # a number
+        return a
+    if a[0] == "param":
+        return params[a[1]]
+    return values[a[1]].detach() if a[2] else values[a[1]]  # ("value", index, detach)
 
 
 def apply_epilogue(

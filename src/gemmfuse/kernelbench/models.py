@@ -73,14 +73,13 @@ class ModelNew62(nn.Module):
     def forward(self, x):
         gn = self.gn
         settings = (gn.num_groups, gn.eps, gn.affine, float(self.leaky_relu.negative_slope))
-        tensors = (x, self.fc.weight, self.fc.bias, gn.weight, gn.bias)
         if torch.compiler.is_compiling():
-            specs = traced_specs_62(*settings)
-            return traced_chain_call(specs, *tensors, (), self.weight_split, self.kernel,
-                                     self.precision)  # fmt: skip
-        x, weight, bias, gn_weight, gn_bias = tensors
+            return traced_chain_call(
+                traced_specs_62(*settings), x, self.fc.weight, self.fc.bias, gn.weight, gn.bias,
+                (), self.weight_split, self.kernel, self.precision,
+            )  # fmt: skip
         out, self.last_path = fused_linear_with_path(
-            x, weight, bias, epilogue_62(*settings), gn_weight, gn_bias,
+            x, self.fc.weight, self.fc.bias, epilogue_62(*settings), gn.weight, gn.bias,
             weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
         )  # fmt: skip
         return out
@@ -102,15 +101,15 @@ class ModelNew75(nn.Module):
     def forward(self, x):
         gn = self.group_norm
         settings = (gn.num_groups, gn.eps, gn.affine)
-        tensors = (x, self.gemm.weight, self.gemm.bias, gn.weight, gn.bias)
         if torch.compiler.is_compiling():
-            specs = traced_specs_75(*settings)
-            return traced_chain_call(specs, *tensors, (self.bias,), self.weight_split,
-                                     self.kernel, self.precision)  # fmt: skip
-        x, weight, bias, gn_weight, gn_bias = tensors
+            return traced_chain_call(
+                traced_specs_75(*settings), x, self.gemm.weight, self.gemm.bias, gn.weight,
+                gn.bias, (self.bias,), self.weight_split, self.kernel, self.precision,
+            )  # fmt: skip
         out, self.last_path = fused_linear_with_path(
-            x, weight, bias, epilogue_75(*settings), gn_weight, gn_bias, params=(self.bias,),
-            weight_cache=self.weight_split, kernel=self.kernel, precision=self.precision,
+            x, self.gemm.weight, self.gemm.bias, epilogue_75(*settings), gn.weight, gn.bias,
+            params=(self.bias,), weight_cache=self.weight_split, kernel=self.kernel,
+            precision=self.precision,
         )  # fmt: skip
         return out
 
