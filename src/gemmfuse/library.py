@@ -38,7 +38,14 @@ import torch.nn.functional as F
 from gemmfuse.autograd import fused_backward
 from gemmfuse.dispatch import select_path, take_path
 from gemmfuse.epilogue import Epilogue, epilogue_from_spec
-from gemmfuse.ops import backward_plan, check_arguments, fused_linear_with_path, launch_path
+from gemmfuse.ops import (
+    backward_plan,
+    check_arguments,
+    fused_linear_with_path,
+    launch_path,
+    plans_apply,
+)
+from gemmfuse.plan import keep_plan, plannable, planned_saving_z
 from gemmfuse.reference import apply_epilogue
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
 
@@ -93,14 +100,24 @@ def _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precisi
 
 def _saving_z(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
     epilogue = epilogue_from_spec(chain)
+    tensors = (x, weight, bias, gn_weight, gn_bias, params)
+    # A call of a kind seen before runs in C++ (plan.py), as the eager call does: the op under
+    # autograd (torch.compile of a training step, KernelBench's timing of a compiled model)
+    weight_cache = SplitWeightCache.for_token(cache) if cache >= 0 else None
+    if weight_cache is not None and weight_cache.plans and plans_apply():
+        planned = planned_saving_z(weight_cache, epilogue, kernel, precision, *tensors)
+        if planned is not None:
+            return planned
     path = take_path(x, weight, epilogue, kernel, params)
     with torch.no_grad():
         if path == "torch":
             z = F.linear(x, weight, bias)
             out = apply_epilogue(z, epilogue, gn_weight, gn_bias, params)
         else:
-            tensors = (x, weight, bias, gn_weight, gn_bias, params)
-            out, z = launch_path(path, epilogue, _cache(cache), kernel, precision, *tensors, True)
+            launch_cache = cache_for_call(weight_cache)
+            out, z = launch_path(path, epilogue, launch_cache, kernel, precision, *tensors, True)
+            if plannable(path, x) and launch_cache is weight_cache:
+                keep_plan(weight_cache, epilogue, kernel, precision, tensors, False, path)
     return _forward_output(out, z, x, weight, bias, gn_weight, gn_bias, *params), z
 
 

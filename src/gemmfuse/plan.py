@@ -54,6 +54,19 @@ def planned_call(cache, epilogue, kernel, precision, x, weight, bias, gn_weight,
     return None
 
 
+def planned_saving_z(cache, epilogue, kernel, precision, x, weight, bias, gn_weight, gn_bias,
+                     params):  # fmt: skip
+    """(out, z) as the op ``gemmfuse::fused_linear_saving_z`` returns them (library.py), by the
+    first of ``cache``'s plans that serves the call (the same launch, no autograd node), or
+    None where none does."""
+    for plan in cache.plans:
+        out = plan.saving_z(epilogue, kernel, precision, x, weight, bias, gn_weight, gn_bias,
+                            params)  # fmt: skip
+        if out is not None:
+            return out
+    return None
+
+
 def plannable(path: str, x) -> bool:
     """Whether a call that took ``path`` leaves a plan: the fused path, and a bf16 model's
     epilogue path (a chain with a reduction; the float32 one serves small problems, where its

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import gemmfuse
+import gemmfuse.library
 import gemmfuse.ops
 from gemmfuse import Epilogue, FusedLinear, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse.epilogue import epilogue_spec
 from gemmfuse.jit import extension_for
 from gemmfuse.kernelbench.models import ModelNew62, ModelNew75
 from gemmfuse.reference import linear_epilogue
@@ -160,6 +162,46 @@ def test_planned_call_is_the_python_path_bit_for_bit(name, precision, dtype, mon
     for i, (a, b) in enumerate(zip(case.grads(out, grad), case.grads(out_py, grad), strict=True)):
         assert_same(a, b, f"gradient {i}")
         assert not a.isnan().any(), f"gradient {i}"
+
+
+@pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
+@pytest.mark.parametrize("name,precision,dtype", KINDS)
+def test_the_saving_z_op_runs_a_plan_bit_for_bit(name, precision, dtype, monkeypatch):
+    """``gemmfuse::fused_linear_saving_z``, the op a compiled graph calls where autograd records
+    (library.py): with a cache, its first call is decided in Python and keeps a plan, the next
+    is the plan's (the Python rules, ``take_path``, not run); both results, the output and the
+    GEMM result z the backward reads, equal the Python path's (no cache) bit for bit."""
+    case = Case(name, dtype=dtype, seed=hash(("z", name, precision, str(dtype))) % 1000)
+    decided, take_path = [], gemmfuse.library.take_path
+
+    def counted(*args):
+        decided.append(1)
+        return take_path(*args)
+
+    monkeypatch.setattr(gemmfuse.library, "take_path", counted)
+    chain = epilogue_spec(case.epilogue, tail=False)
+
+    def op(token):
+        return torch.ops.gemmfuse.fused_linear_saving_z(
+            case.x, case.weight, case.bias, *case.gn, list(case.params), chain, "hopper",
+            precision, token,
+        )  # fmt: skip
+
+    with torch.no_grad():
+        python = op(-1)
+        op(case.cache.token)  # decided in Python: keeps a plan
+        assert case.cache.plans, "no plan kept"
+        before = len(decided)
+        poison_allocator(sum(t.numel() * t.element_size() for t in python), python[0].device)
+        planned = op(case.cache.token)
+        assert len(decided) == before, "the plan did not run the call"
+    for a, b, what in zip(planned, python, ("output", "z"), strict=True):
+        assert_same(a, b, what)
+        assert not a.isnan().any(), what
+    # z is the GEMM's result, by the precision's own error (as the test above checks the output)
+    exact = torch.nn.functional.linear(case.x.double(), case.weight.double(), case.bias.double())
+    rel = ((planned[1].double() - exact).norm() / exact.norm()).item()
+    assert rel < (1e-2 if dtype == torch.bfloat16 else {"fp32": 1e-5, "tf32": 2e-3}[precision])
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")

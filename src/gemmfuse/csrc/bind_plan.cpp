@@ -51,26 +51,50 @@ class PlanCall {
   py::object operator()(py::handle epilogue, py::handle kernel, py::handle precision,
                         py::handle x, py::handle weight, py::handle bias, py::handle gn_weight,
                         py::handle gn_bias, py::handle params) const {
-    if (!same(epilogue, epilogue_) || !same(kernel, kernel_) || !same(precision, precision_))
+    std::vector<at::Tensor> t;
+    if (!call_tensors(epilogue, kernel, precision, {x, weight, bias, gn_weight, gn_bias}, params, t))
       return py::none();
-    if (!PyTuple_Check(params.ptr()) && !PyList_Check(params.ptr())) return py::none();
-    const py::sequence seq = py::reinterpret_borrow<py::sequence>(params);
-    if (5 + seq.size() != tensors_) return py::none();
-    std::vector<at::Tensor> t(tensors_);
-    const py::handle first[] = {x, weight, bias, gn_weight, gn_bias};
-    for (size_t i = 0; i < 5; ++i)
-      if (!unpack(first[i], t[i])) return py::none();
-    for (size_t i = 0; i < seq.size(); ++i)
-      if (!unpack(seq[i], t[5 + i]) || !t[5 + i].defined()) return py::none();
     at::Tensor out = plan_.run(t);
     if (!out.defined()) return py::none();
     return py::cast(std::move(out));
+  }
+
+  // (out, z) as the op gemmfuse::fused_linear_saving_z returns them, or None (operator()'s
+  // rules).
+  py::object saving_z(py::handle epilogue, py::handle kernel, py::handle precision,
+                      py::handle x, py::handle weight, py::handle bias, py::handle gn_weight,
+                      py::handle gn_bias, py::handle params) const {
+    std::vector<at::Tensor> t;
+    if (!call_tensors(epilogue, kernel, precision, {x, weight, bias, gn_weight, gn_bias}, params, t))
+      return py::none();
+    auto [out, z] = plan_.run_saving_z(t);
+    if (!out.defined()) return py::none();
+    return py::make_tuple(std::move(out), std::move(z));
   }
 
   // The path the plan runs, as fused_linear_with_path names it.
   const char* path() const { return plan_.spec().epilogue_path ? "epilogue" : "fused"; }
 
  private:
+  // The call's tensors (x, weight, bias, gn_weight, gn_bias, params...) where its Python-side
+  // key is the plan's and each is a plain tensor (or None where allowed); false otherwise.
+  bool call_tensors(py::handle epilogue, py::handle kernel, py::handle precision,
+                    std::initializer_list<py::handle> first, py::handle params,
+                    std::vector<at::Tensor>& t) const {
+    if (!same(epilogue, epilogue_) || !same(kernel, kernel_) || !same(precision, precision_))
+      return false;
+    if (!PyTuple_Check(params.ptr()) && !PyList_Check(params.ptr())) return false;
+    const py::sequence seq = py::reinterpret_borrow<py::sequence>(params);
+    if (first.size() + seq.size() != tensors_) return false;
+    t.resize(tensors_);
+    size_t i = 0;
+    for (py::handle h : first)
+      if (!unpack(h, t[i++])) return false;
+    for (size_t j = 0; j < seq.size(); ++j, ++i)
+      if (!unpack(seq[j], t[i]) || !t[i].defined()) return false;
+    return true;
+  }
+
   static std::vector<at::Tensor> defined_or_empty(
       const std::vector<std::optional<at::Tensor>>& tensors) {
     std::vector<at::Tensor> out;
@@ -116,6 +140,9 @@ void bind_plan(pybind11::module_& m) {
            py::arg("group_stats") = 0)
       .def_property_readonly("path", &PlanCall::path)
       .def("__call__", &PlanCall::operator(), py::arg("epilogue"), py::arg("kernel"),
+           py::arg("precision"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+           py::arg("gn_weight"), py::arg("gn_bias"), py::arg("params"))
+      .def("saving_z", &PlanCall::saving_z, py::arg("epilogue"), py::arg("kernel"),
            py::arg("precision"), py::arg("x"), py::arg("weight"), py::arg("bias"),
            py::arg("gn_weight"), py::arg("gn_bias"), py::arg("params"));
 }

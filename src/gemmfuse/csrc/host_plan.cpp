@@ -132,24 +132,44 @@ bool per_element_grad(const PlanSpec& spec, const std::vector<at::Tensor>& t, in
 
 }  // namespace
 
-at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
+bool Plan::serves(const std::vector<at::Tensor>& t) const {
   const PlanState& state = *state_;
-  const PlanSpec& spec = state.spec;
-  if (t.size() != state.keys.size()) return {};
+  if (t.size() != state.keys.size()) return false;
   for (size_t i = 0; i < t.size(); ++i)
-    if (!state.keys[i].matches(t[i])) return {};
-  const at::Tensor &x = t[0], &weight = t[1];
-  const int64_t M = x.size(0), N = weight.size(0);
-  c10::cuda::CUDAGuard guard(x.device());
+    if (!state.keys[i].matches(t[i])) return false;
   // A graph captured with the cache's split would replay on it after the weight changed in
   // place (weight_cache.cache_for_call): the Python path splits afresh during capture.
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
-    return {};
+  c10::cuda::CUDAGuard guard(t[0].device());
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+}
+
+at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
+  const PlanSpec& spec = state_->spec;
+  if (!serves(t)) return {};
   const bool grad = records_grad(spec, t);
   if (autograd_extras(t, grad)) return {};
+  const int64_t M = t[0].size(0), N = t[1].size(0);
   if (grad && (!spec.backward || per_element_grad(spec, t, M, N) ||
                ((spec.split_dx || spec.split_dw) && spec.plain_table == 0)))
     return {};
+  Launched call = launch(t, grad);
+  if (grad)
+    record_backward(state_, call.out, t, call.z, call.gn_weight, call.gn_bias, call.vectors);
+  return call.out;
+}
+
+std::pair<at::Tensor, at::Tensor> Plan::run_saving_z(const std::vector<at::Tensor>& t) const {
+  if (!serves(t) || autograd_extras(t, false)) return {};
+  Launched call = launch(t, true);
+  return {call.out, call.z};
+}
+
+Plan::Launched Plan::launch(const std::vector<at::Tensor>& t, bool save_z) const {
+  const PlanState& state = *state_;
+  const PlanSpec& spec = state.spec;
+  const at::Tensor &x = t[0], &weight = t[1];
+  const int64_t M = x.size(0), N = weight.size(0);
+  c10::cuda::CUDAGuard guard(x.device());
   at::AutoGradMode no_grad(false);
   SplitCache& cache = *state.cache;
   const auto vector32 = [&](int64_t slot) -> std::optional<at::Tensor> {
@@ -171,16 +191,16 @@ at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
     // its result saved as z.
     const at::Tensor y = at::linear(x, weight, t[2].defined() ? std::optional<at::Tensor>(t[2])
                                                              : std::nullopt);
-    if (grad) z = y;
+    if (save_z) z = y;
     out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
                            spec.group_size, spec.eps, spec.norm_wide, false, spec.group_stats);
   } else if (spec.bf16) {
-    if (grad) z = x.new_empty({M, N});
+    if (save_z) z = x.new_empty({M, N});
     out = fused_forward_bf16(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),
                              vector32(2), gn_weight, gn_bias, vectors, spec.scalars,
                              spec.group_size, spec.eps, spec.norm_wide, maybe(z));
   } else {
-    if (grad) z = x.new_empty({M, N});
+    if (save_z) z = x.new_empty({M, N});
     const int64_t k_padded = split_padded(weight.size(1));
     const auto w = cache.rows(weight, k_padded);
     out = fused_forward(spec.table, x, w[0], w[1], w[2], vector32(2), gn_weight, gn_bias, vectors,
@@ -190,10 +210,8 @@ at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
   // The kernels' fresh [M] result, as the reduction's [M, 1] (not a view: autograd's node
   // goes on this tensor itself)
   if (spec.keepdim) out.unsafeGetTensorImpl()->set_sizes_contiguous({M, 1});
-  if (grad)
-    record_backward(state_, out, t, z, gn_weight.value_or(at::Tensor()),
-                    gn_bias.value_or(at::Tensor()), vectors);
-  return out;
+  return {out, z, gn_weight.value_or(at::Tensor()), gn_bias.value_or(at::Tensor()),
+          std::move(vectors)};
 }
 
 }  // namespace host

@@ -108,9 +108,23 @@ class Plan {
   // undefined tensor where the plan does not serve the call (a tensor of another kind, a CUDA
   // graph being captured, a gradient the plan does not give): the caller decides it afresh.
   at::Tensor run(const std::vector<at::Tensor>& tensors) const;
+  // The same launch as the forward op ``gemmfuse::fused_linear_saving_z`` makes it (library.py):
+  // (out, z) with no autograd node (the op's own formula is the backward); both undefined
+  // where the plan does not serve the call.
+  std::pair<at::Tensor, at::Tensor> run_saving_z(const std::vector<at::Tensor>& tensors) const;
   const PlanSpec& spec() const { return state_->spec; }
 
  private:
+  // A launch's results and the float32 vectors it read (a backward node keeps them).
+  struct Launched {
+    at::Tensor out, z, gn_weight, gn_bias;
+    std::vector<at::Tensor> vectors;
+  };
+  // Whether the tensors are of the plan's kinds and no CUDA graph is being captured.
+  bool serves(const std::vector<at::Tensor>& tensors) const;
+  // The kernels on tensors the plan serves, z written where save_z.
+  Launched launch(const std::vector<at::Tensor>& tensors, bool save_z) const;
+
   std::shared_ptr<const PlanState> state_;
 };
 
