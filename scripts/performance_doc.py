@@ -2,10 +2,13 @@
 
 Usage: python scripts/performance_doc.py BENCH_JSON [--date YYYY-MM-DD] [--stale TEXT]
 [--kernelbench KB_JSON --kernelbench-commit C ...] [--mlp-block JSON --mlp-block-commit C]
+[--floors JSON [--roofline PNG]]
 (--stale: what has changed since the measured commit that these figures do not show;
 --kernelbench, repeatable: scripts/kernelbench_files.py's --json, a table of exported problem
 files judged in KernelBench's method, each with the commit it measured; --mlp-block:
-scripts/mlp_block.py's --json). The measured JSON files are kept in docs/measurements/.
+scripts/mlp_block.py's --json; --floors: scripts/problem_floors.py's --json, for the section
+"Against the floor", drawn as a roofline plot into --roofline, which needs matplotlib). The
+measured JSON files are kept in docs/measurements/.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import datetime
 import json
 from pathlib import Path
 
+from floor_doc import floor_rows, format_floor_rows, plot_roofline
 from kernelbench_files import format_problem_rows
 from mlp_block import format_rows as format_mlp_rows
 
@@ -41,6 +45,38 @@ def _problem_table(kb: dict, commit: str) -> str:
             f"{source}\n\n{format_problem_rows(kb['rows'])}")  # fmt: skip
 
 
+def _floor_section(args, data: dict) -> str:
+    """The section "Against the floor": the main benchmark's #62 and #75 in KernelBench's
+    method, and the largest KernelBench files' run measured on an H100 (the floors are an
+    H100's), each beside the floor of its work; the roofline plot drawn where --roofline
+    asks."""
+    if not args.floors:
+        return "(not run)"
+    work = json.loads(Path(args.floors).read_text())
+    runs = [(json.loads(Path(p).read_text()), c)
+            for p, c in zip(args.kernelbench, args.kernelbench_commit, strict=True)]  # fmt: skip
+    h100 = [(kb, c) for kb, c in runs if "H100" in kb["gpu"]]
+    kb, kb_commit = max(h100, key=lambda run: len(run[0]["rows"])) if h100 else (None, "")
+    rows = floor_rows(work, data.get("harness", []), data["commit"], kb, kb_commit)
+    plot = ""
+    if args.roofline:
+        plot_roofline(rows, args.roofline, f"{data['gpu']}: KernelBench's method (autograd on, "
+                      "L2 cleared, mean of 100)")  # fmt: skip
+        plot = f"\n\n![roofline]({args.roofline.name})"
+    return f"""The floor of a problem is the larger of two times (scripts/problem_floors.py, figures
+from anchors.md): its matrix products' FLOP (counted once) as the fp32-accurate split runs them,
+three 16-bit tensor-core passes at cuBLAS's measured 800 TFLOP/s, and the least bytes any
+implementation moves (inputs, parameters and output once) at the measured 2.86 TB/s. "of floor"
+is floor / time: 100% would be the split at cuBLAS's rate with nothing else costing time. Eager
+fp32 is measured against its own floor, the same bytes or its products at the datasheet's 67
+TFLOP/s of fp32 SIMT. Times are KernelBench's method (autograd on, L2 cleared, mean of 100):
+#62 and #75 from this page's benchmark, the files from the H100 run of the section above with
+the most rows. A row above 100% computes less than its model's products: #98's average pooling
+over the Linear's channels is folded into the weight (pooling.py), a GEMM of N / 16 columns.
+
+{format_floor_rows(rows)}{plot}"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("bench_json")
@@ -60,6 +96,8 @@ def main() -> None:
     )
     parser.add_argument("--mlp-block", help="scripts/mlp_block.py --json output")
     parser.add_argument("--mlp-block-commit", default="", help="the commit it measured")
+    parser.add_argument("--floors", help="scripts/problem_floors.py --json output")
+    parser.add_argument("--roofline", type=Path, help="where to draw the roofline plot (PNG)")
     args = parser.parse_args()
     if len(args.kernelbench_commit) != len(args.kernelbench):
         parser.error("give one --kernelbench-commit for each --kernelbench")
@@ -84,6 +122,7 @@ def main() -> None:
     chains = data.get("chains", [])
     harness = data.get("harness", [])
     trials = data.get("harness_trials", 0)
+    floor = _floor_section(args, data)
     tflops = "\n".join(
         f"| #{r.problem} | {r.ms['gemmfuse']:.3f} | {FLOP / r.ms['gemmfuse'] / 1e9:.0f} "
         f"| {3 * FLOP / r.ms['gemmfuse'] / 1e9:.0f} |"
@@ -161,6 +200,10 @@ Floors for comparison (anchors.md): three 16-bit passes 0.42 ms at the datasheet
 
 "weights changed" times every call after the weight changed (the cached fp16 split is rebuilt
 inside the timed call); "portable kernel" forces the sm_80 mma.sync kernel on the same GPU.
+
+## Against the floor
+
+{floor}
 
 ## Opt-in speed modes
 
