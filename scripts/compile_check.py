@@ -30,7 +30,7 @@ from gemmfuse.epilogue import (
     cuda_epilogue,
 )
 from gemmfuse.jit import CHAIN_PARTS
-from gemmfuse.kernel_files import CSRC
+from gemmfuse.kernel_files import csrc_paths, include_dirs
 from gemmfuse.kernelbench.registry import PROBLEMS
 from gemmfuse.sources import GENERATED_HEADER
 
@@ -69,7 +69,8 @@ def main() -> int:
 
     def compile_(source: str, arch: str, include: Path, label: str) -> None:
         cmd = ["nvcc", "-std=c++17", "-O3", f"-gencode=arch={arch}", "-c", f"-I{include}",
-               f"-I{CSRC}", str(CSRC / source), "-o", "/dev/null"]  # fmt: skip
+               *(f"-I{d}" for d in include_dirs()), str(csrc_paths()[source]), "-o",
+               "/dev/null"]  # fmt: skip
         work.append((f"{source} [{arch.split('=')[-1]}] {label}", cmd))
 
     with tempfile.TemporaryDirectory() as tmp:

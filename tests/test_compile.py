@@ -31,15 +31,15 @@ def test_every_host_source_parses(tmp_path):
     import torch.utils.cpp_extension as cpp
 
     from gemmfuse.jit import HOST_SOURCES
-    from gemmfuse.kernel_files import CSRC
+    from gemmfuse.kernel_files import csrc_paths, include_dirs
 
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     stub.parent.mkdir(parents=True)
     stub.write_text("#pragma once\n")
-    includes = [tmp_path, *cpp.include_paths(), sysconfig.get_paths()["include"], CSRC]
+    includes = [tmp_path, *cpp.include_paths(), sysconfig.get_paths()["include"], *include_dirs()]
     cuda_home = cpp.CUDA_HOME or "/usr/local/cuda"
     includes.append(Path(cuda_home) / "include")
     flags = ["g++", "-std=c++17", "-fsyntax-only", *(f"-I{p}" for p in includes)]
     for name in (s for s in HOST_SOURCES if s.endswith(".cpp")):
-        proc = subprocess.run([*flags, str(CSRC / name)], capture_output=True, text=True)
+        proc = subprocess.run([*flags, str(csrc_paths()[name])], capture_output=True, text=True)
         assert proc.returncode == 0, name + "\n" + proc.stderr[-4000:]

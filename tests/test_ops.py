@@ -111,8 +111,8 @@ def test_select_path_reasons():
 )
 def test_min_and_max_after_small_groups_take_the_sparse_products(norm, reduce, sparse):
     """dz is zero but for the extremes' groups after a min or max: the backward's products take
-    its nonzero entries (csrc/sparse_products.cu) where a group is at most an eighth of a row,
-    before any split kernel; the PyTorch path and other dtypes keep PyTorch's products."""
+    its nonzero entries (csrc/operands/sparse_products.cu) where a group is at most an eighth of
+    a row, before any split kernel; the PyTorch path and other dtypes keep PyTorch's products."""
     epilogue = Epilogue(norm=norm, reduce=None if reduce is None else Reduction(reduce))
     assert sparse_gradient(epilogue, 8192) == sparse
     x, w = torch.randn(4, 8), torch.randn(8192, 8)

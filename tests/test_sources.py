@@ -2,9 +2,10 @@ import re
 
 import pytest
 
+from gemmfuse import kernel_files
 from gemmfuse.epilogue import Epilogue, GroupNormSpec
 from gemmfuse.jit import CHAIN_PARTS, HOST_SOURCES
-from gemmfuse.kernel_files import CSRC, read_csrc
+from gemmfuse.kernel_files import CSRC, SUFFIXES, csrc_paths, read_csrc
 from gemmfuse.sources import CHAIN_FUNCTIONS, SHARED_FUNCTIONS, extension_sources, flatten
 
 
@@ -18,7 +19,7 @@ def test_flattened_sources_have_no_local_includes():
 
 
 def test_package_ships_its_kernel_sources():
-    names = {p.name for p in CSRC.iterdir()}
+    names = {p.name for p in CSRC.rglob("*")}
     assert {"fused_linear.cu", "binding.cpp", "gemm_gn_sm80.cuh", "split_rows.cuh"} <= names
     assert set(CHAIN_PARTS) | set(HOST_SOURCES) <= names
 
@@ -49,9 +50,24 @@ def test_flatten_names_a_missing_file():
 def test_read_csrc_is_every_shipped_source():
     files = read_csrc()
     assert set(files) == {
-        p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp")
+        p.name for p in CSRC.rglob("*") if p.suffix in (".cu", ".cuh", ".h", ".cpp")
     }
-    assert files["binding.cpp"] == (CSRC / "binding.cpp").read_text()
+    assert files["binding.cpp"] == csrc_paths()["binding.cpp"].read_text()
+    assert len(files) == sum(p.suffix in SUFFIXES for p in CSRC.rglob("*"))  # no name twice
+
+
+def test_a_name_in_two_csrc_folders_is_refused(tmp_path, monkeypatch):
+    """Builds flatten by file name: two files of one name would make one of them unreachable."""
+    for folder in ("gemm", "epilogue"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "same.cuh").write_text("")
+    monkeypatch.setattr(kernel_files, "CSRC", tmp_path)
+    kernel_files.csrc_paths.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="same.cuh twice"):
+            kernel_files.csrc_paths()
+    finally:
+        kernel_files.csrc_paths.cache_clear()
 
 
 def _constant(file: str, name: str) -> int:

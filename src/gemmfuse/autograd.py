@@ -6,7 +6,8 @@ backward needs besides the inputs:
 
 1. The chain's backward, ``dz``, with the gradients of the GroupNorm's affine vectors and the
    chain's tensor arguments: on CUDA one kernel (``chain_backward`` of the chain's kernels,
-   csrc/chain_backward.cuh; min/max over several column slabs first find each slab's extreme)
+   csrc/backward/chain_backward.cuh; min/max over several column slabs first find each slab's
+   extreme)
    that recomputes the chain from ``z``, a group-aligned slab of a row at a time, and takes the
    gradient back through it with PyTorch's formulas (epilogue.py's ``grad`` of each op;
    min/max routed as ``torch.amin`` / ``amax`` route them), summing the per-channel gradients
@@ -16,7 +17,7 @@ backward needs besides the inputs:
    written out, for speed).
 2. The products ``dx = dz @ W`` and ``dW = dz.T @ x``. Where the chain ends in a min or max
    over the channels, dz is zero but for the extremes' GroupNorm groups (or columns): the
-   sparse kernels (csrc/sparse_products.cu) multiply its nonzero entries alone, in float32
+   sparse kernels (csrc/operands/sparse_products.cu) multiply its nonzero entries alone, in float32
    (``dispatch.sparse_gradient``). Otherwise on the tensor cores with the forward's
    split-fp16 scheme (``gemm_split`` of the plain GEMM's kernels, on operands split by rows or,
    for operands read down their columns, by ``split_cols``), where the forward's thresholds say

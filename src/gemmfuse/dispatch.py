@@ -23,8 +23,8 @@ import torch
 from gemmfuse.epilogue import Epilogue, per_channel, per_element
 
 K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
-TILE = 128  # kTile in csrc/fused_args.h: groups that divide it are normalised in the tile
-# kernel= choices: the fused kernels with launch_fused's codes (csrc/chain_table.h), and the
+TILE = 128  # kTile in csrc/abi/fused_args.h: groups that divide it are normalised in the tile
+# kernel= choices: the fused kernels with launch_fused's codes (csrc/abi/chain_table.h), and the
 # epilogue path (PyTorch's GEMM, then the chain in one kernel).
 FUSED_KERNELS = {"auto": 0, "portable": 1, "hopper": 2}
 KERNELS = (*FUSED_KERNELS, "epilogue")
@@ -43,13 +43,14 @@ PRECISIONS = {"fp32": True, "tf32": False}
 MIN_FUSED_WORK = 1e8
 MIN_FUSED_ROWS = 16
 MIN_FUSED_K = 1024
-GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/fused_args.h
-SPLIT_COLS_MAX = 65535 * 32  # kSplitColsMax in csrc/split.h: split_cols' grid bound on columns
+GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/abi/fused_args.h
+# kSplitColsMax in csrc/operands/split.h: split_cols' grid bound on columns
+SPLIT_COLS_MAX = 65535 * 32
 
 
 def split_padded(n: int) -> int:
     """n rounded up to a multiple of K_ALIGN: a split operand's padded contraction dimension
-    (csrc/host_common.h's split_padded)."""
+    (csrc/host/host_common.h's split_padded)."""
     return -(-n // K_ALIGN) * K_ALIGN
 
 
@@ -253,8 +254,8 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # The sparse products pay where a row's nonzero dz columns (one group per extreme) are at most
 # this fraction of its channels.
 SPARSE_MAX_FRACTION = 1 / 8
-# Their bounds (csrc/sparse_products.h): K up to 2^30 (int32 column indices with slack), int32
-# indexing of N (with a 2048-column piece of slack) and of the scratch's ints.
+# Their bounds (csrc/operands/sparse_products.h): K up to 2^30 (int32 column indices with
+# slack), int32 indexing of N (with a 2048-column piece of slack) and of the scratch's ints.
 SPARSE_MAX_K = 2**30  # kSparseMaxK
 SPARSE_STRIP = SPARSE_BATCH = 16  # kSparseStrip, kSparseBatch
 SPARSE_COUNTERS = 6  # kSparseCounters
@@ -285,7 +286,7 @@ def sparse_fits(m: int, n: int, k: int) -> bool:
 def backward_products(path: str, x, weight, kernel: str, epilogue: Epilogue):
     """(sparse, split dx, split dW): where dz is sparse (:func:`sparse_gradient`, a CUDA float32
     or bfloat16 call on a gemmfuse kernel path, within the kernels' sizes) both products take
-    its nonzero entries alone (csrc/sparse_products.cu); else :func:`backward_splits`."""
+    its nonzero entries alone (csrc/operands/sparse_products.cu); else :func:`backward_splits`."""
     (m, k), n = x.shape, weight.shape[0]
     if (
         path != "torch"

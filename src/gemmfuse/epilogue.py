@@ -41,7 +41,7 @@ import torch
 
 from gemmfuse.pointwise import POINTWISE
 
-MAX_SCALARS = 8  # kMaxParams in csrc/fused_args.h: float arguments per chain
+MAX_SCALARS = 8  # kMaxParams in csrc/abi/fused_args.h: float arguments per chain
 MAX_TENSORS = 8  # kMaxParams: per-channel tensor arguments per chain (pre and post)
 
 
@@ -97,7 +97,7 @@ def keeps_shape(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     )
 
 
-# kReduce codes in csrc/tile_epilogue.cuh, and the PyTorch meaning of each (dim=1).
+# kReduce codes in csrc/epilogue/tile_epilogue.cuh, and the PyTorch meaning of each (dim=1).
 REDUCTIONS = {"min": 1, "max": 2, "sum": 3, "mean": 4, "logsumexp": 5}
 REDUCTION_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "min": torch.amin,
@@ -219,7 +219,7 @@ class Reduction:
             raise ValueError(problem)
 
 
-MAX_POOL = 128  # kTile in csrc/fused_args.h: a max-pooling window stays within one tile
+MAX_POOL = 128  # kTile in csrc/abi/fused_args.h: a max-pooling window stays within one tile
 
 
 def max_pool_problem(pool) -> str:

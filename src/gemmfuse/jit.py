@@ -1,15 +1,15 @@
 """The package's kernels, built in two pieces and loaded.
 
-- **The host extension** (csrc/host_*.cpp, bind_*.cpp, split.cu, sparse_products.cu and
+- **The host extension** (csrc/host/host_*.cpp, bind_*.cpp, split.cu, sparse_products.cu and
   column_sums.cu): argument checks, allocation and launches for every chain, the operand
   splits, the sparse backward products and the chain backward's column sums.
   Chain-independent, so it is built once per torch version, CUDA version and GPU
   architecture, its translation units in parallel (``torch.utils.cpp_extension.load`` in this
   process: ninja).
-- **A chain's library** (the csrc/chain_*.cu parts, with the chain's generated epilogue): its
+- **A chain's library** (the csrc/chain/chain_*.cu parts, with the chain's generated epilogue): its
   kernels and their launches, no torch headers. nvcc compiles the parts (one kernel family
   each) in parallel and links them into a shared library, loaded with ctypes; its one exported
-  function returns the table (csrc/chain_table.h) that the host extension launches through.
+  function returns the table (csrc/abi/chain_table.h) that the host extension launches through.
 
 A chain's first call builds what the cache lacks, the two pieces at once, and says so on stderr
 (build.py). ``extension_for`` is called on every forward: after the first call it is a dict

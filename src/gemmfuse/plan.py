@@ -8,7 +8,7 @@ step's time where host work outlasts GPU work (a bfloat16 training step).
 
 So a call that took the fused path with a weight cache (or a bf16 model's epilogue path: PyTorch's
 GEMM, then the chain kernel, for chains with a min or max) leaves a plan in it: the host
-extension's ``Plan`` (csrc/host_plan.h), holding every decision the Python made (the chain's
+extension's ``Plan`` (csrc/host/host_plan.h), holding every decision the Python made (the chain's
 table, the launch's arguments, which backward products run split) with the kinds of tensors it
 made them for (dtype, device, shape, strides, 16-byte alignment of each). A later call of the
 same epilogue object, kernel and precision is offered to the plans first: one whose kinds match
@@ -39,7 +39,7 @@ from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 
 MAX_PLANS = 4  # per weight cache: the kinds of call one module meets (a last, shorter batch...)
-# What a plan takes (csrc/bind_plan.cpp): a subclass with a torch function of its own takes the
+# What a plan takes (csrc/host/bind_plan.cpp): a subclass with a torch function of its own takes the
 # Python path.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -121,7 +121,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
 
 
 def _kind(epilogue, kernel, precision, path, grad, tensors) -> tuple:
-    """What a plan's key compares (csrc/host_plan.h's TensorKey: dtype, device, sizes, strides,
+    """What a plan's key compares (csrc/host/host_plan.h's TensorKey: dtype, device, sizes, strides,
     16-byte alignment of each tensor), with the Python side's part and how the call recorded."""
     return (epilogue, kernel, precision, path, grad, *(
         None if t is None

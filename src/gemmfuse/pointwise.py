@@ -60,7 +60,8 @@ class PointwiseDef:
     gradient, ``{x}`` the op's input, ``{y}`` its output, ``{a0}``... its arguments;
     ``grad_scalar`` replaces it for a float argument where PyTorch differentiates another
     formula (``float / x`` is ``x.reciprocal() * float``). ``grad_arg`` is the gradient with
-    respect to a tensor argument, per element (csrc/chain_backward.cuh sums it over the rows).
+    respect to a tensor argument, per element (csrc/backward/chain_backward.cuh sums it over the
+    rows).
 
     How models write it: ``spellings`` (functions and methods) and ``modules`` (an ``nn``
     class and the (op name, float arguments) of an instance, read at each call; a name of None

@@ -24,7 +24,7 @@ class SplitWeightCache:
     (:meth:`derived`).
     Memory: 4 bytes per weight element (two fp16 copies), plus 4 bytes per output channel; as
     much again once a backward has run (the transposed split its input gradient reads).
-    The splits live in the host extension's ``SplitCache`` (csrc/host_plan.h), which the
+    The splits live in the host extension's ``SplitCache`` (csrc/host/host_plan.h), which the
     cache's plans share: ``fused_linear``'s calls of one kind decided once and run in C++
     (gemmfuse/plan.py; ``plans``, the most recent first).
 
@@ -76,7 +76,7 @@ class SplitWeightCache:
         self.plan_kinds = []  # plan.py's kind of each plan, in the same order
 
     def native(self, ext):
-        """The SplitCache of ``ext``'s host extension (csrc/host_plan.h): this weight's splits,
+        """The SplitCache of ``ext``'s host extension (csrc/host/host_plan.h): this weight's splits,
         shared by the forward, the backward and the plans. A standalone export builds a module
         per chain, each with its own SplitCache type: another's replaces it."""
         if self._native is None or self._native[0] is not ext.host:

@@ -1,4 +1,4 @@
-"""The chain backward kernel (csrc/chain_backward.cuh) against PyTorch's autograd, given z.
+"""The chain backward kernel (csrc/backward/chain_backward.cuh) against PyTorch's autograd, given z.
 
 Its inputs are the saved GEMM result z and the output's gradient; its outputs dz and the
 gradients of the GroupNorm affine and the chain's tensor arguments. The oracle is float64

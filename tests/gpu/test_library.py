@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 M = 256  # with K = 1024, N = 512: above dispatch.fused_pays's thresholds, so the fused kernel runs
 INIT = {62: (1024, 512, 8), 75: (1024, 512, 8, (1, 512, 1, 1))}
-FUSED_KERNEL = "fused_gemm_gn"  # the fused kernels' names start so (csrc/gemm_gn_sm*.cuh)
+FUSED_KERNEL = "fused_gemm_gn"  # the fused kernels' names start so (csrc/gemm/gemm_gn_sm*.cuh)
 SPEC = chain_pool()[0]
 
 

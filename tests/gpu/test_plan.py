@@ -1,4 +1,4 @@
-"""Planned calls (gemmfuse/plan.py, csrc/host_plan.h) on the GPU: a call of a kind seen before
+"""Planned calls (gemmfuse/plan.py, csrc/host/host_plan.h) on the GPU: a call of a kind seen before
 runs in C++, with a C++ autograd node, and gives the Python path's results bit for bit.
 
 Each case runs one chain three ways on fresh random data: the Python path (no weight cache, so

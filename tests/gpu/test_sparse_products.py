@@ -1,5 +1,5 @@
-"""The sparse backward products (csrc/sparse_products.cu) against float64 and PyTorch's dense
-products, and the training steps that take them.
+"""The sparse backward products (csrc/operands/sparse_products.cu) against float64 and PyTorch's
+dense products, and the training steps that take them.
 
 dx = dz @ W and dW = dz.T @ x where dz is zero but for a few groups of each row (a min or max
 after a GroupNorm: dispatch.sparse_gradient). The oracle is float64's product of the same
