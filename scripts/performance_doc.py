@@ -56,7 +56,8 @@ def _floor_section(args, data: dict) -> str:
     runs = [(json.loads(Path(p).read_text()), c)
             for p, c in zip(args.kernelbench, args.kernelbench_commit, strict=True)]  # fmt: skip
     h100 = [(kb, c) for kb, c in runs if "H100" in kb["gpu"]]
-    kb, kb_commit = max(h100, key=lambda run: len(run[0]["rows"])) if h100 else (None, "")
+    # the last given of those with the most rows
+    kb, kb_commit = max(reversed(h100), key=lambda run: len(run[0]["rows"])) if h100 else (None, "")
     rows = floor_rows(work, data.get("harness", []), data["commit"], kb, kb_commit)
     plot = ""
     if args.roofline:
@@ -70,8 +71,8 @@ implementation moves (inputs, parameters and output once) at the measured 2.86 T
 is floor / time: 100% would be the split at cuBLAS's rate with nothing else costing time. Eager
 fp32 is measured against its own floor, the same bytes or its products at the datasheet's 67
 TFLOP/s of fp32 SIMT. Times are KernelBench's method (autograd on, L2 cleared, mean of 100):
-#62 and #75 from this page's benchmark, the files from the H100 run of the section above with
-the most rows. A row above 100% computes less than its model's products: #98's average pooling
+#62 and #75 from this page's benchmark, the files from the last H100 run of the section above
+with the most rows. A row above 100% computes less than its model's products: #98's average pooling
 over the Linear's channels is folded into the weight (pooling.py), a GEMM of N / 16 columns.
 
 {format_floor_rows(rows)}{plot}"""
