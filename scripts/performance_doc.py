@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--floors", help="scripts/problem_floors.py --json output")
     parser.add_argument("--roofline", type=Path, help="where to draw the roofline plot (PNG)")
     args = parser.parse_args()
+    if args.roofline and not args.floors:
+        parser.error("--roofline draws the floors: give --floors too")
     if len(args.kernelbench_commit) != len(args.kernelbench):
         parser.error("give one --kernelbench-commit for each --kernelbench")
     problems = (

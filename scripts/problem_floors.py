@@ -32,6 +32,9 @@ _PRODUCTS = {
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
+    torch.ops.aten.mv.default,
+    torch.ops.aten.addmv.default,
+    torch.ops.aten.dot.default,
 }
 
 
@@ -44,10 +47,12 @@ class _Products(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _PRODUCTS:
-            a, b = args[-2], args[-1]  # addmm/baddbmm: (bias, a, b)
+            a, b = args[-2], args[-1]  # addmm/baddbmm/addmv: (bias, a, b)
+            if a.dim() == 1:  # dot: a row times a column
+                a = a.unsqueeze(0)
             batch = a.shape[0] if a.dim() == 3 else 1
             m, k = a.shape[-2:]
-            self.shapes.append((batch * m, k, b.shape[-1]))
+            self.shapes.append((batch * m, k, b.shape[-1] if b.dim() > 1 else 1))
         return func(*args, **(kwargs or {}))
 
 

@@ -47,3 +47,23 @@ def test_the_table_gives_each_problem_its_fraction_of_the_floor():
     assert [r["problem"] for r in rows] == ["#62"]
     table = format_floor_rows(rows)
     assert "| 1.000 (compute) | 2.000 | 50% |" in table  # 3 x (800/3) GFLOP at 800 TFLOP/s
+
+
+def test_matrix_vector_products_count(tmp_path):
+    problem = tmp_path / "mv.py"
+    problem.write_text(
+        "import torch\n"
+        "class Model(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.w = torch.nn.Parameter(torch.randn(8, 16))\n"
+        "    def forward(self, x):\n"
+        "        return torch.dot(torch.mv(self.w, x), torch.ones(8))\n"
+        "def get_inputs():\n"
+        "    return [torch.randn(16)]\n"
+        "def get_init_inputs():\n"
+        "    return []\n"
+    )
+    work = problem_work(problem)
+    assert work["products"] == [(8, 16, 1), (1, 8, 1)]
+    assert work["flop"] == 2 * 8 * 16 + 2 * 8

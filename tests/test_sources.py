@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +55,22 @@ def test_read_csrc_is_every_shipped_source():
     }
     assert files["binding.cpp"] == csrc_paths()["binding.cpp"].read_text()
     assert len(files) == sum(p.suffix in SUFFIXES for p in CSRC.rglob("*"))  # no name twice
+
+
+def test_every_source_lies_where_the_package_data_ships_it():
+    """pyproject.toml ships csrc/*/*.{cu,cuh,h,cpp}: a source directly in csrc/ or deeper would
+    be read in a checkout and missing from a wheel."""
+    import tomllib
+
+    from gemmfuse.kernel_files import ROOT_PACKAGE
+
+    shipped = tomllib.loads((ROOT_PACKAGE.parents[1] / "pyproject.toml").read_text())
+    globs = shipped["tool"]["setuptools"]["package-data"]["gemmfuse"]
+    sources = [p for p in CSRC.rglob("*") if p.suffix in SUFFIXES]
+    for path in sources:
+        relative = path.relative_to(ROOT_PACKAGE).as_posix()
+        assert any(Path(relative).match(g) for g in globs), f"{relative} is not shipped"
+    assert {p.name for p in sources} == set(read_csrc())
 
 
 def test_a_name_in_two_csrc_folders_is_refused(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """The CUDA/C++ files of csrc/, read from the installed package.
 
-csrc/ holds a folder per role (README's layout says which); a file's name is unique across
-them and the sources include each other by name alone (``#include "fused_args.h"``): builds
+csrc/ holds a folder per role (README's layout says which), its sources one level down, as
+pyproject.toml's package data ships them (``csrc/*/*``); a file's name is unique across them and
+the sources include each other by name alone (``#include "fused_args.h"``): builds
 flatten a translation unit by name (sources.flatten), so where a file sits changes no build.
 Kept apart from sources.py, which standalone exports inline: an export has no package directory,
 so it embeds these texts and defines its own ``read_csrc`` returning them.
@@ -12,7 +13,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-CSRC = Path(__file__).with_name("csrc")
+ROOT_PACKAGE = Path(__file__).parent
+CSRC = ROOT_PACKAGE / "csrc"
 SUFFIXES = (".cu", ".cuh", ".h", ".cpp")  # the package data pyproject.toml ships
 
 
@@ -20,7 +22,7 @@ SUFFIXES = (".cu", ".cuh", ".h", ".cpp")  # the package data pyproject.toml ship
 def csrc_paths() -> dict[str, Path]:
     """csrc/'s source files, name -> path; raises if two folders hold the same name."""
     paths: dict[str, Path] = {}
-    for path in sorted(CSRC.rglob("*")):
+    for path in sorted(CSRC.glob("*/*")):
         if path.suffix not in SUFFIXES:
             continue
         if path.name in paths:

@@ -31,8 +31,9 @@ from gemmfuse.kernel_files import read_csrc
 
 GENERATED_HEADER = "epilogue_generated.cuh"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
-# The host extension's entry points (csrc/export/binding.cpp's PYBIND11_MODULE): those that launch a
-# chain's kernels take its table first; the splits serve every chain.
+# The host extension's entry points (csrc/host/host_module.cpp's PYBIND11_MODULE, which
+# csrc/export/binding.cpp includes for an export): those that launch a chain's kernels take its
+# table first; the splits serve every chain.
 CHAIN_FUNCTIONS = ("gemm_split", "fused_forward", "fused_forward_bf16", "epilogue_forward",
                    "gemv_forward", "chain_backward", "chain_backward_plan")  # fmt: skip
 SHARED_FUNCTIONS = ("split_rows", "split_cols", "sparse_products")

@@ -198,6 +198,16 @@ def test_the_saving_z_op_runs_a_plan_bit_for_bit(name, precision, dtype, monkeyp
     for a, b, what in zip(planned, python, ("output", "z"), strict=True):
         assert_same(a, b, what)
         assert not a.isnan().any(), what
+    # the weight changed in place (an optimizer's step): the plan splits it again
+    with torch.no_grad():
+        case.weight.mul_(-0.5)
+        python_after = op(-1)
+        before = len(decided)
+        planned_after = op(case.cache.token)
+        assert len(decided) == before, "the plan did not run the call after the weight changed"
+    for a, b, what in zip(planned_after, python_after, ("output", "z"), strict=True):
+        assert_same(a, b, f"{what} after the weight changed")
+    planned = planned_after
     # z is the GEMM's result, by the precision's own error (as the test above checks the output)
     exact = torch.nn.functional.linear(case.x.double(), case.weight.double(), case.bias.double())
     rel = ((planned[1].double() - exact).norm() / exact.norm()).item()
