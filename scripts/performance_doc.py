@@ -203,6 +203,9 @@ Floors for comparison (anchors.md): three 16-bit passes 0.42 ms at the datasheet
 
 "weights changed" times every call after the weight changed (the cached fp16 split is rebuilt
 inside the timed call); "portable kernel" forces the sm_80 mma.sync kernel on the same GPU.
+"gemmfuse compiled": the gemmfuse model under `torch.compile(fullgraph=True)`, timed interleaved
+with the uncompiled model (each iteration one call of each, each after its own L2 flush); the
+percentage, where shown, is its median against that uncompiled median (issue 12 asks for 5%).
 
 ## Against the floor
 
