@@ -141,3 +141,16 @@ def test_random_chains_match_pytorch_modules(seed, m, groups, group_size):
     with torch.no_grad():
         got = fused_linear(x, fc.weight, fc.bias, epi, *gn_args, params=params)
     torch.testing.assert_close(got, v.detach(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_plain_arguments_are_told_from_numbers_by_their_tag():
+    """plain_ops writes a Param as ("param", i) and a Value as ("value", i, detach); any other
+    argument, a tuple of numbers included, passes through as it is."""
+    from gemmfuse.reference import _argument
+
+    p, v = torch.randn(3), torch.randn(3, requires_grad=True)
+    assert _argument(("param", 0), [p], [v]) is p
+    assert _argument(("value", 0, False), [p], [v]) is v
+    assert not _argument(("value", 0, True), [p], [v]).requires_grad
+    assert _argument((0.5, 2.0), [p], [v]) == (0.5, 2.0)
+    assert _argument(0.5, [p], [v]) == 0.5

@@ -48,7 +48,7 @@ def apply_plain_ops(v: torch.Tensor, ops, params: Sequence[torch.Tensor] = ()) -
 def _argument(a, params, values):
     if isinstance(a, (Param, Value)):
         a = _plain_argument(a)
-    if not isinstance(a, tuple):  # a number
+    if not (isinstance(a, tuple) and a and a[0] in ("param", "value")):  # a number (or a list)
         return a
     if a[0] == "param":
         return params[a[1]]
