@@ -169,7 +169,7 @@ POINTWISE: dict[str, PointwiseDef] = {
         samples=_NO_ARGS, usage="`gelu_tanh` (GELU's `approximate='tanh'`)",
     ),
     "silu": PointwiseDef(
-        0, "({v} / (1.f + expf(-{v})))", F.silu, grad="({g} * gemmfuse::silu_grad({x}))",
+        0, "gemmfuse::silu_rn({v})", F.silu, grad="({g} * gemmfuse::silu_grad({x}))",
         spellings=(Spelling((F.silu,), *_INPLACE),),
         modules=((nn.SiLU, lambda m: ("silu", ())),), samples=_NO_ARGS, usage="`silu`",
     ),
@@ -177,7 +177,7 @@ POINTWISE: dict[str, PointwiseDef] = {
     # (optimize matches the pattern itself)
     "swish": PointwiseDef(
         0,
-        "({v} * round_like_model(1.f / (1.f + expf(-{v})), p))",
+        "({v} * round_like_model(gemmfuse::sigmoid_rn({v}), p))",
         lambda v: v * torch.sigmoid(v),
         grad="gemmfuse::swish_grad({x}, {g}, p)",
         samples=_NO_ARGS, usage="`swish` (x * sigmoid(x), as two ops)",
@@ -193,7 +193,7 @@ POINTWISE: dict[str, PointwiseDef] = {
         modules=((nn.Tanh, lambda m: ("tanh", ())),), samples=_NO_ARGS, usage="`tanh`",
     ),
     "sigmoid": PointwiseDef(
-        0, "(1.f / (1.f + expf(-{v})))", torch.sigmoid, grad="({g} * (1.f - {y}) * {y})",
+        0, "gemmfuse::sigmoid_rn({v})", torch.sigmoid, grad="({g} * (1.f - {y}) * {y})",
         spellings=(Spelling(_inplace_too("sigmoid", torch.sigmoid, F.sigmoid, torch.sigmoid_)),),
         modules=((nn.Sigmoid, lambda m: ("sigmoid", ())),), samples=_NO_ARGS, usage="`sigmoid`",
     ),

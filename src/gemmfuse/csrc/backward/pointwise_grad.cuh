@@ -4,6 +4,7 @@
 // epilogue's `pre_backward` / `post_backward` call them (epilogue.py's POINTWISE `grad`).
 #pragma once
 #include "fused_args.h"
+#include "pointwise_math.cuh"
 #include "row_reduce.cuh"
 
 namespace gemmfuse {
@@ -40,12 +41,12 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
 }
 
 __device__ __forceinline__ float silu_grad(float x) {
-  const float s = 1.f / (1.f + expf(-x));
+  const float s = sigmoid_rn(x);
   return s * (1.f + x * (1.f - s));
 }
 
 __device__ __forceinline__ float mish_grad(float x) {
-  const float s = 1.f / (1.f + expf(-x));
+  const float s = sigmoid_rn(x);
   const float t = tanhf(log1pf(expf(x)));
   return t + x * s * (1.f - t * t);
 }
@@ -53,7 +54,7 @@ __device__ __forceinline__ float mish_grad(float x) {
 // x * sigmoid(x) written as two ops: mul's gradient to both factors, then sigmoid's
 // (sigmoid_backward: grad * (1 - s) * s), with s rounded as the model rounds it.
 __device__ __forceinline__ float swish_grad(float x, float g, const EpilogueParams& p) {
-  const float s = round_like_model(1.f / (1.f + expf(-x)), p);
+  const float s = round_like_model(sigmoid_rn(x), p);
   return g * s + (g * x) * (1.f - s) * s;
 }
 

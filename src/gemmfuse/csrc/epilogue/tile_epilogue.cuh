@@ -533,6 +533,85 @@ __device__ __forceinline__ void group_tasks(float* tile, const float* w, const f
                                          tc, args);
 }
 
+// The value a row reduction takes at window w of a staged row: the channel itself, or after a
+// max pooling over the channels (Epi::kPool > 1) its window's maximum, taken as max_pool1d
+// takes it (a later value replaces the maximum only if greater or NaN: of -0 and +0 the first
+// stays); windows never straddle tiles, and the last tile's partial window is dropped, as
+// max_pool1d drops it.
+template <class Epi>
+__device__ __forceinline__ float pooled(const float* row, int w) {
+  constexpr int kPool = Epi::kPool;
+  static_assert(kPool >= 1 && kTile % kPool == 0, "a pooling window within a tile");
+  float v = row[w * kPool];
+#pragma unroll
+  for (int j = 1; j < kPool; ++j) {
+    const float x = row[w * kPool + j];
+    v = (x > v || x != x) ? x : v;
+  }
+  return v;
+}
+
+// A row run's partial of reduction kKind over windows [w0, w1), kWays independent chains at a
+// time: min and max NaN-propagating, sum and mean compensated (CompensatedSums), logsumexp in
+// two passes as PyTorch computes it (the maximum, then the exponentials shifted by it).
+template <int kKind, class Epi>
+__device__ __forceinline__ RowAcc run_partial(const float* row, int w0, int w1) {
+  constexpr int kWays = 4;
+  if constexpr (kKind == 3 || kKind == 4) {
+    CompensatedSums<kWays> sums;
+    for_each_way<kWays, 4>(w0, w1, [&](int w, int i) { sums.add(i, pooled<Epi>(row, w)); });
+    float comp;
+    const float sum = sums.total(comp);
+    return {sum, comp};
+  } else {
+    float top[kWays];
+#pragma unroll
+    for (int i = 0; i < kWays; ++i) top[i] = row_acc_empty<kKind>().m;
+    auto pick = [](float a, float b) { return kKind == 1 ? min_nan(a, b) : max_nan(a, b); };
+    for_each_way<kWays, 4>(w0, w1, [&](int w, int i) { top[i] = pick(top[i], pooled<Epi>(row, w)); });
+    const float m = pick(pick(top[0], top[1]), pick(top[2], top[3]));
+    if constexpr (kKind != 5) return {m, 0.f};
+    const float shift = lse_shift(m);
+    float sums[kWays] = {};
+    for_each_way<kWays, 4>(w0, w1, [&](int w, int i) { sums[i] += expf(pooled<Epi>(row, w) - shift); });
+    return {m, (sums[0] + sums[1]) + (sums[2] + sums[3])};  // an empty run: (-inf, 0)
+  }
+}
+
+// The tile's row partials of the chain's reduction, handed to put_partial(row, partial). kParts
+// threads share a row, each a contiguous run of its windows (run_partial), and their partials
+// merge in run order. A warp a row, each lane pushing values one at a time (a logsumexp's new
+// maximum rescaling the sum), left the split kernel latency-bound: logsumexp's reduction took
+// 20% of its warp samples at 16384 x 4096 x 1024 and 180 us of its 795 (ncu, torch.profiler,
+// H100, 2026-11-26; 657 us this way). The staged tile's first slots of each row take the runs'
+// partials once every thread has read its row.
+template <class Epi, int kThreads, class Sync, class Put>
+__device__ __forceinline__ void row_partials(float* tile, int rows_here, int cols_here, int tid,
+                                             Sync sync, Put put_partial) {
+  constexpr int kind = Epi::kReduce, kParts = kThreads >= 2 * kTile ? 2 : 1;
+  static_assert(kThreads >= kTile, "a (row, run) task per thread at most");
+  const int windows = cols_here / Epi::kPool, per_part = (windows + kParts - 1) / kParts;
+  // Consecutive threads take consecutive rows: distinct banks (row stride kTile + 1).
+  const int r = tid % kTile, part = tid / kTile;
+  const bool active = r < rows_here && part < kParts;
+  const int w0 = part * per_part, w1 = active ? min(windows, w0 + per_part) : w0;
+  const RowAcc acc = run_partial<kind, Epi>(tile + r * kEpiStride, w0, w1);
+  sync();  // every run of every row has been read
+  if (active) {
+    tile[r * kEpiStride + 2 * part] = acc.m;
+    tile[r * kEpiStride + 2 * part + 1] = acc.s;
+  }
+  sync();
+  for (int row = tid; row < rows_here; row += kThreads) {
+    const float* slots = tile + row * kEpiStride;
+    RowAcc merged{slots[0], slots[1]};
+#pragma unroll
+    for (int p = 1; p < kParts; ++p)
+      merged = row_acc_merge<kind>(merged, RowAcc{slots[2 * p], slots[2 * p + 1]});
+    put_partial(row, merged);
+  }
+}
+
 // `tid` runs over kThreads threads that all call this; `sync()` is a barrier among exactly them.
 // kExact: the fp32-accurate statistics (segment_moments). kRegisterGroups: groups of 8, 16 and
 // 32 in registers (group_task); off where registers are scarce and rows few (the few-rows GEMV).
@@ -700,28 +779,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
         put_partial(r, acc);
       }
     } else {
-      // A max pooling over the channels first (Epi::kPool > 1): the row's values are its
-      // windows' maxima, taken as max_pool1d takes them (a later value replaces the maximum
-      // only if greater or NaN: of -0 and +0 the first stays); windows never straddle tiles,
-      // and the last tile's partial window is dropped, as max_pool1d drops it.
-      constexpr int kPool = Epi::kPool;
-      static_assert(kPool >= 1 && kTile % kPool == 0, "a pooling window within a tile");
-      const int windows = cols_here / kPool;
-      for (int r = warp; r < rows_here; r += kThreads / 32) {
-        const float* row = tile + r * kEpiStride;
-        RowAcc acc = row_acc_empty<kind>();
-        for (int w = lane; w < windows; w += 32) {
-          float v = row[w * kPool];
-#pragma unroll
-          for (int j = 1; j < kPool; ++j) {
-            const float x = row[w * kPool + j];
-            v = (x > v || x != x) ? x : v;
-          }
-          row_acc_push<kind>(acc, v);
-        }
-        acc = row_acc_warp<kind>(acc);
-        if (lane == 0) put_partial(r, acc);
-      }
+      row_partials<Epi, kThreads>(tile, rows_here, cols_here, tid, sync, put_partial);
     }
     __shared__ bool is_last;
     __threadfence();

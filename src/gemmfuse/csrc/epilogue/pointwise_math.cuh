@@ -1,0 +1,65 @@
+// Pointwise functions the generated epilogue calls where the plain expression is slow: each
+// returns exactly what nvcc gives the plain expression (without fast-math), which is what
+// PyTorch's float32 CUDA kernels compute, but without a branch per value.
+//
+// Why: `a / d` compiles to a fast path, a range check and a call to a slow path. In the fused
+// kernel's epilogue the branch around each division keeps ptxas from interleaving the
+// independent values a thread holds, and with 8 warps an SM the epilogue is latency-bound:
+// sigmoid cost the split kernel 17-20% of its time at 16384 x 2048 x 4096 (H100, 2026-11-26;
+// docs/DESIGN.md section 4). Here the quotient is the same fast path (a reciprocal refined by
+// Newton's step, the quotient by one more), always taken: d >= 1 keeps it in range, and the
+// ranges where it is not (huge d, tiny or subnormal results) are scaled into it, selected
+// without branching. tests/gpu/test_pointwise_math.py checks them against PyTorch over all
+// 2^32 floats.
+#pragma once
+
+namespace gemmfuse {
+
+// a / d correctly rounded, for d in [1, 2^123) and finite a: the fast path of div.rn.
+// (Checked as used here, not for every a and d: d scaled into [1, 2^123) or the ranges
+// reciprocal_at_least_one names.)
+__device__ __forceinline__ float div_fast_path(float a, float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  r = fmaf(r, fmaf(-d, r, 1.f), r);
+  const float q = a * r;
+  return fmaf(r, fmaf(-d, q, a), q);
+}
+
+// 1 / d correctly rounded (subnormal results included) for d >= 1, inf or NaN: one fast path
+// on d scaled into its range by a power of two, then the result scaled back.
+// - d < 2^123: no scaling.
+// - d in [2^123, 2^126]: 1/d in [2^-126, 2^-123] is normal; d and the result scaled by 2^-64.
+// - d in (2^126, inf): 1/d = k 2^-149 for an integer k <= 2^23 (a subnormal, rounded once from
+//   the exact value). With d' = d 2^-149, q = 1/d' rounded to float's 24 bits is k's value to
+//   1/4 or 1/2; rint(q) is k unless q is a half-integer, where the remainder's sign says which
+//   way the exact value lies (it is never a half-integer itself: d would be a power of two).
+__device__ __forceinline__ float reciprocal_at_least_one(float d) {
+  const bool unscaled = d < 0x1p123f, normal = d <= 0x1p126f;
+  const float ds = d * (unscaled ? 1.f : normal ? 0x1p-64f : 0x1p-149f);
+  const float q = div_fast_path(1.f, ds);
+  const float rem = fmaf(-ds, q, 1.f), down = floorf(q);
+  const float k = (q - down == 0.5f && rem != 0.f) ? (rem > 0.f ? down + 1.f : down) : rintf(q);
+  const float r = unscaled ? q : normal ? q * 0x1p-64f : k * 0x1p-149f;
+  return d < INFINITY ? r : d == INFINITY ? 0.f : d;  // inf: 0; NaN stays NaN
+}
+
+// torch.sigmoid: 1 / (1 + exp(-v)).
+__device__ __forceinline__ float sigmoid_rn(float v) {
+  return reciprocal_at_least_one(1.f + expf(-v));
+}
+
+// F.silu: v / (1 + exp(-v)). The quotient is normal wherever d is huge (|v| >= 85 there), so
+// scaling d and the result by 2^-64 is exact; 0, inf and NaN numerators pass through as the
+// division passes them (v = -inf: d = inf, NaN).
+__device__ __forceinline__ float silu_rn(float v) {
+  const float d = 1.f + expf(-v);
+  const bool big = !(d < 0x1p123f);
+  const float ds = big ? d * 0x1p-64f : d;
+  float q = div_fast_path(v, ds);
+  q = big ? q * 0x1p-64f : q;
+  q = (v == 0.f || isinf(v)) ? v : q;
+  return isinf(d) ? v * 0.f : q;
+}
+
+}  // namespace gemmfuse

@@ -1,0 +1,115 @@
+"""The epilogue's branch-free pointwise functions (csrc/epilogue/pointwise_math.cuh) against
+PyTorch over every float32 bit pattern, and the row reductions' partials (tile_epilogue.cuh's
+row_partials: runs of a row in independent chains, merged) on rows of special values.
+
+Both run through ``fused_epilogue``: the chain kernel applies ``pre`` as the fused kernels'
+staging does (the same generated ``Epi::pre``) and reduces a tile's rows with the same code.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gemmfuse import fused_epilogue_with_path
+from gemmfuse.epilogue import Epilogue, Pointwise, Reduction
+from helpers import poison_allocator
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+CHUNK = 1 << 28  # float32 values per call: 1 GiB in, 1 GiB out
+COLUMNS = 4096
+
+OPS = {
+    "sigmoid": torch.sigmoid,
+    "silu": F.silu,
+    "swish": lambda v: v * torch.sigmoid(v),
+}
+
+
+def _bit_patterns(first: int) -> torch.Tensor:
+    """CHUNK consecutive int32 bit patterns from ``first``, read as float32, (rows, COLUMNS)."""
+    bits = torch.arange(first, first + CHUNK, dtype=torch.int64, device=CUDA)
+    return bits.to(torch.int32).view(torch.float32).view(-1, COLUMNS)
+
+
+def _differing(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Where two float32 tensors differ in their bits (any NaN equals any NaN)."""
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    return ~same
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_pointwise_equals_pytorch_on_every_float(op):
+    epilogue = Epilogue(pre=(Pointwise(op),))
+    reference = OPS[op]
+    mismatches, examples = 0, []
+    with torch.no_grad():
+        for first in range(-(1 << 31), 1 << 31, CHUNK):
+            z = _bit_patterns(first)
+            poison_allocator(4 * z.numel(), CUDA)
+            got, path = fused_epilogue_with_path(z, epilogue)
+            assert path == "epilogue"
+            want = reference(z)
+            bad = _differing(got, want)
+            count = int(bad.sum())
+            if count:
+                mismatches += count
+                i = bad.flatten().nonzero()[:3].flatten()
+                examples += [
+                    (z.flatten()[j].item(), got.flatten()[j].item(), want.flatten()[j].item())
+                    for j in i.tolist()
+                ]
+            del z, got, want, bad
+    assert mismatches == 0, f"{op}: {mismatches} of 2^32 differ from PyTorch, e.g. {examples[:6]}"
+
+
+def _special_rows(m: int, n: int, seed: int) -> torch.Tensor:
+    """Random rows of several scales, then rows of special values: all -inf, one +inf, one NaN,
+    huge values whose exponentials overflow without the shift, one finite value among -infs,
+    and large spreads (exp underflows for most of the row)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(m, n, generator=g) * torch.logspace(-3, 2, m).unsqueeze(1)
+    z[0] = float("-inf")
+    z[1, n // 3] = float("inf")
+    z[2, n - 1] = float("nan")
+    z[3] = torch.randn(n, generator=g) * 1e3 + 1e30
+    z[4] = float("-inf")
+    z[4, n // 2] = -5.0
+    z[5, : n // 2] = 80.0
+    z[5, n // 2 :] = -200.0
+    z[6, 0] = float("nan")
+    z[6, 1] = float("inf")
+    return z.to(CUDA)
+
+
+REDUCTIONS = {
+    "min": torch.amin,
+    "max": torch.amax,
+    "sum": torch.sum,
+    "mean": torch.mean,
+    "logsumexp": torch.logsumexp,
+}
+
+
+@pytest.mark.parametrize("op", sorted(REDUCTIONS))
+@pytest.mark.parametrize("pool", [1, 4])
+@pytest.mark.parametrize("m,n", [(40, 300), (130, 1024), (7, 4096)])
+def test_reductions_of_rows_with_special_values(op, pool, m, n):
+    z = _special_rows(m, n, seed=m + n + pool)
+    epilogue = Epilogue(reduce=Reduction(op, pool=pool))
+    with torch.no_grad():
+        poison_allocator(4 * m, CUDA)
+        got, path = fused_epilogue_with_path(z, epilogue)
+        pooled = F.max_pool1d(z.unsqueeze(1), pool).squeeze(1) if pool > 1 else z
+        eager = REDUCTIONS[op](pooled, dim=1)
+        exact = REDUCTIONS[op](pooled.double(), dim=1)
+    assert path == "epilogue" and got.shape == eager.shape == (m,)
+    assert torch.equal(got.isnan(), eager.isnan())
+    assert torch.equal(got.isinf(), eager.isinf())
+    assert torch.equal(got[got.isinf()], eager[eager.isinf()])
+    finite = got.isfinite()
+    err = (got[finite].double() - exact[finite]).abs()
+    err_eager = (eager[finite].double() - exact[finite]).abs()
+    # within 2 float32 ulps of the result, or eager's own error, row by row
+    ulp = torch.finfo(torch.float32).eps * exact[finite].abs().clamp_min(1.0)
+    assert (err <= torch.maximum(2 * ulp, err_eager)).all(), (err - err_eager).max()
