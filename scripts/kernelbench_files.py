@@ -6,8 +6,8 @@ built after the same seed; correctness as KernelBench checks it (5 trials of fre
 no_grad, allclose atol = rtol = 1e-4), with the largest error against the float64 Model beside
 eager fp32's; then both timed with KernelBench's time_execution_with_cuda_event (autograd on,
 L2 cleared before each call, mean of --trials; ModelNew first, as KernelBench's eval times it
-after the correctness trials, then Model; each row also keeps the medians and ModelNew's
-slowest call). A markdown table last; --json writes the rows.
+after the correctness trials, then Model, each after a full garbage collection; each row also
+keeps the medians and ModelNew's slowest call). A markdown table last; --json writes the rows.
 Usage: python scripts/kernelbench_files.py FILE.py [FILE.py ...] [--trials N] [--json PATH]
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import sys
 import tempfile
@@ -65,7 +66,12 @@ def judge(path: Path, trials: int, build_dir: str) -> dict:
     # ModelNew first, as KernelBench's eval times it: right after the correctness trials (its
     # eager baseline comes from another run). Timed after eager's 100 calls instead, a hot GPU
     # took #45's mean from 2.63-2.79 ms to 2.91-2.95 (H100, 2026-11-26).
+    # A full collection first, for each model: a generation-2 collection of this process's heap
+    # (every problem file loaded so far) that fell inside #64's timed calls took 157-174 ms in
+    # one of them and its mean from 0.75 to 2.3-2.5 ms (H100, 2026-11-26; no cycle or leak found).
+    gc.collect()
     ours = time_cuda_events(new, inputs, trials=trials)
+    gc.collect()
     eager = time_cuda_events(ref, inputs, trials=trials)
     paths = sorted({m.last_path for m in new.modules() if hasattr(m, "last_path")})
     return {"file": path.name, "chain": chain, "correct": bool(correct), "err": err,
