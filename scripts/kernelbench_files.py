@@ -6,8 +6,9 @@ built after the same seed; correctness as KernelBench checks it (5 trials of fre
 no_grad, allclose atol = rtol = 1e-4), with the largest error against the float64 Model beside
 eager fp32's; then both timed with KernelBench's time_execution_with_cuda_event (autograd on,
 L2 cleared before each call, mean of --trials; ModelNew first, as KernelBench's eval times it
-after the correctness trials, then Model, each after a full garbage collection; each row also
-keeps the medians and ModelNew's slowest call). A markdown table last; --json writes the rows.
+after the correctness trials, then Model, each on a collected and frozen heap (gc.freeze);
+each row also keeps the medians and ModelNew's slowest call). A markdown table last; --json
+writes the rows.
 Usage: python scripts/kernelbench_files.py FILE.py [FILE.py ...] [--trials N] [--json PATH]
 """
 
@@ -45,6 +46,15 @@ def _inputs(module, seed: int):
     return [t.to(CUDA) if isinstance(t, torch.Tensor) else t for t in module.get_inputs()]
 
 
+def _timed_on_frozen_heap(model, inputs, trials: int) -> dict:
+    gc.collect()
+    gc.freeze()
+    try:
+        return time_cuda_events(model, inputs, trials=trials)
+    finally:
+        gc.unfreeze()
+
+
 def judge(path: Path, trials: int, build_dir: str) -> dict:
     """One problem's row: chain, correctness, errors against float64, times."""
     source, report = standalone_source_for_file(path)
@@ -64,15 +74,15 @@ def judge(path: Path, trials: int, build_dir: str) -> dict:
     first = time.perf_counter() - t
     inputs = _inputs(module, 0)
     # ModelNew first, as KernelBench's eval times it: right after the correctness trials (its
-    # eager baseline comes from another run). Timed after eager's 100 calls instead, a hot GPU
-    # took #45's mean from 2.63-2.79 ms to 2.91-2.95 (H100, 2026-11-26).
-    # A full collection first, for each model: a generation-2 collection of this process's heap
-    # (every problem file loaded so far) that fell inside #64's timed calls took 157-174 ms in
-    # one of them and its mean from 0.75 to 2.3-2.5 ms (H100, 2026-11-26; no cycle or leak found).
-    gc.collect()
-    ours = time_cuda_events(new, inputs, trials=trials)
-    gc.collect()
-    eager = time_cuda_events(ref, inputs, trials=trials)
+    # eager baseline comes from another run). Timed after eager's 100 calls instead, on a GPU
+    # eager had just heated, #45 measured 2.91-2.95 ms; first, 2.77-2.82 ms (H100, 2026-11-26).
+    # Eager now follows ModelNew's calls, which heat it less than its own 100 do.
+    # Each timing on a frozen heap (collected, then gc.freeze): a generation-2 collection of
+    # this process's heap (every problem file loaded so far) fell inside one of #64's timed
+    # calls, 157-174 ms, and took its mean from 0.75 to 2.0-2.5 ms (H100, 2026-11-26; no
+    # cycle or leak found). A collection still runs over what the timed calls allocate.
+    ours = _timed_on_frozen_heap(new, inputs, trials)
+    eager = _timed_on_frozen_heap(ref, inputs, trials)
     paths = sorted({m.last_path for m in new.modules() if hasattr(m, "last_path")})
     return {"file": path.name, "chain": chain, "correct": bool(correct), "err": err,
             "err_eager": err_eager, "eager_ms": eager["mean"], "gemmfuse_ms": ours["mean"],
@@ -106,7 +116,10 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     gpu = torch.cuda.get_device_name()
-    method = f"KernelBench's: autograd on, L2 cleared before each call, mean of {args.trials}"
+    method = (
+        f"KernelBench's: autograd on, L2 cleared before each call, mean of {args.trials}; "
+        "ModelNew timed first, then Model, each on a collected and frozen heap"
+    )
     print(f"gpu: {gpu} | torch {torch.__version__} | method: {method}")
     print(format_problem_rows(rows))
     if args.json:

@@ -1,6 +1,7 @@
 // Pointwise functions the generated epilogue calls where the plain expression is slow: each
-// returns exactly what nvcc gives the plain expression (without fast-math), which is what
-// PyTorch's float32 CUDA kernels compute, but without a branch per value.
+// returns exactly what nvcc gives the plain expression under the package's flags (no fast-math,
+// no flush-to-zero), which is what PyTorch's float32 CUDA kernels compute, but without a branch
+// per value.
 //
 // Why: `a / d` compiles to a fast path, a range check and a call to a slow path. In the fused
 // kernel's epilogue the branch around each division keeps ptxas from interleaving the
@@ -8,16 +9,16 @@
 // sigmoid cost the split kernel 17-20% of its time at 16384 x 2048 x 4096 (H100, 2026-11-26;
 // docs/DESIGN.md section 4). Here the quotient is the same fast path (a reciprocal refined by
 // Newton's step, the quotient by one more), always taken: d >= 1 keeps it in range, and the
-// ranges where it is not (huge d, tiny or subnormal results) are scaled into it, selected
-// without branching. tests/gpu/test_pointwise_math.py checks them against PyTorch over all
-// 2^32 floats.
+// ranges where it is not (huge d, tiny or subnormal results) are scaled into it by powers of
+// two, selected without branching; every scale factor is a normal float, so flush-to-zero
+// cannot turn one into 0. tests/gpu/test_pointwise_math.py checks them against PyTorch over
+// all 2^32 floats.
 #pragma once
 
 namespace gemmfuse {
 
-// a / d correctly rounded, for d in [1, 2^123) and finite a: the fast path of div.rn.
-// (Checked as used here, not for every a and d: d scaled into [1, 2^123) or the ranges
-// reciprocal_at_least_one names.)
+// a / d by div.rn's fast path: correctly rounded where d and the quotient are normal and d is in
+// [1, 2^123) (or scaled into a range named below); checked only as this file uses it.
 __device__ __forceinline__ float div_fast_path(float a, float d) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
@@ -36,11 +37,12 @@ __device__ __forceinline__ float div_fast_path(float a, float d) {
 //   way the exact value lies (it is never a half-integer itself: d would be a power of two).
 __device__ __forceinline__ float reciprocal_at_least_one(float d) {
   const bool unscaled = d < 0x1p123f, normal = d <= 0x1p126f;
-  const float ds = d * (unscaled ? 1.f : normal ? 0x1p-64f : 0x1p-149f);
+  // 2^-149 in two normal steps (2^-126, then 2^-23), here and for the result
+  const float ds = unscaled ? d : normal ? d * 0x1p-64f : (d * 0x1p-126f) * 0x1p-23f;
   const float q = div_fast_path(1.f, ds);
   const float rem = fmaf(-ds, q, 1.f), down = floorf(q);
   const float k = (q - down == 0.5f && rem != 0.f) ? (rem > 0.f ? down + 1.f : down) : rintf(q);
-  const float r = unscaled ? q : normal ? q * 0x1p-64f : k * 0x1p-149f;
+  const float r = unscaled ? q : normal ? q * 0x1p-64f : (k * 0x1p-23f) * 0x1p-126f;
   return d < INFINITY ? r : d == INFINITY ? 0.f : d;  // inf: 0; NaN stays NaN
 }
 
@@ -51,7 +53,8 @@ __device__ __forceinline__ float sigmoid_rn(float v) {
 
 // F.silu: v / (1 + exp(-v)). The quotient is normal wherever d is huge (|v| >= 85 there), so
 // scaling d and the result by 2^-64 is exact; 0, inf and NaN numerators pass through as the
-// division passes them (v = -inf: d = inf, NaN).
+// division passes them (v = -inf: d = inf, NaN). (With flush-to-zero a subnormal v would pass
+// through where the division flushes it to 0.)
 __device__ __forceinline__ float silu_rn(float v) {
   const float d = 1.f + expf(-v);
   const bool big = !(d < 0x1p123f);

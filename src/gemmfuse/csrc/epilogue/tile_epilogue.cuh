@@ -556,10 +556,11 @@ __device__ __forceinline__ float pooled(const float* row, int w) {
 // two passes as PyTorch computes it (the maximum, then the exponentials shifted by it).
 template <int kKind, class Epi>
 __device__ __forceinline__ RowAcc run_partial(const float* row, int w0, int w1) {
-  constexpr int kWays = 4;
+  // wide pooling windows are loops of their own: unrolling those 16 times buys nothing
+  constexpr int kWays = 4, kUnroll = Epi::kPool >= 16 ? 1 : 4;
   if constexpr (kKind == 3 || kKind == 4) {
     CompensatedSums<kWays> sums;
-    for_each_way<kWays, 4>(w0, w1, [&](int w, int i) { sums.add(i, pooled<Epi>(row, w)); });
+    for_each_way<kWays, kUnroll>(w0, w1, [&](int w, int i) { sums.add(i, pooled<Epi>(row, w)); });
     float comp;
     const float sum = sums.total(comp);
     return {sum, comp};
@@ -568,12 +569,12 @@ __device__ __forceinline__ RowAcc run_partial(const float* row, int w0, int w1) 
 #pragma unroll
     for (int i = 0; i < kWays; ++i) top[i] = row_acc_empty<kKind>().m;
     auto pick = [](float a, float b) { return kKind == 1 ? min_nan(a, b) : max_nan(a, b); };
-    for_each_way<kWays, 4>(w0, w1, [&](int w, int i) { top[i] = pick(top[i], pooled<Epi>(row, w)); });
+    for_each_way<kWays, kUnroll>(w0, w1, [&](int w, int i) { top[i] = pick(top[i], pooled<Epi>(row, w)); });
     const float m = pick(pick(top[0], top[1]), pick(top[2], top[3]));
     if constexpr (kKind != 5) return {m, 0.f};
     const float shift = lse_shift(m);
     float sums[kWays] = {};
-    for_each_way<kWays, 4>(w0, w1, [&](int w, int i) { sums[i] += expf(pooled<Epi>(row, w) - shift); });
+    for_each_way<kWays, kUnroll>(w0, w1, [&](int w, int i) { sums[i] += expf(pooled<Epi>(row, w) - shift); });
     return {m, (sums[0] + sums[1]) + (sums[2] + sums[3])};  // an empty run: (-inf, 0)
   }
 }
@@ -582,15 +583,27 @@ __device__ __forceinline__ RowAcc run_partial(const float* row, int w0, int w1) 
 // threads share a row, each a contiguous run of its windows (run_partial), and their partials
 // merge in run order. A warp a row, each lane pushing values one at a time (a logsumexp's new
 // maximum rescaling the sum), left the split kernel latency-bound: logsumexp's reduction took
-// 20% of its warp samples at 16384 x 4096 x 1024 and 180 us of its 795 (ncu, torch.profiler,
-// H100, 2026-11-26; 657 us this way). The staged tile's first slots of each row take the runs'
-// partials once every thread has read its row.
+// 20% of its warp samples at 16384 x 4096 x 1024, where it took 795 us against 616 us for the
+// GEMM with no chain (ncu, torch.profiler, H100, 2026-11-26; 657 against 608 us this way). The staged tile's first slots of each row take the runs'
+// partials once every thread has read its row. A tile of a few rows (the few-rows kernel's one
+// or two) keeps a warp a row, each lane a run, merged by row_acc_warp's fixed tree: two threads
+// a row would leave all but four idle.
 template <class Epi, int kThreads, class Sync, class Put>
 __device__ __forceinline__ void row_partials(float* tile, int rows_here, int cols_here, int tid,
                                              Sync sync, Put put_partial) {
   constexpr int kind = Epi::kReduce, kParts = kThreads >= 2 * kTile ? 2 : 1;
   static_assert(kThreads >= kTile, "a (row, run) task per thread at most");
   const int windows = cols_here / Epi::kPool, per_part = (windows + kParts - 1) / kParts;
+  if (rows_here <= kThreads / 32) {  // uniform across the block
+    const int lane = tid & 31, warp = tid >> 5, per_lane = (windows + 31) / 32;
+    const int w0 = min(windows, lane * per_lane), w1 = min(windows, w0 + per_lane);
+    if (warp < rows_here) {
+      const RowAcc run = run_partial<kind, Epi>(tile + warp * kEpiStride, w0, w1);
+      const RowAcc acc = row_acc_warp<kind>(run);
+      if (lane == 0) put_partial(warp, acc);
+    }
+    return;
+  }
   // Consecutive threads take consecutive rows: distinct banks (row stride kTile + 1).
   const int r = tid % kTile, part = tid / kTile;
   const bool active = r < rows_here && part < kParts;
