@@ -584,10 +584,10 @@ __device__ __forceinline__ RowAcc run_partial(const float* row, int w0, int w1) 
 // merge in run order. A warp a row, each lane pushing values one at a time (a logsumexp's new
 // maximum rescaling the sum), left the split kernel latency-bound: logsumexp's reduction took
 // 20% of its warp samples at 16384 x 4096 x 1024, where it took 795 us against 616 us for the
-// GEMM with no chain (ncu, torch.profiler, H100, 2026-11-26; 657 against 608 us this way). The staged tile's first slots of each row take the runs'
-// partials once every thread has read its row. A tile of a few rows (the few-rows kernel's one
-// or two) keeps a warp a row, each lane a run, merged by row_acc_warp's fixed tree: two threads
-// a row would leave all but four idle.
+// GEMM with no chain (ncu, torch.profiler, H100, 2026-11-26; 657 against 608 us this way). The
+// staged tile's first slots of each row take the runs' partials once every thread has read its
+// row. A tile of a few rows (the few-rows kernel's one or two) keeps a warp a row, each lane a
+// run, merged by row_acc_warp's fixed tree: two threads a row would leave all but four idle.
 template <class Epi, int kThreads, class Sync, class Put>
 __device__ __forceinline__ void row_partials(float* tile, int rows_here, int cols_here, int tid,
                                              Sync sync, Put put_partial) {
