@@ -84,6 +84,37 @@ def test_opcheck(name, op):
 
 
 @pytest.mark.parametrize("name", sorted(CHAINS))
+def test_opcheck_inference(name):
+    """The op without a gradient: schema, fake and dispatch checks on tensors autograd does not
+    record, and its output fused_linear's."""
+    for bias in (True, False):
+        tensors = _detached(inputs(name, bias=bias))
+        args = op_args(name, tensors)
+        torch.library.opcheck(torch.ops.gemmfuse.fused_linear_inference.default, args)
+        torch.testing.assert_close(
+            torch.ops.gemmfuse.fused_linear_inference(*args),
+            torch.ops.gemmfuse.fused_linear(*args),
+            rtol=0, atol=0,
+        )  # fmt: skip
+
+
+def _detached(tensors):
+    *head, params = tensors
+    return (*(None if t is None else t.detach() for t in head), [p.detach() for p in params])
+
+
+def test_inference_op_refuses_a_recorded_call():
+    """Where autograd would record it, the op without a gradient says so (its output would
+    otherwise carry no gradient); under no_grad the same tensors are served."""
+    args = op_args("groupnorm", inputs("groupnorm"))
+    with pytest.raises(RuntimeError, match="fused_linear_inference has no gradient"):
+        torch.ops.gemmfuse.fused_linear_inference(*args)
+    with torch.no_grad():
+        out = torch.ops.gemmfuse.fused_linear_inference(*args)
+    torch.testing.assert_close(out, torch.ops.gemmfuse.fused_linear(*args).detach())
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
 @pytest.mark.parametrize("op", ["fused_linear", "fused_linear_saving_z"])
 def test_gradcheck(name, op):
     """The ops' autograd formulas (fused_linear_backward) against finite differences, in
@@ -138,7 +169,10 @@ def test_cache_for_call():
     assert isinstance(cache_for_call(None), SplitWeightCache)
 
 
-@pytest.mark.parametrize("name", ["fused_linear", "fused_linear_saving_z", "fused_linear_backward"])
+@pytest.mark.parametrize(
+    "name",
+    ["fused_linear", "fused_linear_inference", "fused_linear_saving_z", "fused_linear_backward"],
+)
 def test_ops_stay_out_of_cuda_graphs(name):
     """Inductor's CUDA graphs would warm the weight cache up in their private pool and refuse
     it; the tag makes them run the op outside the recorded graph (GPU: test_library.py)."""
@@ -183,7 +217,8 @@ def grads(model, x) -> list[torch.Tensor]:
 @pytest.mark.parametrize("number", [62, 75])
 def test_compile_fullgraph_holds_the_op(number):
     """One graph, no break, the whole chain in one gemmfuse op: the saving op with autograd
-    recording, the plain one under no_grad. Outputs equal the model's; gradients too."""
+    recording, the one without a gradient under no_grad. Outputs equal the model's; gradients
+    too."""
     model, optimized, x = small_problem(number)
     recorder = GraphRecorder()
     compiled = torch.compile(optimized, fullgraph=True, backend=recorder)
@@ -193,7 +228,7 @@ def test_compile_fullgraph_holds_the_op(number):
     assert optimized.get_submodule(_fused_path(optimized)).last_path == "compiled"
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), expected)
-    assert recorder.gemmfuse_ops()[-1] == "gemmfuse.fused_linear"
+    assert recorder.gemmfuse_ops()[-1] == "gemmfuse.fused_linear_inference"
     for got, want in zip(grads(compiled, x), grads(model, x), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 

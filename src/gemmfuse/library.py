@@ -9,6 +9,13 @@ cache) -> Tensor``
     The chain up to its tail ops, as ``fused_linear`` computes it without autograd. ``chain`` is
     ``epilogue.epilogue_spec`` of the chain (no tail ops), ``cache`` a
     :class:`~gemmfuse.weight_cache.SplitWeightCache` token (-1: none).
+``gemmfuse::fused_linear_inference(...) -> Tensor``
+    The same call, for traced code where autograd does not record it (``ops.traced_chain_call``
+    under ``torch.compile``; ``torch.export`` keeps ``fused_linear``, whose program may later run
+    where autograd records). It has no autograd formula, so the dispatcher runs no Python
+    autograd layer around it, and a call of a kind seen before goes straight to the weight
+    cache's C++ plans (plan.py): the compiled call's host time is what issue 12's 5% bar
+    measures. Called where autograd would record it, it raises.
 ``gemmfuse::fused_linear_saving_z(...) -> (Tensor out, Tensor z)``
     The same, also returning the GEMM result ``z = x @ W.T + b`` that the backward starts from;
     its autograd formula is ``gemmfuse::fused_linear_backward``.
@@ -44,8 +51,9 @@ from gemmfuse.ops import (
     fused_linear_with_path,
     launch_path,
     plans_apply,
+    records_grad,
 )
-from gemmfuse.plan import keep_plan, plannable, planned_saving_z
+from gemmfuse.plan import keep_plan, plannable, planned_call, planned_saving_z
 from gemmfuse.reference import apply_epilogue
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call
 
@@ -96,6 +104,29 @@ def _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precisi
             weight_cache=_cache(cache), kernel=kernel, precision=precision,
         )[0]  # fmt: skip
     return _forward_output(out, x, weight, bias, gn_weight, gn_bias, *params)
+
+
+def _inference(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
+    """fused_linear_inference's implementation: a call of a kind seen before runs one C++
+    plan with as little Python around it as the eager call has (this runs at every compiled
+    call); the others take fused_linear's implementation."""
+    epilogue = epilogue_from_spec(chain)
+    if records_grad(epilogue.channel_params, params, x, weight, bias, gn_weight, gn_bias):
+        raise RuntimeError(
+            "gemmfuse::fused_linear_inference has no gradient, and autograd records this call "
+            "(grad mode is on and an input requires grad): call gemmfuse::fused_linear or "
+            "gemmfuse.fused_linear instead"
+        )
+    weight_cache = SplitWeightCache.for_token(cache) if cache >= 0 else None
+    if weight_cache is not None and weight_cache.plans and plans_apply():
+        planned = planned_call(weight_cache, epilogue, kernel, precision, x, weight, bias,
+                               gn_weight, gn_bias, params)  # fmt: skip
+        if planned is not None:
+            out = planned[0]  # allocated by the plan, a keepdim result too (host_plan.cpp)
+            if out._base is None:
+                return out
+            return _forward_output(out, x, weight, bias, gn_weight, gn_bias, *params)
+    return _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache)
 
 
 def _saving_z(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
@@ -237,20 +268,21 @@ def _grads(ctx, grad, x, weight, z, gn_weight, gn_bias, params) -> tuple:
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-def _define(name: str, schema: str, impl, fake) -> None:
+def _define(name: str, schema: str, impl, fake, backward=None, setup_context=None) -> None:
+    """Defines ``gemmfuse::name`` unless this process has (an exported file executed again, or
+    after the package: the first definition serves both)."""
+    if hasattr(torch.ops.gemmfuse, name):
+        return
     torch.library.define(f"gemmfuse::{name}", schema, tags=_TAGS)
     torch.library.impl(f"gemmfuse::{name}", "default", impl)
     torch.library.register_fake(f"gemmfuse::{name}", fake)
+    if backward is not None:
+        torch.library.register_autograd(f"gemmfuse::{name}", backward, setup_context=setup_context)
 
 
-if not hasattr(torch.ops.gemmfuse, "fused_linear"):  # an exported file executed again
-    _define("fused_linear", FORWARD_SCHEMA, _forward, _forward_fake)
-    _define("fused_linear_saving_z", SAVING_Z_SCHEMA, _saving_z, _saving_z_fake)
-    _define("fused_linear_backward", BACKWARD_SCHEMA, _backward, _backward_fake)
-    torch.library.register_autograd(
-        "gemmfuse::fused_linear", _autograd_backward_recompute,
-        setup_context=_setup_context_recompute,
-    )  # fmt: skip
-    torch.library.register_autograd(
-        "gemmfuse::fused_linear_saving_z", _autograd_backward, setup_context=_setup_context
-    )
+_define("fused_linear", FORWARD_SCHEMA, _forward, _forward_fake, _autograd_backward_recompute,
+        _setup_context_recompute)  # fmt: skip
+_define("fused_linear_inference", FORWARD_SCHEMA, _inference, _forward_fake)
+_define("fused_linear_saving_z", SAVING_Z_SCHEMA, _saving_z, _saving_z_fake, _autograd_backward,
+        _setup_context)  # fmt: skip
+_define("fused_linear_backward", BACKWARD_SCHEMA, _backward, _backward_fake)

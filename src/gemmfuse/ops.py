@@ -247,6 +247,13 @@ def _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, k
                              precision)  # fmt: skip
 
 
+def exporting() -> bool:
+    """Whether torch.export traces this call. Under torch 2.11 Dynamo answers
+    ``torch.compiler.is_exporting()`` with True in every trace, torch.compile's too (it reads
+    the flag from 2.13 on), so the flag that function returns is read here directly."""
+    return getattr(torch.compiler, "_is_exporting_flag", False)
+
+
 def chain_call_specs(epilogue: Epilogue) -> tuple:
     """What :func:`traced_chain_call` needs of a chain, as plain constants: (the chain's spec
     without its tail ops, ``channel_params``, the tail ops as ``reference.plain_ops``).
@@ -265,13 +272,16 @@ def traced_chain_call(specs, x, weight, bias, gn_weight, gn_bias, params, cache,
     """The call as torch.compile and torch.export record it: the ``gemmfuse::`` torch.library
     op (library.py), whose implementation is this module's eager call, then the tail ops in
     PyTorch. The extension's functions are opaque to tracing; the op has a fake implementation
-    (the output's shape, and the arguments' checks) and an autograd formula. The weight cache
+    (the output's shape, and the arguments' checks) and, where autograd records the call or
+    torch.export traces it, an autograd formula (library.py says which op). The weight cache
     goes by its token; ``specs`` is :func:`chain_call_specs` of the chain."""
     chain, channel_params, tail = specs
     token = -1 if cache is None else cache.token
     args = (x, weight, bias, gn_weight, gn_bias, list(params), chain, kernel, precision, token)
     if records_grad(channel_params, params, x, weight, bias, gn_weight, gn_bias):
         out = torch.ops.gemmfuse.fused_linear_saving_z(*args)[0]
-    else:
+    elif exporting():  # the program may run where autograd records
         out = torch.ops.gemmfuse.fused_linear(*args)
+    else:  # torch.compile guards grad mode and requires_grad: a recorded call recompiles
+        out = torch.ops.gemmfuse.fused_linear_inference(*args)
     return apply_plain_ops(out, tail, params)

@@ -48,6 +48,13 @@ def kernel_names(fn, *args) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def cpu_op_names(fn, *args) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
 def grads(model, x) -> list[torch.Tensor]:
     for p in model.parameters():
         p.grad = None
@@ -67,6 +74,8 @@ def test_compiled_model(number, mode):
         torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got, uncompiled, atol=1e-5, rtol=1e-5)
         assert any(FUSED_KERNEL in name for name in kernel_names(compiled, x))
+        # the op without a gradient (no Python autograd layer) under no_grad, as on the CPU
+        assert "gemmfuse::fused_linear_inference" in cpu_op_names(compiled, x)
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])

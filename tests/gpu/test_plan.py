@@ -215,6 +215,39 @@ def test_the_saving_z_op_runs_a_plan_bit_for_bit(name, precision, dtype, monkeyp
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
+@pytest.mark.parametrize("name,precision,dtype", KINDS)
+def test_the_inference_op_runs_a_plan_bit_for_bit(name, precision, dtype, monkeypatch):
+    """``gemmfuse::fused_linear_inference``, the op a compiled graph calls where autograd does
+    not record (library.py): its first call with a cache is decided in Python and keeps a plan,
+    the next runs the plan with no Python rule (``validate`` not called), and both equal the
+    Python path's output (no cache) bit for bit, before and after the weight changes in
+    place; the plan's output is written in full and is no view."""
+    case = Case(name, dtype=dtype, seed=hash(("inference", name, precision, str(dtype))) % 1000)
+    decided = counting_validate(monkeypatch)
+    chain = epilogue_spec(case.epilogue, tail=False)
+
+    def op(token):
+        return torch.ops.gemmfuse.fused_linear_inference(
+            case.x, case.weight, case.bias, *case.gn, list(case.params), chain, "hopper",
+            precision, token,
+        )  # fmt: skip
+
+    with torch.no_grad():
+        for step in ("first", "after the weight changed"):
+            python = op(-1)
+            op(case.cache.token)  # decided in Python where no plan serves: keeps one
+            assert case.cache.plans, "no plan kept"
+            before = len(decided)
+            poison_allocator(python.numel() * python.element_size(), python.device)
+            planned = op(case.cache.token)
+            assert len(decided) == before, f"the plan did not run the call ({step})"
+            assert planned._base is None, step
+            assert_same(planned, python, f"output ({step})")
+            assert not planned.isnan().any(), step
+            case.weight.mul_(-0.5)  # an optimizer's step: the plan splits the weight again
+
+
+@pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
 def test_an_operand_wanting_its_per_element_gradient_takes_the_python_path():
     case = Case("residual")
     case.params[0].requires_grad_()
