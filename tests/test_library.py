@@ -112,6 +112,30 @@ def test_inference_op_refuses_a_recorded_call():
     with torch.no_grad():
         out = torch.ops.gemmfuse.fused_linear_inference(*args)
     torch.testing.assert_close(out, torch.ops.gemmfuse.fused_linear(*args).detach())
+    # only a tail op's tensor requires grad: the chain reads none, and it still refuses
+    *head, params = _detached(inputs("min_keepdim_tail"))
+    params[0].requires_grad_()
+    with pytest.raises(RuntimeError, match="fused_linear_inference has no gradient"):
+        torch.ops.gemmfuse.fused_linear_inference(*op_args("min_keepdim_tail", (*head, params)))
+
+
+def test_compiled_call_with_grad_mode_on_keeps_the_formula():
+    """Grad mode on, nothing the chain reads requiring grad, a tail op's tensor requiring it
+    (#75's bias, the rest frozen): the graph holds the op with a formula, so no autograd
+    warning; the bias's gradient is the model's."""
+    model, optimized, x = small_problem(75, seed=6)
+    for m in (model, optimized):
+        for name, p in m.named_parameters():
+            p.requires_grad_(name == "bias")
+    recorder = GraphRecorder()
+    compiled = torch.compile(optimized, fullgraph=True, backend=recorder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "an autograd kernel was not registered ..."
+        out = compiled(x)
+        (got,) = torch.autograd.grad(out.sum(), [optimized.bias])
+    assert recorder.gemmfuse_ops() == ["gemmfuse.fused_linear"]
+    (want,) = torch.autograd.grad(model(x).sum(), [model.bias])
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("name", sorted(CHAINS))

@@ -10,12 +10,13 @@ cache) -> Tensor``
     ``epilogue.epilogue_spec`` of the chain (no tail ops), ``cache`` a
     :class:`~gemmfuse.weight_cache.SplitWeightCache` token (-1: none).
 ``gemmfuse::fused_linear_inference(...) -> Tensor``
-    The same call, for traced code where autograd does not record it (``ops.traced_chain_call``
-    under ``torch.compile``; ``torch.export`` keeps ``fused_linear``, whose program may later run
-    where autograd records). It has no autograd formula, so the dispatcher runs no Python
-    autograd layer around it, and a call of a kind seen before goes straight to the weight
-    cache's C++ plans (plan.py): the compiled call's host time is what issue 12's 5% bar
-    measures. Called where autograd would record it, it raises.
+    The same call, for graphs traced with grad mode off (``ops.traced_chain_call`` under
+    ``torch.compile``, which guards grad mode; ``torch.export`` keeps ``fused_linear``, whose
+    program may later run where autograd records). It has no autograd formula, so the
+    dispatcher runs no Python autograd layer around it, and a call of a kind seen before goes
+    straight to the weight cache's C++ plans (plan.py): the compiled call's host time is what
+    issue 12's 5% bar measures. Called with grad mode on and an input requiring grad, it
+    raises.
 ``gemmfuse::fused_linear_saving_z(...) -> (Tensor out, Tensor z)``
     The same, also returning the GEMM result ``z = x @ W.T + b`` that the backward starts from;
     its autograd formula is ``gemmfuse::fused_linear_backward``.
@@ -51,7 +52,6 @@ from gemmfuse.ops import (
     fused_linear_with_path,
     launch_path,
     plans_apply,
-    records_grad,
 )
 from gemmfuse.plan import keep_plan, plannable, planned_call, planned_saving_z
 from gemmfuse.reference import apply_epilogue
@@ -98,7 +98,7 @@ def _forward_output(out: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Te
 
 
 def _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
-    with torch.no_grad():  # the ops' own autograd formula covers the call
+    with torch.no_grad():  # the op's own formula covers the call (the inference op's: none)
         out = fused_linear_with_path(
             x, weight, bias, epilogue_from_spec(chain), gn_weight, gn_bias, params=params,
             weight_cache=_cache(cache), kernel=kernel, precision=precision,
@@ -110,22 +110,21 @@ def _inference(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, preci
     """fused_linear_inference's implementation: a call of a kind seen before runs one C++
     plan with as little Python around it as the eager call has (this runs at every compiled
     call); the others take fused_linear's implementation."""
-    epilogue = epilogue_from_spec(chain)
-    if records_grad(epilogue.channel_params, params, x, weight, bias, gn_weight, gn_bias):
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias, gn_weight, gn_bias, *params)
+    ):  # a tail op's tensor too: PyTorch's fallback would record a node without a gradient
         raise RuntimeError(
             "gemmfuse::fused_linear_inference has no gradient, and autograd records this call "
             "(grad mode is on and an input requires grad): call gemmfuse::fused_linear or "
             "gemmfuse.fused_linear instead"
         )
+    epilogue = epilogue_from_spec(chain)
     weight_cache = SplitWeightCache.for_token(cache) if cache >= 0 else None
     if weight_cache is not None and weight_cache.plans and plans_apply():
         planned = planned_call(weight_cache, epilogue, kernel, precision, x, weight, bias,
                                gn_weight, gn_bias, params)  # fmt: skip
-        if planned is not None:
-            out = planned[0]  # allocated by the plan, a keepdim result too (host_plan.cpp)
-            if out._base is None:
-                return out
-            return _forward_output(out, x, weight, bias, gn_weight, gn_bias, *params)
+        if planned is not None:  # a tensor the plan allocated (host_plan.cpp): no alias
+            return planned[0]
     return _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache)
 
 

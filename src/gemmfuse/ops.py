@@ -250,8 +250,9 @@ def _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params, cache, k
 def exporting() -> bool:
     """Whether torch.export traces this call. Under torch 2.11 Dynamo answers
     ``torch.compiler.is_exporting()`` with True in every trace, torch.compile's too (it reads
-    the flag from 2.13 on), so the flag that function returns is read here directly."""
-    return getattr(torch.compiler, "_is_exporting_flag", False)
+    the flag from 2.13 on), so the flag that function returns is read here directly; a torch
+    without it (before 2.7) counts as exporting, which keeps the op with a formula."""
+    return getattr(torch.compiler, "_is_exporting_flag", True)
 
 
 def chain_call_specs(epilogue: Epilogue) -> tuple:
@@ -280,8 +281,11 @@ def traced_chain_call(specs, x, weight, bias, gn_weight, gn_bias, params, cache,
     args = (x, weight, bias, gn_weight, gn_bias, list(params), chain, kernel, precision, token)
     if records_grad(channel_params, params, x, weight, bias, gn_weight, gn_bias):
         out = torch.ops.gemmfuse.fused_linear_saving_z(*args)[0]
-    elif exporting():  # the program may run where autograd records
+    elif torch.is_grad_enabled() or exporting():
+        # autograd may record through the op (a tail op's tensor, a parameter whose
+        # requires_grad changed without a recompile; an exported program run later): keep
+        # the formula. torch.compile guards grad mode, so a no_grad graph stays no_grad.
         out = torch.ops.gemmfuse.fused_linear(*args)
-    else:  # torch.compile guards grad mode and requires_grad: a recorded call recompiles
+    else:
         out = torch.ops.gemmfuse.fused_linear_inference(*args)
     return apply_plain_ops(out, tail, params)
