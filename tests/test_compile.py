@@ -1,6 +1,8 @@
+import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,12 @@ def test_every_host_source_parses(tmp_path):
     cuda_home = cpp.CUDA_HOME or "/usr/local/cuda"
     includes.append(Path(cuda_home) / "include")
     flags = ["g++", "-std=c++17", "-fsyntax-only", *(f"-I{p}" for p in includes)]
-    for name in (s for s in HOST_SOURCES if s.endswith(".cpp")):
-        proc = subprocess.run([*flags, str(csrc_paths()[name])], capture_output=True, text=True)
-        assert proc.returncode == 0, name + "\n" + proc.stderr[-4000:]
+
+    def parse(name: str) -> tuple[str, subprocess.CompletedProcess]:
+        cmd = [*flags, str(csrc_paths()[name])]
+        return name, subprocess.run(cmd, capture_output=True, text=True)
+
+    names = [s for s in HOST_SOURCES if s.endswith(".cpp")]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # one g++ a core
+        for name, proc in pool.map(parse, names):
+            assert proc.returncode == 0, name + "\n" + proc.stderr[-4000:]
