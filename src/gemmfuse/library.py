@@ -52,6 +52,7 @@ from gemmfuse.ops import (
     fused_linear_with_path,
     launch_path,
     plans_apply,
+    records_grad,
 )
 from gemmfuse.plan import keep_plan, plannable, planned_call, planned_saving_z
 from gemmfuse.reference import apply_epilogue
@@ -110,9 +111,9 @@ def _inference(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, preci
     """fused_linear_inference's implementation: a call of a kind seen before runs one C++
     plan with as little Python around it as the eager call has (this runs at every compiled
     call); the others take fused_linear's implementation."""
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias, gn_weight, gn_bias, *params)
-    ):  # a tail op's tensor too: PyTorch's fallback would record a node without a gradient
+    # every params tensor, a tail op's too: PyTorch's fallback would record a node without a
+    # gradient
+    if records_grad(range(len(params)), params, x, weight, bias, gn_weight, gn_bias):
         raise RuntimeError(
             "gemmfuse::fused_linear_inference has no gradient, and autograd records this call "
             "(grad mode is on and an input requires grad): call gemmfuse::fused_linear or "

@@ -108,17 +108,22 @@ def assert_same(a, b, what):
     assert torch.equal(a, b), f"{what}: max diff {(a.double() - b.double()).abs().max().item()}"
 
 
-def counting_validate(monkeypatch) -> list:
-    """A list that grows by one on every call the Python rules decide."""
+def counting(monkeypatch, module, name: str) -> list:
+    """A list that grows by one on every call of ``module.name`` (wrapped for the test)."""
     calls = []
-    validate = gemmfuse.ops.validate
+    original = getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return validate(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(gemmfuse.ops, "validate", counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def counting_validate(monkeypatch) -> list:
+    """A list that grows by one on every call the Python rules decide."""
+    return counting(monkeypatch, gemmfuse.ops, "validate")
 
 
 KINDS = [("62", "fp32", torch.float32), ("75", "fp32", torch.float32),
@@ -172,13 +177,7 @@ def test_the_saving_z_op_runs_a_plan_bit_for_bit(name, precision, dtype, monkeyp
     is the plan's (the Python rules, ``take_path``, not run); both results, the output and the
     GEMM result z the backward reads, equal the Python path's (no cache) bit for bit."""
     case = Case(name, dtype=dtype, seed=hash(("z", name, precision, str(dtype))) % 1000)
-    decided, take_path = [], gemmfuse.library.take_path
-
-    def counted(*args):
-        decided.append(1)
-        return take_path(*args)
-
-    monkeypatch.setattr(gemmfuse.library, "take_path", counted)
+    decided = counting(monkeypatch, gemmfuse.library, "take_path")
     chain = epilogue_spec(case.epilogue, tail=False)
 
     def op(token):
@@ -224,13 +223,8 @@ def test_the_inference_op_runs_a_plan_bit_for_bit(name, precision, dtype, monkey
     place, without fused_linear's Python around the plan; the output is written in full."""
     case = Case(name, dtype=dtype, seed=hash(("inference", name, precision, str(dtype))) % 1000)
     decided = counting_validate(monkeypatch)
-    forwarded, forward = [], gemmfuse.library._forward
-
-    def counted_forward(*args):  # fused_linear's implementation: the Python path around plans
-        forwarded.append(1)
-        return forward(*args)
-
-    monkeypatch.setattr(gemmfuse.library, "_forward", counted_forward)
+    # fused_linear's implementation: the Python path around the plans
+    forwarded = counting(monkeypatch, gemmfuse.library, "_forward")
     chain = epilogue_spec(case.epilogue, tail=False)
 
     def op(token):
