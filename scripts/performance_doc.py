@@ -157,9 +157,9 @@ path then also saves the GEMM result for a backward); "gemmfuse, no_grad" is the
 `no_grad`. "training step": gradients set to None, forward, `backward` of a fixed random output
 gradient, so every parameter's and the input's gradient is computed; "weights changed" marks
 every parameter changed before each step (its version counter stepped, as an optimizer step's
-in-place update steps it), so the weight splits are made again inside the step. "bf16": the
-models converted with `.to(torch.bfloat16)`. The "path" column is the path the gemmfuse model
-took.
+in-place update steps it), so the weight splits are made again inside the step. "bf16" and
+"fp16": fresh models converted with `.to(torch.bfloat16)` or `.to(torch.float16)`, as
+KernelBench's 16-bit modes convert them. The "path" column is the path the gemmfuse model took.
 
 {format_rows(harness) if harness else "(not run)"}
 
@@ -217,9 +217,10 @@ percentage, where shown, is its median against that uncompiled median (issue 12 
 mode but the scheme the issue names as the fallback, measured for comparison: the eager Model
 with its Linear computed as hi·hi + (hi·lo + lo·hi) in three cuBLAS TF32 GEMMs (W's split made
 once, x's in the timed call), eager's epilogue after it (`bench.ThreeTF32Linear`).
-"bf16 model": the models converted
-with `.to(torch.bfloat16)` as KernelBench's bf16 mode does (tolerance 1e-2 there); errors are
-against the float64 reference of the fp32 model, allclose against eager in the same mode.
+"bf16 model" and "fp16 model": the models converted
+with `.to(torch.bfloat16)` or `.to(torch.float16)` as KernelBench's 16-bit modes do (tolerance
+1e-2 there); errors are against the float64 reference of the fp32 model, allclose against eager
+in the same mode.
 
 {format_modes(modes) if modes else "(not run)"}
 

@@ -162,6 +162,34 @@ def test_bf16_reductions_take_the_epilogue_path_where_eager_is_reproduced(monkey
     assert path(Epilogue(reduce=Reduction("min"))) == ("epilogue", "")  # no norm: no statistics
 
 
+def test_float16_models_take_the_hopper_kernel_for_every_chain(monkeypatch):
+    """A float16 model's chain, every reduction included (one fp16 ulp of a reduced value is
+    within KernelBench's 1e-2 fp16 tolerance, unlike bf16's), takes the fused kernel on sm_90
+    from the size thresholds up; below them, with the portable or epilogue kernel, on unaligned
+    rows or off sm_90 it stays on PyTorch, saying why."""
+    monkeypatch.setattr(gemmfuse.dispatch, "_device_problem", lambda x: "")
+    monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
+    x, w = torch.randn(1024, 1024).half(), torch.randn(1024, 1024).half()
+    chains = [Epilogue(norm=GroupNormSpec(32), reduce=None if r is None else Reduction(r))
+              for r in (None, "min", "max", "sum", "mean", "logsumexp")]  # fmt: skip
+    for epilogue in chains:
+        for kernel in ("auto", "hopper"):
+            assert select_path(x, w, epilogue, kernel) == ("fused", "")
+    chain = chains[1]
+    path, reason = select_path(x[:8], w, chain)
+    assert path == "torch" and "eager float16 is as fast" in reason
+    assert "Hopper kernel only" in select_path(x, w, chain, "portable")[1]
+    assert select_path(x, w, chain, "epilogue") == (
+        "torch",
+        "the epilogue path takes float32 inputs",
+    )
+    unaligned = torch.randn(1024, 1001).half()
+    assert "16-byte aligned" in select_path(unaligned, unaligned, chain)[1]
+    monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (8, 0))
+    assert "float16 models are fused by the Hopper kernel only" in select_path(x, w, chain)[1]
+    assert "float64 inputs run the PyTorch path" in select_path(x.double(), w.double(), chain)[1]
+
+
 def test_float32_copies_track_changes():
     cache = SplitWeightCache()
     v = torch.randn(16).bfloat16()

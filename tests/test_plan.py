@@ -62,7 +62,7 @@ def test_a_plan_holds_the_calls_decisions(fake_ext):
     assert plan.tensors == [*args[:5], *args[5]]
     assert plan.cache is cache.native(FakeExt)
     assert plan.spec == dict(
-        table=1234, plain_table=0, bf16=False, kernel_code=0, split=False,
+        table=1234, plain_table=0, model16=False, kernel_code=0, split=False,
         scalars=[0.2], group_size=512, eps=1e-3, norm_wide=True, keepdim=True,
         channel_params=[0, 1], first_slot=3, backward=False, split_dx=True, split_dw=True,
         sparse=False, epilogue_path=False, group_stats=0,
@@ -160,7 +160,7 @@ def test_a_bf16_reduction_on_the_epilogue_path_is_planned_with_eager_statistics(
     assert plannable("epilogue", args[0]) and not plannable("epilogue", args[0].float())
     keep_plan(cache, epilogue, "auto", "fp32", args, grad=False, path="epilogue")
     (plan,) = cache.plans
-    assert plan.spec["epilogue_path"] and plan.spec["group_stats"] == 2 and plan.spec["bf16"]
+    assert plan.spec["epilogue_path"] and plan.spec["group_stats"] == 2 and plan.spec["model16"]
     # a min after groups of 16 of 256 channels: dz is sparse, the sparse products take it
     assert plan.spec["sparse"] and not plan.spec["split_dx"] and not plan.spec["split_dw"]
     # kernel="epilogue" (which these chains take whatever kernel says) has no fused-kernel code

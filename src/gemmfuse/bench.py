@@ -186,7 +186,7 @@ def run_problem(number: int, seeds: int, iters: int, compile_: bool) -> Result:
 class ModeResult:
     problem: int
     mode: str
-    max_err: float  # against float64 (fp32 data) or against eager in that dtype (bf16)
+    max_err: float  # against float64 (the fp32 model's, in every mode)
     max_err_eager: float
     allclose_1e4: bool
     path: str
@@ -232,8 +232,8 @@ def with_three_tf32(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def run_speed_modes(number: int, iters: int) -> list[ModeResult]:
-    """The opt-in modes, precision="tf32" and the model in bfloat16 (KernelBench's bf16 mode),
-    and the unfused 3xTF32 peer (same fp32 data, eager's epilogue)."""
+    """The opt-in modes, precision="tf32" and the model in bfloat16 or float16 (KernelBench's
+    16-bit modes), and the unfused 3xTF32 peer (same fp32 data, eager's epilogue)."""
     problem, module, ref, new = cuda_pair(number)
     device = torch.device("cuda")
     set_seed(7)
@@ -262,19 +262,25 @@ def run_speed_modes(number: int, iters: int) -> list[ModeResult]:
             time_ms(ref, x, iters), time_ms(peer, x, iters),
         )
     )  # fmt: skip
-    del peer
-    ref16, new16 = ref.to(dtype=torch.bfloat16), new.to(dtype=torch.bfloat16)
-    x16 = [t.to(torch.bfloat16) for t in x]
+    del peer, ref, new
+    for dtype, name in ((torch.bfloat16, "bf16 model"), (torch.float16, "fp16 model")):
+        out.append(_16bit_mode(number, dtype, name, x, exact, iters))
+    return out
+
+
+def _16bit_mode(number: int, dtype: torch.dtype, name: str, x, exact, iters: int) -> ModeResult:
+    """KernelBench's 16-bit mode: a fresh pair converted with ``.to(dtype)`` (a module's ``to``
+    converts it in place), tolerance 1e-2."""
+    _, _, ref, new = cuda_pair(number)
+    ref16, new16 = ref.to(dtype=dtype), new.to(dtype=dtype)
+    x16 = [t.to(dtype) for t in x]
     with torch.no_grad():
         expect16, got16 = ref16(*x16), new16(*x16)
-    out.append(
-        ModeResult(
-            number, "bf16 model", max_abs_err(got16, exact), max_abs_err(expect16, exact),
-            bool(torch.allclose(got16.float(), expect16.float(), atol=1e-2, rtol=1e-2)),
-            new16.last_path, time_ms(ref16, x16, iters), time_ms(new16, x16, iters),
-        )
+    return ModeResult(
+        number, name, max_abs_err(got16, exact), max_abs_err(expect16, exact),
+        bool(torch.allclose(got16.float(), expect16.float(), atol=1e-2, rtol=1e-2)),
+        new16.last_path, time_ms(ref16, x16, iters), time_ms(new16, x16, iters),
     )  # fmt: skip
-    return out
 
 
 SWEEP_M = (1, 16, 128, 1024, 8192)

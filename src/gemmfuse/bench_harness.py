@@ -10,8 +10,10 @@ the first trial discarded; mean and median of ``trials``):
 - training step: zero the gradients, forward, ``backward`` of a fixed random output gradient
   (gradients of every parameter and of x) for eager fp32, torch.compile and gemmfuse; gemmfuse
   again with every parameter marked changed before each step (its version counter stepped, as
-  an optimizer step's in-place update steps it: the weight splits are made again); and eager
-  bf16 against gemmfuse bf16.
+  an optimizer step's in-place update steps it: the weight splits are made again);
+- KernelBench's bf16 and fp16 modes: both models converted with ``.to(dtype)`` (fresh copies
+  for each dtype), the forward timed as constructed (autograd on) and a training step, eager
+  against gemmfuse in that dtype.
 """
 
 import torch
@@ -74,13 +76,29 @@ def run_problem(number: int, trials: int, compile_: bool) -> list[dict]:
         step()
 
     add("training step", "gemmfuse, weights changed", changed)
+    del ref, new, compiled
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        rows += _16bit_rows(number, dtype, name, x, grad, trials)
+    return rows
 
-    ref16, new16 = ref.to(dtype=torch.bfloat16), new.to(dtype=torch.bfloat16)
-    x16 = x.to(torch.bfloat16).requires_grad_()
-    grad16 = grad.to(torch.bfloat16)
-    add("bf16 training step", "eager bf16", _training_step(ref16, x16, grad16))
-    add("bf16 training step", "gemmfuse bf16", _training_step(new16, x16, grad16))
-    rows[-1]["path"] = new16.last_path
+
+def _16bit_rows(number: int, dtype: torch.dtype, name: str, x, grad, trials: int) -> list[dict]:
+    """KernelBench's 16-bit mode for one dtype: a fresh pair converted with ``.to(dtype)`` (a
+    module's ``to`` converts it in place), its forward as constructed and a training step."""
+    _, _, ref, new = cuda_pair(number)
+    ref, new = ref.to(dtype=dtype), new.to(dtype=dtype)
+    x16, grad16 = x.to(dtype), grad.to(dtype)
+    x16g = x16.detach().requires_grad_()
+    rows = []
+    for what, impl, fn, args, model in (
+        (f"{name} forward", f"eager {name}", ref, (x16,), None),
+        (f"{name} forward", f"gemmfuse {name}", new, (x16,), new),
+        (f"{name} training step", f"eager {name}", _training_step(ref, x16g, grad16), (), None),
+        (f"{name} training step", f"gemmfuse {name}", _training_step(new, x16g, grad16), (), new),
+    ):
+        stats = time_cuda_events(fn, args, trials=trials)
+        path = "-" if model is None else model.last_path
+        rows.append({"problem": number, "what": what, "impl": impl, "path": path, **stats})
     return rows
 
 

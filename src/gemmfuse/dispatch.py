@@ -31,9 +31,13 @@ KERNELS = (*FUSED_KERNELS, "epilogue")
 # "fp32": hi*hi + hi*lo + lo*hi, as accurate as PyTorch fp32. "tf32": hi*hi alone, operands with
 # 11 significant bits like TF32's, one third of the tensor-core work (the backward's products too).
 PRECISIONS = {"fp32": True, "tf32": False}
+# The 16-bit models the Hopper kernel fuses: one tensor-core product on their own operands, the
+# epilogue in fp32, rounded to their dtype where eager rounds (fused_args.h's ModelDtype).
+MODEL16 = (torch.bfloat16, torch.float16)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # kernel="auto" takes the fused kernel from these sizes up, and below them the epilogue path
-# (float32) or the PyTorch path (bfloat16; a bf16 chain with a reduction takes the epilogue path
-# at every size). Below MIN_FUSED_WORK = M*N*K the fused kernel's
+# (float32) or the PyTorch path (bfloat16, float16; a bf16 chain with a min or max takes the
+# epilogue path at every size). Below MIN_FUSED_WORK = M*N*K the fused kernel's
 # fixed cost (two launches) dominates; below MIN_FUSED_ROWS = M the GEMM is a matrix-vector
 # product bound by reading W, where 128-row tiles waste their tensor work and a grid of N/128
 # blocks leaves SMs idle (both set from the shape sweep of docs/PERFORMANCE.md, which times
@@ -161,19 +165,28 @@ def _device_problem(x) -> str:
     return ""
 
 
+def _model16_problem(x, kernel: str) -> str:
+    """Why the Hopper kernel cannot take a 16-bit model's call on x ("" if it can)."""
+    name = _DTYPE_NAMES[x.dtype]
+    if _capability(x.device.index) != (9, 0) or kernel == "portable":
+        return f"{name} models are fused by the Hopper kernel only (sm_90)"
+    if x.shape[1] % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return f"{name} rows must be 16-byte aligned (in_features a multiple of 8)"
+    return ""
+
+
 def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tuple[str, str]:
     """(path, reason) for this call; reason says why a faster path was not taken."""
     problem = _device_problem(x)
     if problem:
         return "torch", problem
     bf16_reduction = x.dtype == torch.bfloat16 and epilogue.reduce is not None
-    if x.dtype == torch.bfloat16 and not bf16_reduction:
-        if _capability(x.device.index) != (9, 0) or kernel == "portable":
-            return "torch", "bfloat16 models are fused by the Hopper kernel only (sm_90)"
-        if x.shape[1] % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-            return "torch", "bfloat16 rows must be 16-byte aligned (in_features a multiple of 8)"
+    if x.dtype in MODEL16 and not bf16_reduction:
+        problem = _model16_problem(x, kernel)
+        if problem:
+            return "torch", problem
     elif x.dtype not in (torch.float32, torch.bfloat16):
-        return "torch", f"{x.dtype} inputs run the PyTorch path (fused: float32, bfloat16)"
+        return "torch", f"{x.dtype} inputs run the PyTorch path (fused: float32, bfloat16, float16)"
     (m, k), n = x.shape, weight.shape[0]
     if 0 in (m, n, k):
         return "torch", "empty tensors run the PyTorch path"
@@ -194,7 +207,7 @@ def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tupl
             return "epilogue", ""
         return "torch", (
             f"M={m}, N={n}, K={k} is below the fused kernel's thresholds (dispatch.MIN_FUSED_*), "
-            'where eager bfloat16 is as fast; kernel="hopper" forces it'
+            f'where eager {_DTYPE_NAMES[x.dtype]} is as fast; kernel="hopper" forces it'
         )
     return "fused", ""
 

@@ -10,8 +10,9 @@ Paths, in the order they are tried:
     place (one extra read and write of it). Needs a CUDA float32 2-D input on an sm_80+ GPU and
     tensor arguments of ``pre``/``post`` ops that are per channel and of x's dtype.
     The kernel is the Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async)
-    elsewhere. bfloat16 models are fused on sm_90 too (one tensor-core product on their bf16
-    operands, fp32 epilogue); ``kernel="portable"`` / ``"hopper"`` forces one. ``tail`` ops
+    elsewhere. bfloat16 and float16 models are fused on sm_90 too (one tensor-core product on
+    their own operands, fp32 epilogue rounded where eager rounds); ``kernel="portable"`` /
+    ``"hopper"`` forces one. ``tail`` ops
     (after a reduction) run in PyTorch on the reduced (M,) values.
 ``epilogue``
     PyTorch's own fp32 GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
@@ -28,7 +29,7 @@ Paths, in the order they are tried:
     arithmetic, so the reduced value is eager's to the bit (dispatch.py's
     ``_bf16_reduction_problem`` says why, and which such chains stay on PyTorch).
 ``torch``
-    The PyTorch reference (reference.py): CPU tensors, fp16/fp64 (and bf16 off sm_90 or below
+    The PyTorch reference (reference.py): CPU tensors, fp64 (and bf16/fp16 off sm_90 or below
     the fused kernel's size thresholds; bf16 with a sum, mean or logsumexp reduction, or with a
     min or max after a norm the epilogue path does not reproduce), GPUs older than sm_80, tensor
     arguments that are not per channel.
@@ -52,6 +53,7 @@ from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
 from gemmfuse.dispatch import (
     FUSED_KERNELS,
     KERNELS,
+    MODEL16,
     PRECISIONS,
     backward_products,
     gemv_fits,
@@ -81,8 +83,8 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     vectors, _, group_size, eps, norm_wide = chain
     fused_z = save_z and path == "fused"  # the epilogue path's z is a copy of F.linear's
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
-    bf16 = x.dtype == torch.bfloat16
-    if path == "epilogue" and not save_z and not bf16 and gemv_fits(x, weight):
+    model16 = x.dtype in MODEL16
+    if path == "epilogue" and not save_z and not model16 and gemv_fits(x, weight):
         bias32 = cache.float32(bias, "bias")
         out = ext.gemv_forward(x, weight, bias32, gn_weight, gn_bias, *chain)
     elif path == "epilogue":  # in place on F.linear's y, unless y is z, kept for the backward
@@ -90,10 +92,10 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
         z = y if save_z else None
         stats = group_stats_mode(epilogue, x)
         out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z, stats)
-    elif bf16:  # a bf16 model: its own operands, one tensor-core product
+    elif model16:  # a bf16 or fp16 model: its own operands, one tensor-core product
         w = weight if weight.is_contiguous() else weight.contiguous()
         bias32 = cache.float32(bias, "bias")
-        out = ext.fused_forward_bf16(x, w, bias32, gn_weight, gn_bias, *chain, z)
+        out = ext.fused_forward_16bit(x, w, bias32, gn_weight, gn_bias, *chain, z)
     else:
         w_hi, w_lo, w_inv = cache.get(ext, weight, split_padded(weight.shape[1]))
         out = ext.fused_forward(
@@ -172,8 +174,8 @@ def fused_linear(
             (sm_90 wgmma) or "epilogue" (PyTorch's GEMM, then the chain in one kernel).
         precision: "fp32" (default; PyTorch fp32's accuracy) or "tf32" (opt-in: one tensor-core
             product on 11-bit operands, about TF32's error, for speed; the backward's products
-            too). Applies to float32 inputs; a bfloat16 model (sm_90) always runs one product
-            on its own bf16 operands.
+            too). Applies to float32 inputs; a bfloat16 or float16 model (sm_90) always runs
+            one product on its own operands.
 
     Returns what the chain returns in PyTorch: (M, N), or the reduction's (M,) / (M, 1) after
     any tail ops (broadcast as PyTorch broadcasts). With autograd recording, the result has a

@@ -30,6 +30,7 @@ import torch
 from gemmfuse.autograd import kernel_backward_serves
 from gemmfuse.dispatch import (
     FUSED_KERNELS,
+    MODEL16,
     PRECISIONS,
     backward_products,
     group_stats_mode,
@@ -107,7 +108,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     group_size, eps, norm_wide = norm_settings(epilogue, n)
     plan = ext.host.Plan(
         cache.native(ext), epilogue, kernel, precision, every,
-        table=ext.table, plain_table=plain, bf16=x.dtype == torch.bfloat16,
+        table=ext.table, plain_table=plain, model16=x.dtype in MODEL16,
         kernel_code=FUSED_KERNELS.get(kernel, 0), split=PRECISIONS[precision],
         scalars=list(epilogue.scalars), group_size=group_size, eps=eps, norm_wide=norm_wide,
         keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,

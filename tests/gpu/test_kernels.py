@@ -301,6 +301,52 @@ def test_bf16_model(number, m, k, n, groups):
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("number", [62, 75])
+@pytest.mark.parametrize(
+    "m,k,n,groups",
+    [(1024, 8192, 8192, 512), (257, 1000, 592, 37), (3, 8, 256, 2), (4396, 64, 640, 2)],
+)
+def test_fp16_model(number, m, k, n, groups):
+    """KernelBench's fp16 mode: Model and ModelNew converted with .to(float16), tolerance 1e-2.
+    On sm_90 the Hopper kernel fuses both, #75's reduction included (one ulp of an fp16 minimum
+    is 2^-11 of it, within the tolerance where a bf16 one is not): rounded to fp16 where eager
+    rounds, fp32 in between, so no further from the fp16 model's float64 values than twice
+    eager fp16's error. Other GPUs run PyTorch."""
+    init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
+    ref, new = small_pair(number, seed=m, init=init)
+    ref, new = ref.to(CUDA, torch.float16), new.to(CUDA, torch.float16)
+    exact_model = copy.deepcopy(ref).double()  # the fp16 model's own values, in float64
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    new.kernel = "hopper" if hopper else "auto"
+    torch.manual_seed(m)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.float16)
+    with torch.no_grad():
+        expect = ref(x)
+        exact = exact_model(x.double())
+        poison_allocator(expect.numel() * 4, x.device)
+        got = new(x)
+    assert got.dtype == torch.float16 and got.shape == expect.shape
+    assert new.last_path == ("fused" if hopper else "torch")
+    assert max_abs_err(got, exact) <= 2 * max_abs_err(expect, exact)
+    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_fp16_small_problems_and_unaligned_rows_take_the_pytorch_path():
+    """Under kernel="auto", a float16 problem below the fused kernel's thresholds runs eager's
+    own ops, as does one whose rows are not 16-byte aligned, each saying why."""
+    cases = (((256, 512, 16), 64, "below the fused kernel's thresholds"),
+             ((1001, 256, 16), 300, "16-byte aligned"))  # fmt: skip
+    for init, m, reason in cases:
+        ref, new = small_pair(62, init=init)
+        ref, new = ref.to(CUDA, torch.float16), new.to(CUDA, torch.float16)
+        x = torch.rand(m, init[0], device=CUDA, dtype=torch.float16)
+        with pytest.warns(FallbackWarning, match=reason):
+            with torch.no_grad():
+                got = new(x)
+        assert new.last_path == "torch"
+        torch.testing.assert_close(got, ref(x).detach(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("group_size", [1, 2, 4, 8, 16, 32, 64, 128])
 @pytest.mark.parametrize("data", ["randn", "offset"])
 def test_bf16_reduction_matches_eager_bit_for_bit(group_size, data):

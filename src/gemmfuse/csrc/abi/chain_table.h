@@ -8,7 +8,7 @@
 namespace gemmfuse {
 
 // Bump when ChainTable or an argument struct changes meaning without changing size.
-constexpr int kChainTableVersion = 2;
+constexpr int kChainTableVersion = 3;  // 3: FusedArgs' 16-bit fields (model16)
 
 struct ChainTable {
   // Checked by the binding (check_table): the layout the library was compiled with.

@@ -12,6 +12,10 @@ constexpr int kMaxParams = 8;
 constexpr int kTile = 128;       // output tile side of every fused kernel
 constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) takes 1 to this
 
+// The dtype a model computes in: float32 (the split GEMM), or one of the 16-bit dtypes whose
+// models run one tensor-core product on their own operands and round where eager rounds.
+enum ModelDtype : int { kFloat32Model = 0, kBf16Model = 1, kFp16Model = 2 };
+
 // Run-time arguments of the epilogue ops: floats (a LeakyReLU slope, a multiplier) and fp32
 // tensors read at (row, col) as vec[i][row * vec_row_stride[i] + col]: per channel (row stride
 // 0, an [N] vector) or per element (an [M, N] operand computed elsewhere, a residual). The
@@ -21,9 +25,10 @@ struct EpilogueParams {
   const float* vec[kMaxParams];
   int64_t vec_row_stride[kMaxParams];
   float scalar[kMaxParams];
-  // A bf16 model: round to bf16 wherever PyTorch's bf16 ops would (after the Linear, the
-  // GroupNorm and each pointwise op), so the result matches eager bf16, not just fp32 math.
-  int round_bf16;
+  // A 16-bit model (ModelDtype: kBf16Model or kFp16Model; kFloat32Model otherwise): round to its
+  // dtype wherever PyTorch's ops in that dtype would (after the Linear, the GroupNorm and each
+  // pointwise op), so the result matches the eager model's, not just fp32 math.
+  int model16;
   // A bf16 model's GroupNorm statistics on the epilogue path (tile_epilogue.cuh's
   // eager_group_stats): 0 the package's own; 1 as eager bf16 computes them (PyTorch's Welford
   // order, float); 2 the same, mean and rstd then rounded to bf16 (torch versions whose bf16
@@ -32,15 +37,33 @@ struct EpilogueParams {
 };
 
 #ifdef __CUDACC__
+// A float to the 16-bit dtype of the model (kBf16Model or kFp16Model), as its bits.
+__device__ __forceinline__ uint16_t to_model16(float v, int model16) {
+  if (model16 == kFp16Model) return __half_as_ushort(__float2half_rn(v));
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+__device__ __forceinline__ float from_model16(uint16_t bits, int model16) {
+  if (model16 == kFp16Model) return __half2float(__ushort_as_half(bits));
+  return __bfloat162float(__ushort_as_bfloat16(bits));
+}
+
+// Two floats to two 16-bit values of the model's dtype, packed (the first in the low half).
+__device__ __forceinline__ uint32_t pack_model16(float a, float b, int model16) {
+  return static_cast<uint32_t>(to_model16(a, model16)) |
+         (static_cast<uint32_t>(to_model16(b, model16)) << 16);
+}
+
 __device__ __forceinline__ float round_like_model(float v, const EpilogueParams& p) {
-  return p.round_bf16 ? __bfloat162float(__float2bfloat16_rn(v)) : v;
+  return p.model16 == kFloat32Model ? v : from_model16(to_model16(v, p.model16), p.model16);
 }
 #endif
 
 struct FusedArgs {
   // fp32 models: x and W split into fp16 hi/lo [rows, k_padded] with per-row inverse scales.
-  // bf16 models (bf16 == 1, Hopper only): a_hi/b_hi are the bf16 x and W themselves, with
-  // k_cols valid columns and the given row strides; no lo parts, no scales (nullptr).
+  // 16-bit models (params.model16 != 0, Hopper only): a_hi/b_hi are the model's own x and W
+  // (bf16 == 1 for bfloat16 bits, 0 and split == 0 for float16 ones), with k_cols valid columns
+  // and the given row strides; no lo parts, no scales (nullptr).
   const __half* a_hi;        // [M, k_padded]
   const __half* a_lo;
   const float* a_inv_scale;  // [M] or nullptr
@@ -54,8 +77,10 @@ struct FusedArgs {
   // The epilogue path's input [M, N] (contiguous fp32) when it is not `out` itself; nullptr: the
   // chain is applied to `out` in place. The GEMM kernels leave it nullptr.
   const float* epilogue_in;
-  const __nv_bfloat16* epilogue_in_bf16;  // the same, a bf16 model's (PyTorch's bf16 GEMM)
-  __nv_bfloat16* out_bf16;   // [M, N] when it does not reduce (bf16 models)
+  // The same, a 16-bit model's (PyTorch's GEMM in its dtype): bits of params.model16's dtype.
+  const uint16_t* epilogue_in16;
+  uint16_t* out16;           // [M, N] when it does not reduce (16-bit models), params.model16's
+
   float* row_partial;        // [N tiles, M] when it reduces ([2, N tiles, M] for sum/mean/lse)
   float* row_out;            // [M] when it reduces
   int* row_counter;          // [M tiles], zero on entry, left zero on exit
@@ -63,7 +88,7 @@ struct FusedArgs {
   int k_cols;                // valid K columns of the operands; TMA zero-fills up to k_padded
   int64_t a_row_stride, b_row_stride;  // elements
   int split;                 // 1: hi*hi + hi*lo + lo*hi (fp32-accurate); 0: hi*hi alone (fast)
-  int bf16;                  // the operands are bfloat16 (a bf16 model)
+  int bf16;                  // the operands are bfloat16 (a bf16 model; the wgmma's and TMA's type)
   float eps;
   // GroupNorm groups straddle tiles: the GEMM kernel stores pre-norm fp32 values in `out` and
   // per (row, tile, group segment) moments in norm_stats [M, N tiles, stats_per_tile]
@@ -74,9 +99,9 @@ struct FusedArgs {
   float4* norm_stats;
   // Under autograd the GEMM kernels also store z = x @ W^T + b [M, N], the chain's input before
   // `pre` (rounded as the model rounds), for the backward: into z_out (fp32 models) or
-  // z_out_bf16 (bf16 models); both nullptr otherwise.
+  // z_out16 (16-bit models, params.model16's dtype); both nullptr otherwise.
   float* z_out;
-  __nv_bfloat16* z_out_bf16;
+  uint16_t* z_out16;
   EpilogueParams params;
 };
 

@@ -6,7 +6,7 @@
 //   finish_row merges each group's segments with Chan's formula (exact for counts, no
 //   E[x^2] - E[x]^2 cancellation; a softmax's maxima and sums with merge_softmax), then
 //   normalises, applies the affine part and the generated `post` ops, and stores the result in
-//   place (or bf16 to args.out_bf16), or reduces the row
+//   place (or a 16-bit model's to args.out16), or reduces the row
 //   into args.row_out. Merges and reductions run in a fixed order. A block takes a
 //   kFinalizeChunk-column piece of a row, or (when the chain reduces) the whole row.
 // - The epilogue path: PyTorch's own fp32 GEMM left x @ W^T + b in args.out, and
@@ -86,7 +86,7 @@ __device__ __forceinline__ Moments group_moments(const float4* stats, int g, int
 }
 
 // `row` holds pre(x @ W^T + b) for output row r and `stats` its per-segment moments; columns
-// [c_first, c_last) are finished in place (or into args.out_bf16), or, when the chain reduces
+// [c_first, c_last) are finished in place (or into args.out16), or, when the chain reduces
 // (then the whole row), reduced into args.row_out.
 template <class Epi>
 __device__ __forceinline__ void finish_row(const float4* stats, float* row, int r, int c_first,
@@ -140,8 +140,8 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
         y = normalize<Epi>(y, s_mean[i], s_mean_lo[i], s_rstd[i], r, c, args);
       }
       if constexpr (kind == 0) {
-        if (args.out_bf16 != nullptr)
-          args.out_bf16[static_cast<int64_t>(r) * N + c] = __float2bfloat16_rn(y);
+        if (args.out16 != nullptr)
+          args.out16[static_cast<int64_t>(r) * N + c] = to_model16(y, args.params.model16);
         else
           row[c] = y;
       } else {
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedAr
   const int m0 = blockIdx.x * kTile, n0 = blockIdx.y * kTile, tid = threadIdx.x;
   const int rows_here = min(kTile, args.M - m0), cols_here = min(kTile, args.N - n0);
   const float* in = epilogue_source(args);
-  const __nv_bfloat16* in_bf16 = args.epilogue_in_bf16;  // a bf16 model's z, when not null
+  const uint16_t* in16 = args.epilogue_in16;  // a 16-bit model's z, when not null
   // kBatch loads in flight per thread before any is used, where one at a time each thread
   // waited on 64 global loads in turn: #75's fp32 chain at 1024 x 8192 took 52 us against 68
   // (torch.profiler, H100, 2026-11-25, two machines). Its bf16 chain's 62 us are spent
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedAr
       z[b] = 0.f;
       if (place(first + b * kFinalizeThreads, r, c)) {
         const int64_t at = static_cast<int64_t>(m0 + r) * args.N + n0 + c;
-        z[b] = in_bf16 != nullptr ? __bfloat162float(in_bf16[at]) : in[at];
+        z[b] = in16 != nullptr ? from_model16(in16[at], args.params.model16) : in[at];
       }
     }
 #pragma unroll
@@ -313,8 +313,8 @@ cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
   if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
     return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
-  // A bf16 input is read by tile_epilogue_kernel alone (chains that norm or reduce in tiles).
-  if (args.epilogue_in_bf16 != nullptr && (args.norm_wide || (!Epi::kNorm && Epi::kReduce == 0)))
+  // A 16-bit input is read by tile_epilogue_kernel alone (chains that norm or reduce in tiles).
+  if (args.epilogue_in16 != nullptr && (args.norm_wide || (!Epi::kNorm && Epi::kReduce == 0)))
     return cudaErrorInvalidValue;
   if constexpr (!Epi::kNorm && Epi::kReduce == 0) {
     const int64_t work = (static_cast<int64_t>(args.M) * args.N + 3) / 4;

@@ -47,7 +47,7 @@ __device__ __forceinline__ void save_gemm_value(float z, int row, int col, const
   if (row >= args.M || col >= args.N) return;
   const int64_t i = static_cast<int64_t>(row) * args.N + col;
   if (args.z_out != nullptr) args.z_out[i] = z;
-  if (args.z_out_bf16 != nullptr) args.z_out_bf16[i] = __float2bfloat16_rn(z);
+  if (args.z_out16 != nullptr) args.z_out16[i] = to_model16(z, args.params.model16);
 }
 
 template <class Epi>
@@ -463,23 +463,18 @@ __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, f
 // at a time where the address allows.
 template <int kN>
 __device__ __forceinline__ void store_run(const float (&y)[kN], int64_t at, const FusedArgs& args) {
-  if (args.out_bf16 != nullptr) {
-    __nv_bfloat16* dst = args.out_bf16 + at;
+  if (args.out16 != nullptr) {
+    uint16_t* dst = args.out16 + at;
+    const int model16 = args.params.model16;
     if (kN % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
 #pragma unroll
-      for (int j = 0; j < kN; j += 8) {
-        uint4 packed;
-        uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(y[j + 2 * e], y[j + 2 * e + 1]);
-          words[e] = *reinterpret_cast<const uint32_t*>(&pair);
-        }
-        *reinterpret_cast<uint4*>(dst + j) = packed;
-      }
+      for (int j = 0; j < kN; j += 8)
+        *reinterpret_cast<uint4*>(dst + j) = make_uint4(
+            pack_model16(y[j], y[j + 1], model16), pack_model16(y[j + 2], y[j + 3], model16),
+            pack_model16(y[j + 4], y[j + 5], model16), pack_model16(y[j + 6], y[j + 7], model16));
     } else {
 #pragma unroll
-      for (int j = 0; j < kN; ++j) dst[j] = __float2bfloat16_rn(y[j]);
+      for (int j = 0; j < kN; ++j) dst[j] = to_model16(y[j], model16);
     }
   } else {
     float* dst = args.out + at;
@@ -642,13 +637,13 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
   const int cols_here = min(kTile, args.N - tc.n0);
   const int gs = args.group_size;
 
-  auto store = [&](bool bf16) {
+  auto store = [&](bool model16) {
     for (int idx = tid; idx < rows_here * kTile; idx += kThreads) {
       const int r = idx / kTile, c = idx % kTile;
       if (c < cols_here) {
         const int64_t at = static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c;
-        if (bf16)
-          args.out_bf16[at] = __float2bfloat16_rn(tile[r * kEpiStride + c]);
+        if (model16)
+          args.out16[at] = to_model16(tile[r * kEpiStride + c], args.params.model16);
         else
           args.out[at] = tile[r * kEpiStride + c];
       }
@@ -773,7 +768,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
   }
 
   if constexpr (kind == 0) {
-    store(args.out_bf16 != nullptr);
+    store(args.out16 != nullptr);
   } else {
     // Partials are (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh), m alone otherwise.
     constexpr bool kPairs = kind >= 3;

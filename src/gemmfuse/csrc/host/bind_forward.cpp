@@ -9,7 +9,7 @@ void bind_forward(pybind11::module_& m) {
         py::arg("gn_bias"), py::arg("vec_params"), py::arg("scalar_params"),
         py::arg("group_size"), py::arg("eps"), py::arg("kernel"), py::arg("split"),
         py::arg("norm_wide"), py::arg("z_out"));
-  m.def("fused_forward_bf16", &fused_forward_bf16, py::arg("table"), py::arg("x"), py::arg("w"),
+  m.def("fused_forward_16bit", &fused_forward_16bit, py::arg("table"), py::arg("x"), py::arg("w"),
         py::arg("bias"), py::arg("gn_weight"), py::arg("gn_bias"), py::arg("vec_params"),
         py::arg("scalar_params"), py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"),
         py::arg("z_out"));

@@ -118,12 +118,12 @@ void bind_plan(pybind11::module_& m) {
   py::class_<PlanCall>(m, "Plan", py::module_local())
       .def(py::init([](std::shared_ptr<SplitCache> cache, py::object epilogue, py::object kernel,
                        py::object precision, std::vector<std::optional<at::Tensor>> tensors,
-                       int64_t table, int64_t plain_table, bool bf16, int64_t kernel_code,
+                       int64_t table, int64_t plain_table, bool model16, int64_t kernel_code,
                        bool split, std::vector<double> scalars, int64_t group_size, double eps,
                        bool norm_wide, bool keepdim, std::vector<int64_t> channel_params,
                        int64_t first_slot, bool backward, bool split_dx, bool split_dw,
                        bool sparse, bool epilogue_path, int64_t group_stats) {
-             PlanSpec spec{table,          plain_table, bf16,     kernel_code, split,
+             PlanSpec spec{table,          plain_table, model16,  kernel_code, split,
                            scalars,        group_size,  eps,      norm_wide,   keepdim,
                            channel_params, first_slot,  backward, split_dx,    split_dw,
                            sparse,         epilogue_path, group_stats};
@@ -132,7 +132,7 @@ void bind_plan(pybind11::module_& m) {
            }),
            py::arg("cache"), py::arg("epilogue"), py::arg("kernel"), py::arg("precision"),
            py::arg("tensors"), py::kw_only(), py::arg("table"), py::arg("plain_table"),
-           py::arg("bf16"), py::arg("kernel_code"), py::arg("split"), py::arg("scalars"),
+           py::arg("model16"), py::arg("kernel_code"), py::arg("split"), py::arg("scalars"),
            py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"), py::arg("keepdim"),
            py::arg("channel_params"), py::arg("first_slot"), py::arg("backward"),
            py::arg("split_dx"), py::arg("split_dw"), py::arg("sparse") = false,

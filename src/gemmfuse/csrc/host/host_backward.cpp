@@ -65,7 +65,7 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
   args.eps = chain.eps;
   args.bf16 = bf16;
   args.params = chain.params;
-  args.params.round_bf16 = args.bf16;
+  args.params.model16 = args.bf16 ? gemmfuse::kBf16Model : gemmfuse::kFloat32Model;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   check_cuda(t.launch_backward(args, plan, stream), "chain backward launch");
   auto sums = partial.new_empty({sums_count, N}, partial.options().dtype(at::kDouble));

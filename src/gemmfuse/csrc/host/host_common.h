@@ -99,11 +99,11 @@ inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& tabl
   if (reduce != 0) {
     keep.push_back(x.new_empty({M}, f32));
     args.row_out = keep.back().data_ptr<float>();
-  } else if (out_dtype == at::kBFloat16) {
+  } else if (out_dtype != at::kFloat) {  // a 16-bit model's (args.params.model16 says which)
     keep.push_back(x.new_empty({M, N}, x.options().dtype(out_dtype)));
-    args.out_bf16 = reinterpret_cast<__nv_bfloat16*>(keep.back().data_ptr());
+    args.out16 = reinterpret_cast<uint16_t*>(keep.back().data_ptr());
   }
-  const bool needs_out = args.norm_wide || (reduce == 0 && out_dtype != at::kBFloat16);
+  const bool needs_out = args.norm_wide || (reduce == 0 && out_dtype == at::kFloat);
   if (needs_out && args.out == nullptr) {
     keep.push_back(x.new_empty({M, N}, f32));
     args.out = keep.back().data_ptr<float>();
@@ -183,8 +183,8 @@ inline void set_z_out(gemmfuse::FusedArgs& args, const std::optional<at::Tensor>
                   z_out->is_contiguous() && z_out->dim() == 2 && z_out->size(0) == args.M &&
                   z_out->size(1) == args.N,
               "gemmfuse: z_out must be a contiguous [M, N] tensor of x's dtype on x's device");
-  if (x.scalar_type() == at::kBFloat16)
-    args.z_out_bf16 = reinterpret_cast<__nv_bfloat16*>(z_out->data_ptr());
+  if (x.scalar_type() != at::kFloat)  // a 16-bit model's (args.params.model16 says which)
+    args.z_out16 = reinterpret_cast<uint16_t*>(z_out->data_ptr());
   else
     args.z_out = z_out->data_ptr<float>();
 }

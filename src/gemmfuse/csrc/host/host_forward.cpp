@@ -46,44 +46,49 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
   return outputs.front();
 }
 
-// A bfloat16 model on Hopper: x [M, K] and W [N, K] in bf16 go to the tensor cores as they are
-// (one pass, fp32 accumulation); the epilogue runs in fp32 (the bias and GroupNorm vectors come
-// as float32); the output is bf16 ([M, N], or [M] when the epilogue reduces). K must be a
-// multiple of 8 (16-byte rows for TMA).
-at::Tensor fused_forward_bf16(int64_t table, at::Tensor x, at::Tensor w,
-                              std::optional<at::Tensor> bias, std::optional<at::Tensor> gn_weight,
-                              std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
-                              std::vector<double> scalar_params, int64_t group_size, double eps,
-                              bool norm_wide, std::optional<at::Tensor> z_out) {
-  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "gemmfuse: x must be a 2-D bfloat16 CUDA tensor with unit column stride");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
+// A 16-bit model (bfloat16 or float16) on Hopper: x [M, K] and W [N, K] of that dtype go to the
+// tensor cores as they are (one pass, fp32 accumulation); the epilogue runs in fp32 (the bias
+// and GroupNorm vectors come as float32), rounding where the eager model rounds; the output is of
+// x's dtype ([M, N], or [M] when the epilogue reduces). K must be a multiple of 8 (16-byte rows
+// for TMA). A bf16 model runs the kernel's bf16 variant; a float16 one the one-pass variant
+// (precision="tf32"'s, on fp16 operands) with no scales.
+at::Tensor fused_forward_16bit(int64_t table, at::Tensor x, at::Tensor w,
+                               std::optional<at::Tensor> bias, std::optional<at::Tensor> gn_weight,
+                               std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
+                               std::vector<double> scalar_params, int64_t group_size, double eps,
+                               bool norm_wide, std::optional<at::Tensor> z_out) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(x.is_cuda() && (dtype == at::kBFloat16 || dtype == at::kHalf) && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "gemmfuse: x must be a 2-D bfloat16 or float16 CUDA tensor with unit column stride");
+  TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.is_contiguous() &&
                   w.device() == x.device() && w.size(1) == x.size(1),
-              "gemmfuse: w must be a contiguous bfloat16 [N, K] tensor on x's device");
+              "gemmfuse: w must be a contiguous [N, K] tensor of x's dtype on x's device");
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   TORCH_CHECK(K % 8 == 0 && x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
-              "gemmfuse: bf16 rows must be 16-byte aligned (K a multiple of 8)");
+              "gemmfuse: 16-bit rows must be 16-byte aligned (K a multiple of 8)");
   TORCH_CHECK(K < (int64_t{1} << 30), "gemmfuse: sizes must fit in 32 bits");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   gemmfuse::FusedArgs args = chain_args(M, N, bias, gn_weight, gn_bias, vec_params, scalar_params,
                                         group_size, eps, norm_wide);
-  args.a_hi = reinterpret_cast<const __half*>(x.data_ptr());  // bf16 bits; the kernel knows
+  const bool bf16 = dtype == at::kBFloat16;
+  args.a_hi = reinterpret_cast<const __half*>(x.data_ptr());  // bf16 bits for bf16: the kernel knows
   args.b_hi = reinterpret_cast<const __half*>(w.data_ptr());
   args.k_padded = static_cast<int>((K + 63) / 64 * 64);
   args.k_cols = static_cast<int>(K);
   args.a_row_stride = x.stride(0);
   args.b_row_stride = K;
   args.split = 0;
-  args.bf16 = 1;
-  args.params.round_bf16 = 1;
+  args.bf16 = bf16 ? 1 : 0;
+  args.params.model16 = bf16 ? gemmfuse::kBf16Model : gemmfuse::kFp16Model;
   set_z_out(args, z_out, x);
   const gemmfuse::ChainTable& t = chain(table);
-  const auto outputs = allocate_outputs(t, args, x, at::kBFloat16, stream);
-  check_cuda(t.launch_fused(args, 2, stream), "fused bf16 kernel launch");
+  const auto outputs = allocate_outputs(t, args, x, dtype, stream);
+  check_cuda(t.launch_fused(args, 2, stream), "fused 16-bit kernel launch");
   const auto& result = outputs.front();
-  return result.scalar_type() == at::kBFloat16 ? result : result.to(at::kBFloat16);
+  return result.scalar_type() == dtype ? result : result.to(dtype);  // a reduction's fp32 [M]
 }
 
 // The epilogue path: y = x @ W^T + b [M, N] float32, computed by PyTorch (its fp32 GEMM, bias
@@ -110,8 +115,8 @@ at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tenso
   if (bf16) {
     TORCH_CHECK(t.reduce_kind != 0 && !norm_wide,
                 "gemmfuse: a bfloat16 y takes chains that reduce, without wide GroupNorm groups");
-    args.epilogue_in_bf16 = reinterpret_cast<const __nv_bfloat16*>(y.data_ptr());
-    args.params.round_bf16 = 1;
+    args.epilogue_in16 = reinterpret_cast<const uint16_t*>(y.data_ptr());
+    args.params.model16 = gemmfuse::kBf16Model;
     args.params.group_stats = static_cast<int>(group_stats);
   } else if (in_place) {
     args.out = y.data_ptr<float>();

@@ -194,11 +194,11 @@ Plan::Launched Plan::launch(const std::vector<at::Tensor>& t, bool save_z) const
     if (save_z) z = y;
     out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
                            spec.group_size, spec.eps, spec.norm_wide, false, spec.group_stats);
-  } else if (spec.bf16) {
+  } else if (spec.model16) {
     if (save_z) z = x.new_empty({M, N});
-    out = fused_forward_bf16(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),
-                             vector32(2), gn_weight, gn_bias, vectors, spec.scalars,
-                             spec.group_size, spec.eps, spec.norm_wide, maybe(z));
+    out = fused_forward_16bit(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),
+                              vector32(2), gn_weight, gn_bias, vectors, spec.scalars,
+                              spec.group_size, spec.eps, spec.norm_wide, maybe(z));
   } else {
     if (save_z) z = x.new_empty({M, N});
     const int64_t k_padded = split_padded(weight.size(1));
