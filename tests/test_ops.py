@@ -116,7 +116,7 @@ def test_min_and_max_after_small_groups_take_the_sparse_products(norm, reduce, s
     epilogue = Epilogue(norm=norm, reduce=None if reduce is None else Reduction(reduce))
     assert sparse_gradient(epilogue, 8192) == sparse
     x, w = torch.randn(4, 8), torch.randn(8192, 8)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         chosen = backward_products("epilogue", x.to(dtype), w.to(dtype), "auto", epilogue)
         assert chosen == (sparse, False, False)
     assert backward_products("torch", x, w, "auto", epilogue)[0] is False

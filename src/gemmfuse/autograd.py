@@ -22,8 +22,8 @@ backward needs besides the inputs:
    split-fp16 scheme (``gemm_split`` of the plain GEMM's kernels, on operands split by rows or,
    for operands read down their columns, by ``split_cols``), where the forward's thresholds say
    the fused kernel pays; else PyTorch's own products (eager's result). ``W``'s transposed split
-   is cached beside its forward split. bfloat16 models take PyTorch's bf16 products (one
-   product each, rounded as eager bf16 rounds).
+   is cached beside its forward split. bfloat16 and float16 models take PyTorch's products in
+   their dtype (one product each, rounded as eager rounds).
 3. ``db = dz.sum(0)`` (the kernel's column sum).
 
 Tail ops (after a reduction) run in PyTorch outside this function, with autograd's own backward.
@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemmfuse.dispatch import SPLIT_COLS_MAX, norm_settings, split_padded
+from gemmfuse.dispatch import MODEL16, SPLIT_COLS_MAX, norm_settings, split_padded
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_epilogue, apply_pointwise
@@ -153,10 +153,11 @@ def _kernel_backward_fits(chain: Epilogue, z: torch.Tensor, grad: torch.Tensor) 
 
 
 def kernel_backward_serves(chain: Epilogue, dtype: torch.dtype, n: int, device) -> bool:
-    """Whether the chain backward kernel takes a chain's backward on n channels: CUDA float32 or
-    bfloat16, a column slab's working set within a block's shared memory, no softmax over the
-    channels and no max pooling before the reduction (the kernel differentiates neither)."""
-    if device.type != "cuda" or dtype not in (torch.float32, torch.bfloat16):
+    """Whether the chain backward kernel takes a chain's backward on n channels: CUDA float32,
+    bfloat16 or float16, a column slab's working set within a block's shared memory, no softmax
+    over the channels and no max pooling before the reduction (the kernel differentiates
+    neither)."""
+    if device.type != "cuda" or dtype not in (torch.float32, *MODEL16):
         return False
     if chain.norm is not None and chain.norm.softmax:
         return False
@@ -175,7 +176,7 @@ def _per_element_grads(chain: Epilogue, z, params, needs) -> bool:
 
 @functools.cache
 def _kernel_fits(structure: Epilogue, n: int, group_size: int, device: torch.device) -> bool:
-    # the float32 plan: a bf16 chain's register kernel differs only in its sums (no shared memory)
+    # the float32 plan: a 16-bit chain's register kernel differs only in its sums (no shared memory)
     return kernel_plan(structure, 1, n, group_size, device)[1] > 0
 
 
@@ -186,8 +187,7 @@ def kernel_plan(
     the chain backward for an (m, n) chain of ``dtype`` tensors; 0 row blocks where a slab's
     working set exceeds a block's shared memory."""
     with torch.cuda.device(device):
-        bf16 = dtype == torch.bfloat16
-        return extension_for(structure).chain_backward_plan(m, n, group_size, bf16)
+        return extension_for(structure).chain_backward_plan(m, n, group_size, dtype in MODEL16)
 
 
 def _float32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -207,7 +207,7 @@ def channel_vectors(epilogue: Epilogue, params, m: int, n: int) -> list[torch.Te
 def _kernel_chain_backward(chain: Epilogue, z, grad, tensors, needs, cache=None):
     """chain_backward on the GPU in one kernel: (dz, the gradients of ``tensors``, db), each in
     z's dtype. ``cache`` (the forward's weight cache) keeps the GroupNorm vectors' float32
-    copies of a bfloat16 model between calls."""
+    copies of a 16-bit model between calls."""
     gn_weight, gn_bias, *params = tensors
     n = z.shape[1]
     if cache is not None:
@@ -270,8 +270,8 @@ def chain_backward(chain: Epilogue, z, grad, tensors, needs) -> tuple[torch.Tens
 
 def _chain_backward_group_norm(chain, z, grad, gn_weight, gn_bias, params):
     """chain_backward of a chain with a GroupNorm: autograd through the ops before and after
-    it, the GroupNorm's own backward by its formula (bfloat16 models keep PyTorch's kernels,
-    which compute in float32 and round as eager bf16 does)."""
+    it, the GroupNorm's own backward by its formula (16-bit models keep PyTorch's kernels,
+    which compute in float32 and round as eager does in their dtype)."""
     wanted = [t for t in params if t.requires_grad]
     u = apply_pointwise(z, chain.pre, params)
     norm = chain.norm
@@ -326,11 +326,11 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 def _sparse_fits(call: FusedCall, dz, weight, x) -> bool:
     """Whether the sparse products take this call's backward: the call's chain makes dz sparse,
-    and the kernels' dtypes (float32 or bfloat16, one for all three) on CUDA."""
+    and the kernels' dtypes (float32, bfloat16 or float16, one for all three) on CUDA."""
     return (
         call.sparse
         and dz.is_cuda
-        and dz.dtype in (torch.float32, torch.bfloat16)
+        and dz.dtype in (torch.float32, *MODEL16)
         and weight.dtype == x.dtype == dz.dtype
     )
 

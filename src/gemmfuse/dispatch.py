@@ -297,13 +297,14 @@ def sparse_fits(m: int, n: int, k: int) -> bool:
 
 
 def backward_products(path: str, x, weight, kernel: str, epilogue: Epilogue):
-    """(sparse, split dx, split dW): where dz is sparse (:func:`sparse_gradient`, a CUDA float32
-    or bfloat16 call on a gemmfuse kernel path, within the kernels' sizes) both products take
-    its nonzero entries alone (csrc/operands/sparse_products.cu); else :func:`backward_splits`."""
+    """(sparse, split dx, split dW): where dz is sparse (:func:`sparse_gradient`, a CUDA float32,
+    bfloat16 or float16 call on a gemmfuse kernel path, within the kernels' sizes) both products
+    take its nonzero entries alone (csrc/operands/sparse_products.cu); else
+    :func:`backward_splits`."""
     (m, k), n = x.shape, weight.shape[0]
     if (
         path != "torch"
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype in (torch.float32, *MODEL16)
         and sparse_gradient(epilogue, n)
         and sparse_fits(m, n, k)
     ):

@@ -477,9 +477,8 @@ def test_gemm_split_at_least_as_accurate_as_eager(kernel, shape):
 @pytest.mark.parametrize("number", [62, 75])
 def test_16bit_gradients_round_like_eager(number, dtype):
     """A bf16 or fp16 training step at KernelBench's size: #62 on the fused kernel, #75 (a
-    reduction) on the epilogue path in bf16 and the fused kernel in fp16 (whose backward is
-    PyTorch's, from the saved z); every gradient no further from float64 than 1.5x eager's in
-    that dtype."""
+    reduction) on the epilogue path in bf16 and the fused kernel in fp16; every gradient no
+    further from float64 than 1.5x eager's in that dtype."""
     problem = get_problem(number)
     module = problem.load()
     ref, new = build_pair(problem, module.get_init_inputs())

@@ -9,7 +9,7 @@ relative L2 error at most twice the larger of theirs plus 4 fp32 ulps, and no mo
 outside allclose(1e-4) of float64 than the GPU's. A gradient that is zero but for float64's
 rounding (a scalar multiplier after a GroupNorm whose groups a mean sums) has noise only: max
 abs error within 1e-4 or twice PyTorch's, as tests/gpu/test_autograd.py holds such gradients.
-bfloat16 models: at most 1.5x eager bf16's error.
+bfloat16 and float16 models: at most 1.5x eager's error in that dtype.
 
 Why twice: both sum the same fp32 terms in different orders, so on a sum that cancels their
 errors are two draws of one distribution. Measured at da6a7ca (the bar was 1x then): a scalar
@@ -242,7 +242,7 @@ def test_strided_gradient():
     check(chain_62(4), z, wide.t(), affine(64, g), "transposed grad")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_register_kernel_gradient_layouts(dtype):
     """The register kernel reads a row's four gradient values as one vector where the layout
     allows (unit column stride, rows and base aligned to four values) and one by one elsewhere:
@@ -269,22 +269,22 @@ def test_register_kernel_gradient_layouts(dtype):
         check(chain, z, padded, tensors, "padded gradient rows")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "groups", "in_registers"), [(512, 16, 0), (2048, 128, 1)])
-def test_bf16_at_most_eager_bf16s_error(n, groups, in_registers):
-    """A bfloat16 model's chain: z, grad and dz in bf16, the arithmetic in fp32 (the register
-    kernel's with plain sums, as eager bf16's; the shared-memory kernel's compensated)."""
+def test_16bit_at_most_eager_error(n, groups, in_registers, dtype):
+    """A bfloat16 or float16 model's chain: z, grad and dz in its dtype, the arithmetic in fp32
+    (the register kernel's with plain sums, as eager's; the shared-memory kernel's compensated):
+    no further from float64 than 1.5x eager's error in that dtype."""
     chain = chain_62(groups)
-    assert (
-        kernel_plan(chain.structure, 256, n, n // groups, CUDA, torch.bfloat16)[2] == in_registers
-    )
+    assert kernel_plan(chain.structure, 256, n, n // groups, CUDA, dtype)[2] == in_registers
     g = torch.Generator().manual_seed(7)
-    z16 = torch.randn(256, n, generator=g).to(CUDA).bfloat16()
-    grad16 = torch.randn(256, n, generator=g).to(CUDA).bfloat16()
-    t16 = [t.bfloat16() for t in affine(n, g)]
+    z16 = torch.randn(256, n, generator=g).to(CUDA, dtype)
+    grad16 = torch.randn(256, n, generator=g).to(CUDA, dtype)
+    t16 = [t.to(dtype) for t in affine(n, g)]
     dz, grads, _ = _kernel_chain_backward(chain, z16, grad16, t16, [True, True])
     eager_dz, eager = chain_backward(chain, z16, grad16, t16, [True, True])
     exact_dz, exact = exact_grads(chain, z16.float(), grad16.float(), [t.float() for t in t16])
-    assert dz.dtype == torch.bfloat16
+    assert dz.dtype == dtype
     assert rel_err(dz, exact_dz) <= 1.5 * rel_err(eager_dz, exact_dz)
     for got, ge, e in zip(grads, eager, exact, strict=True):
         assert rel_err(got, e) <= 1.5 * rel_err(ge, e)

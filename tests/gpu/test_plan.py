@@ -161,11 +161,9 @@ def test_planned_call_is_the_python_path_bit_for_bit(name, precision, dtype, mon
     out_py = case.call(None, precision=precision)
     case.call(case.cache, precision=precision)  # a plan for calls that record
     out = case.call(case.cache, precision=precision)
-    # the tail op's node sits on top; the planned call's is below it. A float16 model's
-    # backward is PyTorch's (no chain backward kernel for fp16): its recorded calls are not
-    # planned and keep the Python function's node.
+    # the tail op's node sits on top; the planned call's is below it
     node = out.grad_fn.next_functions[0][0] if case.epilogue.tail else out.grad_fn
-    assert node.name() == (NODE if dtype != torch.float16 else "FusedLinearFunctionBackward")
+    assert node.name() == NODE
     assert_same(out, out_py, "output with autograd")
     grad = torch.randn_like(out)
     for i, (a, b) in enumerate(zip(case.grads(out, grad), case.grads(out_py, grad), strict=True)):

@@ -3,10 +3,11 @@ dense products, and the training steps that take them.
 
 dx = dz @ W and dW = dz.T @ x where dz is zero but for a few groups of each row (a min or max
 after a GroupNorm: dispatch.sparse_gradient). The oracle is float64's product of the same
-(float32- or bf16-valued) operands; the bar for float32 is the bound of a float sum of the
-row's nonzero terms, (terms + 1) * eps / 2 * (|dz| @ |W|) elementwise, and a relative L2 error
-at most twice PyTorch's float32 product's plus 4 ulps; for bf16 that bound plus the one
-rounding to bf16 (2^-8 of the value), and at most 1.5x eager bf16's relative error. Outputs
+(float32-, bf16- or fp16-valued) operands; the bar for float32 is the bound of a float sum of
+the row's nonzero terms, (terms + 1) * eps / 2 * (|dz| @ |W|) elementwise, and a relative L2
+error at most twice PyTorch's float32 product's plus 4 ulps; for a 16-bit dtype that bound plus
+the one rounding to it (2^-8 of the value in bf16, 2^-11 in fp16), and at most 1.5x eager's
+relative error in that dtype. Outputs
 land in NaN-poisoned memory, so an element the kernels leave unwritten fails. Rows with no
 nonzero entry, ties over several groups, a dense dz, a NaN, sizes that leave vector loads,
 chunks and pieces partial, and views that are not contiguous.
@@ -31,9 +32,9 @@ def host():
 
 
 def poison(nbytes):
-    """Leaves blocks in the caching allocator that read as NaN in float32 and in bfloat16 alike
-    (0x7FC07FC0: a float32 NaN whose two halves are bfloat16 NaNs), so that an output element
-    the kernels leave unwritten fails."""
+    """Leaves blocks in the caching allocator that read as NaN in float32, bfloat16 and float16
+    alike (0x7FC07FC0: a float32 NaN whose two halves are bf16 and fp16 NaNs), so that an output
+    element the kernels leave unwritten fails."""
     blocks = [
         torch.full((max(nbytes // 4, 1),), 0x7FC07FC0, dtype=torch.int32, device=CUDA)
         for _ in range(4)
@@ -65,17 +66,17 @@ def operand(rows, cols, dtype, seed):
 
 def check_product(got, a, b, dtype):
     """got against float64's a @ b: the float-sum bound elementwise, and PyTorch's own product's
-    error in dtype (relative L2 for float32, max-abs for bf16) as a second bar."""
+    error in dtype (relative L2) as a second bar."""
     exact = a.double() @ b.double()
     terms = int((a != 0).sum(1).max()) + 1
     bound = (terms + 1) * EPS / 2 * (a.double().abs() @ b.double().abs())
-    if dtype == torch.bfloat16:
-        bound = bound + 2.0**-8 * exact.abs()
+    if dtype != torch.float32:  # the one rounding to the 16-bit dtype
+        bound = bound + (2.0**-8 if dtype == torch.bfloat16 else 2.0**-11) * exact.abs()
     err = (got.double() - exact).abs()
     assert torch.isfinite(got).all(), "an element left unwritten (NaN poison) or overflowed"
     assert (err <= bound + 1e-30).all(), f"max excess {float((err - bound).max()):.3e}"
     # the same terms summed in another order than PyTorch's: two draws of one error, so twice
-    # the larger plus 4 ulps (tests/gpu/test_chain_backward.py's bar); bf16: 1.5x eager bf16's
+    # the larger plus 4 ulps (tests/gpu/test_chain_backward.py's bar); 16-bit: 1.5x eager's
     eager = rel_err(a @ b, exact)
     if dtype == torch.float32:
         assert rel_err(got, exact) <= 2 * eager + 4 * EPS
@@ -97,7 +98,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, n, k, group", SHAPES)
 def test_products_match_float64_and_pytorch(host, m, n, k, group, dtype):
     dz = sparse_dz(m, n, group, dtype, seed=m + n + k)
@@ -118,7 +119,7 @@ def test_products_match_float64_and_pytorch(host, m, n, k, group, dtype):
     assert torch.equal(dw_alone, dw) and none is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, n", [(70, 300), (600, 2100)])
 def test_a_dense_dz_is_still_a_correct_product(host, m, n, dtype):
     """Every entry nonzero (ties everywhere): slow for these kernels, but the same product. At
@@ -131,7 +132,7 @@ def test_a_dense_dz_is_still_a_correct_product(host, m, n, dtype):
     check_product(dw, dz.t(), x, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dx_rows_of_one_strip_or_several_get_the_same_sums(host, dtype):
     """A row of dz with nonzero entries in one 16-column strip is summed by a strip item, a row
     with entries in several by a row item: both add the entries in column order, so a row that
@@ -153,7 +154,7 @@ def test_dx_rows_of_one_strip_or_several_get_the_same_sums(host, dtype):
     check_product(dx, dz, w, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_strip_holding_many_rows(host, dtype):
     """Most rows' extremes in one strip (#75 holds 212 of its 1024 rows in one): dx's strip
     items take them in batches of 16 rows; dW's items for a strip of more than 32 rows share
@@ -176,7 +177,7 @@ def test_a_strip_holding_many_rows(host, dtype):
     assert torch.equal(again[0], dx) and torch.equal(again[1], dw)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_an_all_zero_dz_gives_zeros(host, dtype):
     """No strip has rows: dW is written by the idle strips' zero items alone (16-byte stores
     where K allows them, element stores where it does not), dx by the empty-row items; the
@@ -226,7 +227,7 @@ def zeros(*shape, device=CUDA, dtype=torch.float32):
     "make, message",
     [
         (lambda: (zeros(4, 8), zeros(8, 3, dtype=torch.float64), zeros(4, 3)),
-         "float32 or bfloat16 tensors of one dtype"),
+         "float32, bfloat16 or float16 tensors of one dtype"),
         (lambda: (zeros(4, 8), zeros(9, 3), zeros(4, 3)), r"weight must be \[8, K\]"),
         (lambda: (zeros(4, 8), zeros(8, 3), zeros(5, 3)), r"x \[4, K\]"),
         (lambda: (zeros(4, 8, device="cpu"), zeros(8, 3, device="cpu"), zeros(4, 3, device="cpu")),
@@ -247,7 +248,7 @@ def kernels_of(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_75_training_step_takes_the_sparse_products(dtype):
     """KernelBench #75 (GroupNorm of 16 channels, then min) as the benchmark trains it: each
     step's backward runs the sparse kernels, the first (decided in Python) and the later ones

@@ -108,7 +108,7 @@ struct FusedArgs {
 // The chain's backward (chain_backward.cuh): from z and the output's gradient to dz and the
 // column sums of the other gradients.
 struct BackwardArgs {
-  const void* z;     // [M, N] contiguous, float32, or bfloat16 when bf16
+  const void* z;     // [M, N] contiguous: float32, or 16-bit of model16's dtype
   const void* grad;  // z's dtype: [M, N], or [M] when the chain reduces; strides in elements
   int64_t grad_row_stride, grad_col_stride;
   void* dz;                // [M, N] contiguous, z's dtype
@@ -120,7 +120,7 @@ struct BackwardArgs {
   int slab;   // columns per slab (set by the launch from the plan)
   int phase;  // 1: only each slab's extreme and ties (min/max over several slabs), 0: the rest
   float eps;
-  int bf16;
+  int model16;  // ModelDtype of z, grad and dz (kFloat32Model: float32)
   EpilogueParams params;
 };
 

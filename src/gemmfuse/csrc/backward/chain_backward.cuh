@@ -67,14 +67,15 @@ __host__ __device__ inline BackwardSmem backward_smem(int w, int group_size, boo
   return s;
 }
 
-__device__ __forceinline__ float load_float(const void* p, int64_t i, int bf16) {
-  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
-              : static_cast<const float*>(p)[i];
+// Element i of a float32 tensor, or of a 16-bit one of that ModelDtype (model16 != 0).
+__device__ __forceinline__ float load_float(const void* p, int64_t i, int model16) {
+  return model16 ? from_model16(static_cast<const uint16_t*>(p)[i], model16)
+                 : static_cast<const float*>(p)[i];
 }
 
-__device__ __forceinline__ void store_float(void* p, int64_t i, float v, int bf16) {
-  if (bf16)
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+__device__ __forceinline__ void store_float(void* p, int64_t i, float v, int model16) {
+  if (model16)
+    static_cast<uint16_t*>(p)[i] = to_model16(v, model16);
   else
     static_cast<float*>(p)[i] = v;
 }
@@ -83,14 +84,14 @@ __device__ __forceinline__ void store_float(void* p, int64_t i, float v, int bf1
 // per thread: a loop of single loads would wait for each in turn (the shared-memory stores
 // between them may alias the source, so the compiler cannot hoist the loads).
 __device__ __forceinline__ void load_row(float* dst, const void* src, int64_t base, int64_t stride,
-                                         int n, int bf16) {
+                                         int n, int model16) {
   constexpr int kBatch = 8;
   for (int c0 = threadIdx.x; c0 < n; c0 += kBatch * blockDim.x) {
     float v[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int c = c0 + j * blockDim.x;
-      v[j] = c < n ? load_float(src, base + c * stride, bf16) : 0.f;
+      v[j] = c < n ? load_float(src, base + c * stride, model16) : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -137,8 +138,8 @@ __device__ __forceinline__ void group_sums(F f, int groups, int group_size, int 
 // by the centred values' mean, and rstd = 1 / sqrt(biased variance + eps). Both kernels finish
 // their groups here, so they normalise alike. An RMSNorm (kRms) subtracts no mean: rstd =
 // 1 / sqrt(mean(u^2) + eps), mean(u^2) = variance + mean^2, and `mean` is set to 0, so the
-// callers' (u - mean) * rstd is its u * rstd. kExact false (a bf16 model's register kernel):
-// in float, with rsqrtf, as eager bf16's GroupNorm finishes its statistics.
+// callers' (u - mean) * rstd is its u * rstd. kExact false (a 16-bit model's register kernel):
+// in float, with rsqrtf, as eager's GroupNorm finishes its statistics in bf16 and fp16.
 template <bool kRms, bool kExact = true>
 __device__ __forceinline__ void finish_group_stats(float sum_d, float sum_d2, int group_size,
                                                    float eps, float& mean, float& rstd) {
@@ -277,10 +278,10 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
 
   for (row = blockIdx.x; row < a.M; row += gridDim.x) {
     const int64_t base = static_cast<int64_t>(row) * n + c0;
-    load_row(zrow, a.z, base, 1, w, a.bf16);
+    load_row(zrow, a.z, base, 1, w, a.model16);
     if constexpr (kKind == 0)
       load_row(grow, a.grad, row * a.grad_row_stride + c0 * a.grad_col_stride, a.grad_col_stride,
-               w, a.bf16);
+               w, a.model16);
     __syncthreads();
     if constexpr (Epi::kNorm) {
       // the mean, then the centred sums that refine it and give the variance
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
     }
 
     float out = 0.f, ties = 0.f, row_grad = 0.f;
-    if constexpr (kKind != 0) row_grad = load_float(a.grad, row * a.grad_row_stride, a.bf16);
+    if constexpr (kKind != 0) row_grad = load_float(a.grad, row * a.grad_row_stride, a.model16);
     if constexpr (kExtremes || kKind == 5) {
       // min / max (and logsumexp's shift): the extreme and its ties, of the slab, then the row
       constexpr int kExtreme = kKind == 5 ? 2 : kKind;
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
       } else {
         const float dz = Epi::pre_backward(zrow[j], row, c, p, dv, sums, j, w);
         column_add(sums, j, errors, dz);
-        store_float(a.dz, base + j, dz, a.bf16);
+        store_float(a.dz, base + j, dz, a.model16);
       }
     }
 
@@ -365,7 +366,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
         const float du = rstd[g] * (grow[j] - g_term - xh * (gx_mean[g] * inv_gs));
         const float dz = Epi::pre_backward(zrow[j], row, c, p, du, sums, j, w);
         column_add(sums, j, errors, dz);
-        store_float(a.dz, base + j, dz, a.bf16);
+        store_float(a.dz, base + j, dz, a.model16);
       }
     }
     __syncthreads();  // the slab's buffers are free again

@@ -56,11 +56,11 @@ int resident_blocks(Kernel kernel, size_t bytes) {
 // channels or a max pooling before its reduction, which the kernels do not differentiate (the
 // chain's backward runs in PyTorch).
 template <class Epi>
-BackwardPlan chain_backward_plan_for(int m, int n, int group_size, bool bf16) {
+BackwardPlan chain_backward_plan_for(int m, int n, int group_size, bool model16) {
   if constexpr (Epi::kSoftmax || Epi::kPool > 1) return {1, 0, 0, 0};
   if (backward_in_registers<Epi>(n, group_size)) {
     const int slabs = n / kWarpSlab;
-    const int resident = bf16 ? resident_blocks(chain_backward_warp_kernel<Epi, false>, 0)
+    const int resident = model16 ? resident_blocks(chain_backward_warp_kernel<Epi, false>, 0)
                               : resident_blocks(chain_backward_warp_kernel<Epi, true>, 0);
     if (resident < 1) return {slabs, 0, 0, 1};
     return {slabs, max(1, min(m, resident / slabs)), 0, 1};
@@ -86,7 +86,7 @@ cudaError_t launch_chain_backward_kernel(BackwardArgs a, const BackwardPlan& pla
   a.slab = a.N / plan.slabs;
   const dim3 grid(plan.row_blocks, plan.slabs);
   auto launch = [&]() {
-    if (plan.in_registers && a.bf16)  // plain sums: chain_backward_warp.cuh
+    if (plan.in_registers && a.model16)  // plain sums: chain_backward_warp.cuh
       chain_backward_warp_kernel<Epi, false><<<grid, kBackwardThreads, 0, stream>>>(a);
     else if (plan.in_registers)
       chain_backward_warp_kernel<Epi, true><<<grid, kBackwardThreads, 0, stream>>>(a);

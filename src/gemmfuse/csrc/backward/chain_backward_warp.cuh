@@ -5,9 +5,9 @@
 // No shared-memory row, no block barrier per row except a min/max's block reduction: rows
 // stream through at the memory's pace. The arithmetic is the shared-memory kernel's: the same
 // formulas, compensated group sums (mean, then centred sums that refine it), the same routing;
-// sums in another order. A bfloat16 model's instance (kExact false) sums in plain fp32 and
-// finishes its statistics in float, as eager bf16's GroupNorm and column sums do: its results
-// are rounded to bf16 anyway, and the compensated sums kept the kernel bound by instruction
+// sums in another order. A 16-bit model's instance (kExact false) sums in plain fp32 and
+// finishes its statistics in float, as eager's GroupNorm and column sums do in bf16 and fp16:
+// its results are rounded to 16 bits anyway, and the compensated sums kept the kernel bound by instruction
 // issue, not memory (ncu, #62).
 #pragma once
 #include <cstdint>
@@ -60,25 +60,24 @@ __device__ __forceinline__ RowAcc group_total(RowAcc a, int lanes) {
   return a;
 }
 
-__device__ __forceinline__ void load4(float (&v)[4], const void* p, int64_t i, int bf16) {
-  if (bf16) {
-    const uint2 r = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p) + i);
-    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
-    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
-    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+// Four values at element i (16-byte aligned for float32, 8 for 16-bit: ModelDtype model16).
+__device__ __forceinline__ void load4(float (&v)[4], const void* p, int64_t i, int model16) {
+  if (model16) {
+    const uint2 r = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p) + i);
+    v[0] = from_model16(static_cast<uint16_t>(r.x & 0xffffu), model16);
+    v[1] = from_model16(static_cast<uint16_t>(r.x >> 16), model16);
+    v[2] = from_model16(static_cast<uint16_t>(r.y & 0xffffu), model16);
+    v[3] = from_model16(static_cast<uint16_t>(r.y >> 16), model16);
   } else {
     const float4 r = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
     v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
   }
 }
 
-__device__ __forceinline__ void store4(void* p, int64_t i, const float (&v)[4], int bf16) {
-  if (bf16) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-    uint2 r;
-    r.x = *reinterpret_cast<const unsigned*>(&lo);
-    r.y = *reinterpret_cast<const unsigned*>(&hi);
-    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p) + i) = r;
+__device__ __forceinline__ void store4(void* p, int64_t i, const float (&v)[4], int model16) {
+  if (model16) {
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p) + i) =
+        make_uint2(pack_model16(v[0], v[1], model16), pack_model16(v[2], v[3], model16));
   } else {
     *reinterpret_cast<float4*>(static_cast<float*>(p) + i) = make_float4(v[0], v[1], v[2], v[3]);
   }
@@ -87,7 +86,7 @@ __device__ __forceinline__ void store4(void* p, int64_t i, const float (&v)[4], 
 // Whether the output gradient's four columns at c load as one vector in every row: unit column
 // stride, and rows (and the base) aligned to four elements' bytes.
 __device__ __forceinline__ bool grad_in_fours(const BackwardArgs& a, int c) {
-  const int64_t bytes = a.bf16 ? 2 : 4;
+  const int64_t bytes = a.model16 ? 2 : 4;
   return a.grad_col_stride == 1 && a.grad_row_stride % 4 == 0 &&
          reinterpret_cast<uintptr_t>(a.grad) % (4 * bytes) == 0 && c % 4 == 0;
 }
@@ -97,14 +96,14 @@ __device__ __forceinline__ bool grad_in_fours(const BackwardArgs& a, int c) {
 template <int kKind>
 __device__ __forceinline__ void load_row_inputs(float (&zv)[4], float (&dv)[4], const BackwardArgs& a,
                                                 int row, int c, bool grad_vector) {
-  load4(zv, a.z, static_cast<int64_t>(row) * a.N + c, a.bf16);
+  load4(zv, a.z, static_cast<int64_t>(row) * a.N + c, a.model16);
   if constexpr (kKind == 0) {
     const int64_t at = row * a.grad_row_stride;
     if (grad_vector) {
-      load4(dv, a.grad, at + c, a.bf16);
+      load4(dv, a.grad, at + c, a.model16);
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) dv[i] = load_float(a.grad, at + (c + i) * a.grad_col_stride, a.bf16);
+      for (int i = 0; i < 4; ++i) dv[i] = load_float(a.grad, at + (c + i) * a.grad_col_stride, a.model16);
     }
   }
 }
@@ -180,7 +179,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
       };
 
       if constexpr (kKind != 0) {
-        const float row_grad = load_float(a.grad, row * a.grad_row_stride, a.bf16);
+        const float row_grad = load_float(a.grad, row * a.grad_row_stride, a.model16);
         float out = 0.f, ties = 0.f;
         if constexpr (kExtremes) {
           RowAcc r;
@@ -237,7 +236,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
           column_sum<kExact>(acc, i, kErrors, dz[i]);
         }
       }
-      store4(a.dz, base, dz, a.bf16);
+      store4(a.dz, base, dz, a.model16);
     }
     if (extremes_phase) return;
     float* partial = a.column_partial + static_cast<int64_t>(blockIdx.x) * kSums * n + c;

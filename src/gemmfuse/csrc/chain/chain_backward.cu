@@ -5,8 +5,8 @@
 namespace gemmfuse {
 namespace parts {
 
-BackwardPlan backward_plan(int M, int N, int group_size, int bf16) {
-  return chain_backward_plan_for<GeneratedEpilogue>(M, N, group_size, bf16 != 0);
+BackwardPlan backward_plan(int M, int N, int group_size, int model16) {
+  return chain_backward_plan_for<GeneratedEpilogue>(M, N, group_size, model16 != 0);
 }
 
 cudaError_t backward(const BackwardArgs& args, const BackwardPlan& plan, cudaStream_t stream) {

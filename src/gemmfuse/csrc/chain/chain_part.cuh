@@ -21,7 +21,7 @@ cudaError_t finalize(const FusedArgs& args, cudaStream_t stream);
 cudaError_t tile_epilogue(const FusedArgs& args, cudaStream_t stream);
 cudaError_t gemv(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
 int gemv_slice(int K, int N);
-BackwardPlan backward_plan(int M, int N, int group_size, int bf16);
+BackwardPlan backward_plan(int M, int N, int group_size, int model16);
 cudaError_t backward(const BackwardArgs& args, const BackwardPlan& plan, cudaStream_t stream);
 
 }  // namespace parts

@@ -8,7 +8,7 @@ void bind_backward(pybind11::module_& m) {
         py::arg("gn_weight"), py::arg("gn_bias"), py::arg("vec_params"), py::arg("scalar_params"),
         py::arg("group_size"), py::arg("eps"));
   m.def("chain_backward_plan", &chain_backward_plan, py::arg("table"), py::arg("M"),
-        py::arg("N"), py::arg("group_size"), py::arg("bf16"));
+        py::arg("N"), py::arg("group_size"), py::arg("model16"));
   m.def("sparse_products", &sparse_products, py::arg("dz"), py::arg("weight"), py::arg("x"),
         py::arg("want_dx"), py::arg("want_dw"));
   m.def("check_table", &check_table, py::arg("table"));

@@ -8,8 +8,8 @@ using namespace gemmfuse::host;
 // host extension has none, and finds each chain's table with dlsym instead).
 extern "C" __attribute__((weak)) const gemmfuse::ChainTable* gemmfuse_chain_table();
 
-// The chain's backward (chain_backward.cuh): z [M, N] (the saved GEMM result, float32 or
-// bfloat16, contiguous) and the gradient of the chain's output (z's dtype: [M, N], or M values
+// The chain's backward (chain_backward.cuh): z [M, N] (the saved GEMM result, float32,
+// bfloat16 or float16, contiguous) and the gradient of the chain's output (z's dtype: [M, N], or M values
 // when the chain reduces; any strides) -> {dz [M, N] of z's dtype, column sums float64
 // [the table's column_sums, N], the same sums rounded to z's dtype}: slot 0 the sum of dz over
 // rows, then the GroupNorm affine's and each per-channel tensor argument's gradients per column
@@ -20,9 +20,10 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
                                        std::vector<at::Tensor> vec_params,
                                        std::vector<double> scalar_params, int64_t group_size,
                                        double eps) {
+  const at::ScalarType dtype = z.scalar_type();
   TORCH_CHECK(z.is_cuda() && z.dim() == 2 && z.is_contiguous() &&
-                  (z.scalar_type() == at::kFloat || z.scalar_type() == at::kBFloat16),
-              "gemmfuse: z must be a contiguous 2-D float32 or bfloat16 CUDA tensor");
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "gemmfuse: z must be a contiguous 2-D float32, bfloat16 or float16 CUDA tensor");
   const int64_t M = z.size(0), N = z.size(1);
   TORCH_CHECK(grad.device() == z.device() && grad.scalar_type() == z.scalar_type(),
               "gemmfuse: grad must have z's dtype and device");
@@ -39,8 +40,10 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
   gemmfuse::FusedArgs chain = chain_args(M, N, std::nullopt, gn_weight, gn_bias, vec_params,
                                          scalar_params, group_size, eps, false);
   c10::cuda::CUDAGuard guard(z.device());
-  const int bf16 = z.scalar_type() == at::kBFloat16 ? 1 : 0;
-  const gemmfuse::BackwardPlan plan = t.backward_plan(chain.M, chain.N, chain.group_size, bf16);
+  const int model16 = dtype == at::kBFloat16 ? gemmfuse::kBf16Model
+                      : dtype == at::kHalf   ? gemmfuse::kFp16Model
+                                             : gemmfuse::kFloat32Model;
+  const gemmfuse::BackwardPlan plan = t.backward_plan(chain.M, chain.N, chain.group_size, model16);
   TORCH_CHECK(plan.row_blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_plan)");
   // The register kernel reads four columns at once (a view of a larger z may start unaligned)
   if (plan.in_registers && reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 != 0) z = z.clone();
@@ -63,36 +66,36 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
   args.N = chain.N;
   args.group_size = chain.group_size;
   args.eps = chain.eps;
-  args.bf16 = bf16;
+  args.model16 = model16;
   args.params = chain.params;
-  args.params.model16 = args.bf16 ? gemmfuse::kBf16Model : gemmfuse::kFloat32Model;
+  args.params.model16 = model16;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   check_cuda(t.launch_backward(args, plan, stream), "chain backward launch");
   auto sums = partial.new_empty({sums_count, N}, partial.options().dtype(at::kDouble));
   auto rounded = dz.new_empty({sums_count, N});
   const int64_t count = sums_count * N;
+  const auto column_sums = [&](auto* out) {
+    return gemmfuse::launch_column_sums(partial.data_ptr<float>(), plan.row_blocks, count,
+                                        sums.data_ptr<double>(), out, stream);
+  };
   const cudaError_t err =
-      bf16 ? gemmfuse::launch_column_sums(partial.data_ptr<float>(), plan.row_blocks, count,
-                                          sums.data_ptr<double>(),
-                                          reinterpret_cast<__nv_bfloat16*>(rounded.data_ptr()),
-                                          stream)
-           : gemmfuse::launch_column_sums(partial.data_ptr<float>(), plan.row_blocks, count,
-                                          sums.data_ptr<double>(), rounded.data_ptr<float>(),
-                                          stream);
+      dtype == at::kBFloat16 ? column_sums(reinterpret_cast<__nv_bfloat16*>(rounded.data_ptr()))
+      : dtype == at::kHalf   ? column_sums(reinterpret_cast<__half*>(rounded.data_ptr()))
+                             : column_sums(rounded.data_ptr<float>());
   check_cuda(err, "column sums launch");
   return {dz, sums, rounded};
 }
 
-// How chain_backward cuts an M x N chain in groups of group_size (bf16: of bfloat16 tensors) on
-// this device: [slabs, row blocks, in registers (1) or shared memory (0)]; row blocks 0 where a
+// How chain_backward cuts an M x N chain in groups of group_size (model16: of 16-bit tensors,
+// bfloat16 or float16) on this device: [slabs, row blocks, in registers (1) or shared memory (0)]; row blocks 0 where a
 // slab does not fit a block (the backward then runs in PyTorch).
 std::vector<int64_t> chain_backward_plan(int64_t table, int64_t M, int64_t N, int64_t group_size,
-                                         bool bf16) {
+                                         bool model16) {
   TORCH_CHECK(M >= 1 && M < (int64_t{1} << 31) && N >= 1 && N < (int64_t{1} << 31) &&
                   group_size >= 1 && N % group_size == 0,
               "gemmfuse: bad chain_backward_plan sizes");
   const gemmfuse::BackwardPlan plan = chain(table).backward_plan(
-      static_cast<int>(M), static_cast<int>(N), static_cast<int>(group_size), bf16 ? 1 : 0);
+      static_cast<int>(M), static_cast<int>(N), static_cast<int>(group_size), model16 ? 1 : 0);
   return {plan.slabs, plan.row_blocks, plan.in_registers};
 }
 

@@ -43,7 +43,7 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
                                        std::vector<double> scalar_params, int64_t group_size,
                                        double eps);
 std::vector<int64_t> chain_backward_plan(int64_t table, int64_t M, int64_t N, int64_t group_size,
-                                         bool bf16);
+                                         bool model16);
 void check_table(int64_t table);
 int64_t linked_chain_table();
 std::map<std::string, int64_t> constants();

@@ -1,5 +1,5 @@
 // The host extension's sparse backward products (sparse_products.cu): dx = dz @ W and
-// dW = dz^T @ x from dz's nonzero entries, for float32 and bfloat16 tensors.
+// dW = dz^T @ x from dz's nonzero entries, for float32, bfloat16 and float16 tensors.
 #include "host_common.h"
 #include "sparse_products.h"
 
@@ -23,16 +23,16 @@ cudaError_t launch(const at::Tensor& dz, const at::Tensor& weight, const at::Ten
 }  // namespace
 
 // [dx = dz @ weight, dW = dz^T @ x] (each undefined where not asked for): dz [M, N], weight
-// [N, K], x [M, K], 2-D CUDA tensors of one dtype (float32 or bfloat16) on one device.
+// [N, K], x [M, K], 2-D CUDA tensors of one dtype (float32, bfloat16 or float16) on one device.
 std::vector<at::Tensor> sparse_products(at::Tensor dz, at::Tensor weight, at::Tensor x,
                                         bool want_dx, bool want_dw) {
   TORCH_CHECK(dz.dim() == 2 && weight.dim() == 2 && x.dim() == 2 && dz.is_cuda() &&
                   weight.device() == dz.device() && x.device() == dz.device(),
               "gemmfuse: sparse_products takes 2-D CUDA tensors dz, weight and x on one device");
-  TORCH_CHECK((dz.scalar_type() == at::kFloat || dz.scalar_type() == at::kBFloat16) &&
-                  weight.scalar_type() == dz.scalar_type() &&
-                  x.scalar_type() == dz.scalar_type(),
-              "gemmfuse: sparse_products takes float32 or bfloat16 tensors of one dtype");
+  const at::ScalarType dtype = dz.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                  weight.scalar_type() == dtype && x.scalar_type() == dtype,
+              "gemmfuse: sparse_products takes float32, bfloat16 or float16 tensors of one dtype");
   const int64_t M = dz.size(0), N = dz.size(1), K = x.size(1);
   TORCH_CHECK(weight.size(0) == N && weight.size(1) == K && x.size(0) == M,
               "gemmfuse: sparse_products: dz is [", std::to_string(M), ", ", std::to_string(N),
@@ -57,9 +57,9 @@ std::vector<at::Tensor> sparse_products(at::Tensor dz, at::Tensor weight, at::Te
   auto scratch = dz.new_empty({gemmfuse::sparse_scratch(M, N)}, dz.options().dtype(at::kInt));
   auto stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err =
-      dz.scalar_type() == at::kFloat
-          ? launch<float>(dz, weight, x, dx, dw, scratch, stream)
-          : launch<__nv_bfloat16>(dz, weight, x, dx, dw, scratch, stream);
+      dtype == at::kFloat      ? launch<float>(dz, weight, x, dx, dw, scratch, stream)
+      : dtype == at::kBFloat16 ? launch<__nv_bfloat16>(dz, weight, x, dx, dw, scratch, stream)
+                               : launch<__half>(dz, weight, x, dx, dw, scratch, stream);
   check_cuda(err, "sparse_products launch");
   return {dx, dw};
 }

@@ -15,6 +15,7 @@ __device__ __forceinline__ void store_rounded(float* p, double v) { *p = static_
 __device__ __forceinline__ void store_rounded(__nv_bfloat16* p, double v) {
   *p = __double2bfloat16(v);
 }
+__device__ __forceinline__ void store_rounded(__half* p, double v) { *p = __double2half(v); }
 
 template <class T>
 __global__ void __launch_bounds__(kThreads)
@@ -45,5 +46,7 @@ template cudaError_t launch_column_sums<float>(const float*, int64_t, int64_t, d
                                                cudaStream_t);
 template cudaError_t launch_column_sums<__nv_bfloat16>(const float*, int64_t, int64_t, double*,
                                                        __nv_bfloat16*, cudaStream_t);
+template cudaError_t launch_column_sums<__half>(const float*, int64_t, int64_t, double*, __half*,
+                                                cudaStream_t);
 
 }  // namespace gemmfuse

@@ -57,6 +57,7 @@ constexpr int64_t kSparseStripChunk = kThreads * kStripPerThread;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 template <class T>
 __device__ __forceinline__ T from_float(float v);
 template <>
@@ -66,6 +67,10 @@ __device__ __forceinline__ float from_float<float>(float v) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
 }
 
 // N consecutive values as a register array, moved in 16-byte pieces (or, for fewer bytes in
@@ -672,5 +677,8 @@ template cudaError_t launch_sparse_products<__nv_bfloat16>(const __nv_bfloat16*,
                                                            const __nv_bfloat16*, __nv_bfloat16*,
                                                            __nv_bfloat16*, int*, int, int, int,
                                                            cudaStream_t);
+template cudaError_t launch_sparse_products<__half>(const __half*, const __half*, const __half*,
+                                                    __half*, __half*, int*, int, int, int,
+                                                    cudaStream_t);
 
 }  // namespace gemmfuse

@@ -3,12 +3,13 @@
 #pragma once
 #include <cstdint>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 namespace gemmfuse {
 
 // dx [M, K] = dz [M, N] @ w [N, K] and dw [N, K] = dz^T @ x (x [M, K]) from dz's nonzero
-// entries alone (all row-major, contiguous; T float or __nv_bfloat16; each output a float sum
+// entries alone (all row-major, contiguous; T float, __nv_bfloat16 or __half; each output a float sum
 // in a fixed order, rounded once). dx or dw null: not computed. Scratch: sparse_scratch ints.
 template <class T>
 cudaError_t launch_sparse_products(const T* dz, const T* w, const T* x, T* dx, T* dw,
