@@ -799,13 +799,26 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     sync();
     if (is_last) {
       __threadfence();
+      // The row's partials in tile order, kFold loads in flight before they are merged: one
+      // at a time, the last block of a row band waited on 64 L2 loads in turn (#75 at N = 8192)
+      // after every other block had finished.
+      constexpr int kFold = 8;
       for (int r = tid; r < rows_here; r += kThreads) {
         RowAcc acc = row_acc_empty<kind>();
-        for (int tn = 0; tn < tc.n_tiles; ++tn) {
-          const int64_t at = static_cast<int64_t>(tn) * args.M + tc.m0 + r;
-          RowAcc part{__ldcg(args.row_partial + at), 0.f};
-          if constexpr (kPairs) part.s = __ldcg(args.row_partial + s_half + at);
-          acc = tn == 0 ? part : row_acc_merge<kind>(acc, part);
+        for (int tn0 = 0; tn0 < tc.n_tiles; tn0 += kFold) {
+          RowAcc part[kFold];
+#pragma unroll
+          for (int j = 0; j < kFold; ++j) {
+            const int64_t at = static_cast<int64_t>(min(tn0 + j, tc.n_tiles - 1)) * args.M +
+                               tc.m0 + r;
+            part[j] = {__ldcg(args.row_partial + at), 0.f};
+            if constexpr (kPairs) part[j].s = __ldcg(args.row_partial + s_half + at);
+          }
+#pragma unroll
+          for (int j = 0; j < kFold; ++j) {
+            const int tn = tn0 + j;
+            if (tn < tc.n_tiles) acc = tn == 0 ? part[j] : row_acc_merge<kind>(acc, part[j]);
+          }
         }
         args.row_out[tc.m0 + r] = row_acc_finish<kind>(acc, args.N / Epi::kPool);
       }
