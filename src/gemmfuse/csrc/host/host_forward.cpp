@@ -94,17 +94,18 @@ at::Tensor fused_forward_16bit(int64_t table, at::Tensor x, at::Tensor w,
 // The epilogue path: y = x @ W^T + b [M, N] float32, computed by PyTorch (its fp32 GEMM, bias
 // included), or any (M, N) value -> the chain of y ([M, N]), or its reduction ([M]). in_place:
 // the chain's values overwrite y (which is returned); else y is left as it is and a new tensor
-// holds them. A bfloat16 y (a bf16 model's own GEMM, from PyTorch: the bits eager reduces) takes
-// chains that reduce in tiles (no wide GroupNorm groups), rounds as eager bf16 does and returns
-// bf16; group_stats: tile_epilogue.cuh's eager_group_stats mode (0 for float32 y).
+// holds them. A 16-bit y (a bf16 or fp16 model's own GEMM, from PyTorch: the bits eager
+// normalises and reduces) takes chains that norm or reduce in tiles (no wide GroupNorm groups),
+// rounds as eager rounds in its dtype and returns that dtype; group_stats: tile_epilogue.cuh's
+// eager_group_stats mode (bf16 only; 0 for other dtypes).
 at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
                             std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
                             bool norm_wide, bool in_place, int64_t group_stats) {
-  const bool bf16 = y.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(y.is_cuda() && (y.scalar_type() == at::kFloat || bf16) && y.dim() == 2 &&
-                  y.is_contiguous(),
-              "gemmfuse: y must be a contiguous 2-D float32 or bfloat16 CUDA tensor");
+  const at::ScalarType dtype = y.scalar_type();
+  const bool bf16 = dtype == at::kBFloat16, model16 = bf16 || dtype == at::kHalf;
+  TORCH_CHECK(y.is_cuda() && (dtype == at::kFloat || model16) && y.dim() == 2 && y.is_contiguous(),
+              "gemmfuse: y must be a contiguous 2-D float32, bfloat16 or float16 CUDA tensor");
   TORCH_CHECK(group_stats >= 0 && group_stats <= 2 && (bf16 || group_stats == 0),
               "gemmfuse: group_stats must be 0, or 1 or 2 for a bfloat16 y");
   gemmfuse::FusedArgs args = chain_args(y.size(0), y.size(1), std::nullopt, gn_weight, gn_bias,
@@ -112,20 +113,20 @@ at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tenso
   c10::cuda::CUDAGuard guard(y.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const gemmfuse::ChainTable& t = chain(table);
-  if (bf16) {
+  if (model16) {
     // (the launch refuses a chain with neither a norm nor a reduction: its kernel reads float32)
-    TORCH_CHECK(!norm_wide, "gemmfuse: a bfloat16 y takes chains without wide GroupNorm groups");
+    TORCH_CHECK(!norm_wide, "gemmfuse: a 16-bit y takes chains without wide GroupNorm groups");
     args.epilogue_in16 = reinterpret_cast<const uint16_t*>(y.data_ptr());
-    args.params.model16 = gemmfuse::kBf16Model;
+    args.params.model16 = bf16 ? gemmfuse::kBf16Model : gemmfuse::kFp16Model;
     args.params.group_stats = static_cast<int>(group_stats);
   } else if (in_place) {
     args.out = y.data_ptr<float>();
   } else {
     args.epilogue_in = y.data_ptr<float>();  // allocate_outputs gives `out` where one is needed
   }
-  const auto outputs = allocate_outputs(t, args, y, bf16 ? at::kBFloat16 : at::kFloat, stream);
+  const auto outputs = allocate_outputs(t, args, y, dtype, stream);
   check_cuda(t.launch_epilogue_only(args, stream), "epilogue kernel launch");
-  if (bf16) return outputs.front().to(at::kBFloat16);  // the reduced rows: bf16, as eager's
+  if (model16) return outputs.front().to(dtype);  // the reduced rows: 16-bit, as eager's
   return t.reduce_kind != 0 || !in_place ? outputs.front() : y;
 }
 
