@@ -162,19 +162,26 @@ def test_bf16_reductions_take_the_epilogue_path_where_eager_is_reproduced(monkey
     assert path(Epilogue(reduce=Reduction("min"))) == ("epilogue", "")  # no norm: no statistics
 
 
-def test_float16_models_take_the_hopper_kernel_for_every_chain(monkeypatch):
+def test_float16_models_take_the_hopper_kernels_for_every_chain(monkeypatch):
     """A float16 model's chain, every reduction included (one fp16 ulp of a reduced value is
-    within KernelBench's 1e-2 fp16 tolerance, unlike bf16's), takes the fused kernel on sm_90
-    from the size thresholds up; below them, with the portable or epilogue kernel, on unaligned
-    rows or off sm_90 it stays on PyTorch, saying why."""
+    within KernelBench's 1e-2 fp16 tolerance, unlike bf16's), takes a Hopper path on sm_90 from
+    the size thresholds up: under kernel="auto" the epilogue path where the chain norms or
+    reduces in tiles (model16_in_tiles), the fused kernel for the others and when forced;
+    below the thresholds, with the portable or epilogue kernel, on unaligned rows or off sm_90
+    it stays on PyTorch, saying why."""
     monkeypatch.setattr(gemmfuse.dispatch, "_device_problem", lambda x: "")
     monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
     x, w = torch.randn(1024, 1024).half(), torch.randn(1024, 1024).half()
     chains = [Epilogue(norm=GroupNormSpec(32), reduce=None if r is None else Reduction(r))
               for r in (None, "min", "max", "sum", "mean", "logsumexp")]  # fmt: skip
     for epilogue in chains:
-        for kernel in ("auto", "hopper"):
-            assert select_path(x, w, epilogue, kernel) == ("fused", "")
+        assert select_path(x, w, epilogue, "auto") == ("epilogue", "")
+        assert select_path(x, w, epilogue, "hopper") == ("fused", "")
+    pointwise = Epilogue(pre=(Pointwise("relu"),))  # the chain kernel reads float32 there
+    wide = Epilogue(norm=GroupNormSpec(4))  # groups of 256 straddle the tiles
+    softmax = Epilogue(norm=GroupNormSpec(1, layer=True, affine=False, softmax=True))
+    for epilogue in (pointwise, wide, softmax):
+        assert select_path(x, w, epilogue, "auto") == ("fused", "")
     chain = chains[1]
     path, reason = select_path(x[:8], w, chain)
     assert path == "torch" and "eager float16 is as fast" in reason

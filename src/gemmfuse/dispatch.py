@@ -209,7 +209,26 @@ def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tupl
             f"M={m}, N={n}, K={k} is below the fused kernel's thresholds (dispatch.MIN_FUSED_*), "
             f'where eager {_DTYPE_NAMES[x.dtype]} is as fast; kernel="hopper" forces it'
         )
+    if x.dtype in MODEL16 and kernel == "auto" and model16_in_tiles(epilogue, n):
+        return "epilogue", ""
     return "fused", ""
+
+
+def model16_in_tiles(epilogue: Epilogue, n: int) -> bool:
+    """Whether a 16-bit model's call that the fused kernel would take runs the epilogue path
+    instead: PyTorch's GEMM in the model's dtype, then the chain kernel on its result, for
+    chains that norm or reduce within 128-channel tiles (the kernel that reads a 16-bit input).
+    cuBLAS's one-pass 16-bit GEMM outruns the fused kernel's mainloop, whose epilogue is not
+    overlapped with it: at #62's size (H100, 2026-11-26, torch.profiler, commit of this rule)
+    the bf16 GEMM took 171 us and the fused kernel 226 us without its 16-bit z, so the two
+    kernels together are the faster, once the chain kernel is; a bf16 chain then normalises
+    with eager bf16's statistics and gives eager's output to the bit."""
+    norm = epilogue.norm
+    if norm is None and epilogue.reduce is None:
+        return False  # a pointwise chain's kernel reads float32
+    if norm is not None and norm.softmax:
+        return False
+    return not norm_settings(epilogue, n)[2]
 
 
 def select_epilogue_path(z, epilogue: Epilogue, params=()) -> tuple[str, str]:

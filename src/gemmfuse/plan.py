@@ -69,10 +69,10 @@ def planned_saving_z(cache, epilogue, kernel, precision, x, weight, bias, gn_wei
 
 
 def plannable(path: str, x) -> bool:
-    """Whether a call that took ``path`` leaves a plan: the fused path, and a bf16 model's
-    epilogue path (a chain with a reduction; the float32 one serves small problems, where its
+    """Whether a call that took ``path`` leaves a plan: the fused path, and a 16-bit model's
+    epilogue path (dispatch.model16_in_tiles; the float32 one serves small problems, where its
     own few-rows kernel and in-place launch are not planned)."""
-    return path == "fused" or (path == "epilogue" and x.dtype == torch.bfloat16)
+    return path == "fused" or (path == "epilogue" and x.dtype in MODEL16)
 
 
 def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, grad: bool,

@@ -331,6 +331,38 @@ def test_fp16_model(number, m, k, n, groups):
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+    reason="16-bit models take the Hopper paths only (sm_90)",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("number", [62, 75])
+def test_16bit_models_at_kernelbench_size_take_the_epilogue_path(number, dtype):
+    """Under kernel="auto" a 16-bit model at KernelBench's size runs PyTorch's GEMM in its dtype
+    and then the chain kernel (dispatch.model16_in_tiles): a bf16 model's output is eager bf16's
+    to the bit (eager's GEMM, its GroupNorm statistics, its roundings); an fp16 one's is no
+    further from the fp16 model's float64 values than twice eager fp16's, allclose(1e-2)."""
+    problem = get_problem(number)
+    module = problem.load()
+    ref, new = build_pair(problem, module.get_init_inputs())
+    ref, new = ref.to(CUDA, dtype), new.to(CUDA, dtype)
+    exact_model = copy.deepcopy(ref).double()  # the 16-bit model's own values, in float64
+    torch.manual_seed(number)
+    x = module.get_inputs()[0].to(CUDA, dtype)
+    with torch.no_grad():
+        expect = ref(x)
+        exact = exact_model(x.double())
+        poison_allocator(expect.numel() * 4, x.device)
+        got = new(x)
+    assert new.last_path == "epilogue"
+    assert got.dtype == dtype and got.shape == expect.shape and not got.isnan().any()
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expect)
+    else:
+        assert max_abs_err(got, exact) <= 2 * max_abs_err(expect, exact)
+        torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_fp16_small_problems_and_unaligned_rows_take_the_pytorch_path():
     """Under kernel="auto", a float16 problem below the fused kernel's thresholds runs eager's
     own ops, as does one whose rows are not 16-byte aligned, each saying why."""

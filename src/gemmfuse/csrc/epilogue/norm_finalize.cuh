@@ -189,25 +189,63 @@ __device__ __forceinline__ const float* epilogue_source(const FusedArgs& args) {
   return args.epilogue_in != nullptr ? args.epilogue_in : args.out;
 }
 
-// The epilogue path: args.out holds x @ W^T + b from PyTorch's GEMM (args.bias is null). A
-// block stages one kTile x kTile tile of it (rows past M not even in shared memory), applies
-// `pre`, and runs the GEMM kernels' own tile_epilogue on it: the same statistics, merges and
-// reductions, so the two paths differ only in the GEMM. Tiles, not rows, are the unit of work
-// so that a handful of rows still spreads over many blocks: one block per row was latency-bound
-// (about 30 us for one row of 8192).
+// The epilogue path's input tile, `pre` applied, staged into shared memory 16 bytes a load:
+// kPer values (8 of a 16-bit model's, 4 of float32), rows of N values that keep 16-byte
+// alignment, 8 loads a thread in flight at once (a 16-bit tile's 32 KB in one batch). Loaded
+// a value at a time, the address arithmetic and the waits dominated: #75's bf16 chain kernel
+// took 44 us for its 16 MB (torch.profiler, H100, 2026-11-26), most stall samples there (ncu).
+template <class Epi, int kPer>
+__device__ __forceinline__ void stage_vectors(float* tile, const void* src, int m0, int n0,
+                                              int rows_here, int cols_here, int tid,
+                                              const FusedArgs& args) {
+  constexpr int kPerRow = kTile / kPer, kLoads = 8;
+  constexpr int kBatches = kTile * kPerRow / (kFinalizeThreads * kLoads);
+  static_assert(kBatches * kFinalizeThreads * kLoads == kTile * kPerRow, "whole batches");
+  const int model16 = args.params.model16;
+#pragma unroll 1
+  for (int batch = 0; batch < kBatches; ++batch) {
+    uint4 raw[kLoads];
+#pragma unroll
+    for (int v = 0; v < kLoads; ++v) {
+      const int idx = tid + (batch * kLoads + v) * kFinalizeThreads;
+      const int r = idx / kPerRow, c = idx % kPerRow * kPer;
+      const int64_t at = static_cast<int64_t>(m0 + r) * args.N + n0 + c;  // in values
+      raw[v] = make_uint4(0u, 0u, 0u, 0u);
+      if (r < rows_here && c < cols_here) {
+        if constexpr (kPer == 8)
+          raw[v] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(src) + at));
+        else  // plain loads: `src` may be args.out, which the block writes after staging
+          raw[v] = *reinterpret_cast<const uint4*>(static_cast<const float*>(src) + at);
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kLoads; ++v) {
+      const int idx = tid + (batch * kLoads + v) * kFinalizeThreads;
+      const int r = idx / kPerRow, c = idx % kPerRow * kPer;
+      if (r >= rows_here || c >= cols_here) continue;
+      const uint32_t words[4] = {raw[v].x, raw[v].y, raw[v].z, raw[v].w};
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        float z;
+        if constexpr (kPer == 8)
+          z = from_model16(static_cast<uint16_t>(words[j / 2] >> (16 * (j % 2))), model16);
+        else
+          z = __uint_as_float(words[j]);
+        tile[r * kEpiStride + c + j] = epilogue_input<Epi>(z, 1.f, m0 + r, n0 + c + j, args);
+      }
+    }
+  }
+}
+
+// The same a value at a time, kBatch loads in flight per thread, for rows that are not
+// 16-byte aligned. A 16-bit input's raw values go into registers of their own before they are
+// converted: loaded and converted in one expression, each load waited in turn (ncu, #75's bf16
+// chain, 2026-11-26: 46% of stalls on the conversions, 169 GB/s).
 template <class Epi>
-__global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedArgs args) {
-  extern __shared__ float tile[];
-  const int m0 = blockIdx.x * kTile, n0 = blockIdx.y * kTile, tid = threadIdx.x;
-  const int rows_here = min(kTile, args.M - m0), cols_here = min(kTile, args.N - n0);
+__device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int rows_here,
+                                             int cols_here, int tid, const FusedArgs& args) {
   const float* in = epilogue_source(args);
-  const uint16_t* in16 = args.epilogue_in16;  // a 16-bit model's z, when not null
-  // kBatch loads in flight per thread before any is used, where one at a time each thread
-  // waited on 64 global loads in turn: #75's fp32 chain at 1024 x 8192 took 52 us against 68
-  // (torch.profiler, H100, 2026-11-25, two machines). A 16-bit input's raw values are loaded
-  // into registers of their own first and converted after: loaded and converted in one
-  // expression, the compiler gave every load one register and so waited on each in turn (ncu,
-  // #75's bf16 chain, 2026-11-26: 46% of stalls on the conversions, 169 GB/s, 100 us).
+  const uint16_t* in16 = args.epilogue_in16;
   constexpr int kBatch = 16;
   const int count = rows_here * kTile;
   auto place = [&](int idx, int64_t& at) {
@@ -240,6 +278,28 @@ __global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedAr
         tile[r * kEpiStride + c] = epilogue_input<Epi>(z[b], 1.f, m0 + r, n0 + c, args);
     }
   }
+}
+
+// The epilogue path: args.out holds x @ W^T + b from PyTorch's GEMM (args.bias is null). A
+// block stages one kTile x kTile tile of it (rows past M not even in shared memory), applies
+// `pre`, and runs the GEMM kernels' own tile_epilogue on it: the same statistics, merges and
+// reductions, so the two paths differ only in the GEMM. Tiles, not rows, are the unit of work
+// so that a handful of rows still spreads over many blocks: one block per row was latency-bound
+// (about 30 us for one row of 8192).
+template <class Epi>
+__global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedArgs args) {
+  extern __shared__ float tile[];
+  const int m0 = blockIdx.x * kTile, n0 = blockIdx.y * kTile, tid = threadIdx.x;
+  const int rows_here = min(kTile, args.M - m0), cols_here = min(kTile, args.N - n0);
+  const float* in = epilogue_source(args);
+  const uint16_t* in16 = args.epilogue_in16;  // a 16-bit model's z, when not null
+  // N a multiple of the values in 16 bytes keeps every row (and n0, a multiple of kTile) aligned
+  if (in16 != nullptr && args.N % 8 == 0 && reinterpret_cast<uintptr_t>(in16) % 16 == 0)
+    stage_vectors<Epi, 8>(tile, in16, m0, n0, rows_here, cols_here, tid, args);
+  else if (in16 == nullptr && args.N % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0)
+    stage_vectors<Epi, 4>(tile, in, m0, n0, rows_here, cols_here, tid, args);
+  else
+    stage_values<Epi>(tile, m0, n0, rows_here, cols_here, tid, args);
   __syncthreads();
   const TileCoord coord{m0, n0, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
                         static_cast<int>(gridDim.y)};
