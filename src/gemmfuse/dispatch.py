@@ -218,11 +218,11 @@ def model16_in_tiles(epilogue: Epilogue, n: int) -> bool:
     """Whether a 16-bit model's call that the fused kernel would take runs the epilogue path
     instead: PyTorch's GEMM in the model's dtype, then the chain kernel on its result, for
     chains that norm or reduce within 128-channel tiles (the kernel that reads a 16-bit input).
-    cuBLAS's one-pass 16-bit GEMM outruns the fused kernel's mainloop, whose epilogue is not
-    overlapped with it: at #62's size (H100, 2026-11-26, torch.profiler, commit of this rule)
-    the bf16 GEMM took 171 us and the fused kernel 226 us without its 16-bit z, so the two
-    kernels together are the faster, once the chain kernel is; a bf16 chain then normalises
-    with eager bf16's statistics and gives eager's output to the bit."""
+    cuBLAS's 16-bit GEMM outruns the fused kernel's single product, whose epilogue is not
+    overlapped with its mainloop: at #62's size (H100, 2026-11-26, torch.profiler, commit
+    6d92f8d) the bf16 GEMM took 169 us and the chain kernel 36 us, 205 us in all against the
+    fused kernel's 224 (231 saving z); fp16 216 against 228. A bf16 chain there normalises with
+    eager bf16's statistics and gives eager's output to the bit."""
     norm = epilogue.norm
     if norm is None and epilogue.reduce is None:
         return False  # a pointwise chain's kernel reads float32
