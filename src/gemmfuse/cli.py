@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--iters", type=int, default=30, help="timed calls per median (>= 30)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     bench.add_argument(
-        "--no-modes", action="store_true", help='skip the precision="tf32" and bf16 rows'
+        "--no-modes", action="store_true", help='skip the precision="tf32", bf16 and fp16 rows'
     )
     bench.add_argument(
         "--trials", type=int, default=100,

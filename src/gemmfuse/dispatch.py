@@ -121,8 +121,9 @@ def _bf16_reduction_problem(epilogue: Epilogue, n: int, device_index: int) -> st
 
 def group_stats_mode(epilogue: Epilogue, x) -> int:
     """The epilogue kernel's group_stats for a call on x (fused_args.h): eager bf16's GroupNorm
-    arithmetic for a bf16 model's chain with a norm, else 0 (the package's own statistics)."""
-    if x.dtype != torch.bfloat16 or epilogue.norm is None:
+    arithmetic for a bf16 model's chain with a GroupNorm, else 0 (the package's own statistics:
+    eager's LayerNorm keeps its statistics in float, which is not GroupNorm's arithmetic)."""
+    if x.dtype != torch.bfloat16 or epilogue.norm is None or epilogue.norm.layer:
         return 0
     return eager_bf16_group_stats(x.device.index)
 
@@ -199,9 +200,12 @@ def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tupl
         problem = _bf16_reduction_problem(epilogue, n, x.device.index)
         return ("torch", problem) if problem else ("epilogue", "")
     if kernel == "epilogue":
-        if x.dtype != torch.float32:
-            return "torch", "the epilogue path takes float32 inputs"
-        return "epilogue", ""
+        if x.dtype == torch.float32 or model16_in_tiles(epilogue, n):
+            return "epilogue", ""
+        return "torch", (
+            "the epilogue path takes float32 inputs, and 16-bit ones whose chains norm or "
+            "reduce within 128-channel tiles"
+        )
     if kernel == "auto" and not fused_pays(m, n, k):
         if x.dtype == torch.float32:
             return "epilogue", ""
@@ -334,7 +338,7 @@ def backward_products(path: str, x, weight, kernel: str, epilogue: Epilogue):
 def backward_splits(path: str, x, weight, kernel: str) -> tuple[bool, bool]:
     """(dx, dW): whether each backward product runs on the Hopper split kernel, where the
     forward's rules would send a problem of its shape to the fused kernel (float32 models); else
-    as PyTorch multiplies (eager's own result, and a bf16 model's single product)."""
+    as PyTorch multiplies (eager's own result, and a 16-bit model's single product)."""
     (m, k), n = x.shape, weight.shape[0]
     # The portable kernel's products are not used: on one drawn chain (rdiv after a GroupNorm,
     # M = K = 1024, N = 600) its dx came out at 4.1e-3 relative error where eager's was 4.6e-7

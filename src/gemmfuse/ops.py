@@ -15,7 +15,7 @@ Paths, in the order they are tried:
     ``"hopper"`` forces one. ``tail`` ops
     (after a reduction) run in PyTorch on the reduced (M,) values.
 ``epilogue``
-    PyTorch's own fp32 GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
+    PyTorch's own GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
     that applies the whole chain tile by tile (csrc/epilogue/norm_finalize.cuh): two launches
     where eager makes one per op. At up to ``GEMV_MAX_ROWS`` rows (K a multiple of 4, 16-byte
     aligned rows) one kernel does both (csrc/gemm/gemv_epilogue.cuh): a matrix-vector product
@@ -24,7 +24,10 @@ Paths, in the order they are tried:
     problems below the fused kernel's size thresholds (``fused_pays``: small or few-row
     problems, where the fused kernel's fixed cost and idle tile rows cost more than its tensor
     cores save, and K < 1024, where the split GEMM's error is not reliably below eager's);
-    ``kernel="epilogue"`` forces it. bfloat16 chains with a min or max reduction take it
+    ``kernel="epilogue"`` forces it. bfloat16 and float16 models on sm_90 above those
+    thresholds take it under ``kernel="auto"`` where the chain norms or reduces within
+    128-channel tiles (``dispatch.model16_in_tiles``): PyTorch's GEMM in their dtype, then the
+    chain kernel on its 16-bit result. bfloat16 chains with a min or max reduction take it
     whatever ``kernel`` says: PyTorch's bf16 GEMM, then the chain with eager bf16's GroupNorm
     arithmetic, so the reduced value is eager's to the bit (dispatch.py's
     ``_bf16_reduction_problem`` says why, and which such chains stay on PyTorch).

@@ -6,8 +6,9 @@ KernelBench's #62 some 0.2 ms before the first launch (docs/DESIGN.md, "Host tim
 time wherever a caller's timing starts on an idle GPU, as KernelBench's does, and the whole
 step's time where host work outlasts GPU work (a bfloat16 training step).
 
-So a call that took the fused path with a weight cache (or a bf16 model's epilogue path: PyTorch's
-GEMM, then the chain kernel, for chains with a min or max) leaves a plan in it: the host
+So a call that took the fused path with a weight cache (or a 16-bit model's epilogue path:
+PyTorch's GEMM, then the chain kernel, for chains that norm or reduce in tiles) leaves a plan in
+it: the host
 extension's ``Plan`` (csrc/host/host_plan.h), holding every decision the Python made (the chain's
 table, the launch's arguments, which backward products run split) with the kinds of tensors it
 made them for (dtype, device, shape, strides, 16-byte alignment of each). A later call of the

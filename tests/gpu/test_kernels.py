@@ -247,6 +247,13 @@ def test_epilogue_path_rows_longer_than_shared_memory(number, n, groups):
     assert max_abs_err(got, exact) <= float64_bar(max_abs_err(expect, exact), 0.0, exact)
 
 
+NOT_HOPPER = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+    reason="16-bit models take the Hopper paths only (sm_90): elsewhere the reason differs",
+)
+
+
+@NOT_HOPPER
 def test_bf16_small_problems_take_the_pytorch_path_under_auto():
     ref, new = small_pair(62, init=(256, 256, 16))
     ref, new = ref.to(CUDA, torch.bfloat16), new.to(CUDA, torch.bfloat16)
@@ -331,10 +338,7 @@ def test_fp16_model(number, m, k, n, groups):
     torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-    reason="16-bit models take the Hopper paths only (sm_90)",
-)
+@NOT_HOPPER
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("number", [62, 75])
 def test_16bit_models_at_kernelbench_size_take_the_epilogue_path(number, dtype):
@@ -363,6 +367,66 @@ def test_16bit_models_at_kernelbench_size_take_the_epilogue_path(number, dtype):
         torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
 
 
+@NOT_HOPPER
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_epilogue_path_on_rows_not_16_byte_aligned(dtype):
+    """A GroupNorm (groups of 8) -> min chain at N = 1000 and M = 300 (neither a multiple of
+    the tiles), whose 16-bit rows are not 16-byte aligned: the chain kernel stages its tile a
+    value at a time (norm_finalize.cuh's stage_values). bf16: the row minima equal eager's to
+    the bit; fp16: within twice eager's error of the float64 values."""
+    torch.manual_seed(3)
+    m, k, n = 300, 1024, 1000
+    model = torch.nn.Sequential(torch.nn.Linear(k, n), torch.nn.GroupNorm(n // 8, n)).to(
+        CUDA, dtype
+    )
+    with torch.no_grad():
+        model[1].weight.normal_(1.0, 0.5)
+        model[1].bias.normal_(0.0, 0.5)
+    x = torch.randn(m, k, device=CUDA, dtype=dtype)
+    epilogue = Epilogue(norm=GroupNormSpec(n // 8), reduce=Reduction("min"))
+    exact_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        expect = model(x).amin(dim=1)
+        exact = exact_model(x.double()).amin(dim=1)
+        poison_allocator(4 * m * n, CUDA)
+        got, path = fused_linear_with_path(
+            x, model[0].weight, model[0].bias, epilogue, model[1].weight, model[1].bias
+        )
+    assert path == "epilogue" and got.dtype == dtype and not got.isnan().any()
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expect)
+    else:
+        assert max_abs_err(got, exact) <= 2 * max_abs_err(expect, exact)
+
+
+@NOT_HOPPER
+def test_bf16_layer_norm_on_the_epilogue_path_keeps_float_statistics():
+    """A bf16 LayerNorm over 128 channels (one group within a tile) takes the epilogue path
+    under kernel="auto" with the package's own statistics, not eager bf16 GroupNorm's rounded
+    ones, which eager's LayerNorm does not use: on data with a large common mean (where that
+    rounding shows most) within twice eager's error of the float64 values, allclose(1e-2)."""
+    torch.manual_seed(4)
+    m, k, n = 1024, 1024, 128
+    model = torch.nn.Sequential(torch.nn.Linear(k, n), torch.nn.LayerNorm(n)).to(
+        CUDA, torch.bfloat16
+    )
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16) * 0.05 + 1.0
+    with torch.no_grad():
+        model[0].bias.add_(20.0)  # a common mean far above the spread
+    epilogue = Epilogue(norm=GroupNormSpec(1, layer=True))
+    exact_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        expect = model(x)
+        exact = exact_model(x.double())
+        got, path = fused_linear_with_path(
+            x, model[0].weight, model[0].bias, epilogue, model[1].weight, model[1].bias
+        )
+    assert path == "epilogue"
+    assert max_abs_err(got, exact) <= 2 * max_abs_err(expect, exact)
+    torch.testing.assert_close(got.float(), expect.float(), atol=1e-2, rtol=1e-2)
+
+
+@NOT_HOPPER
 def test_fp16_small_problems_and_unaligned_rows_take_the_pytorch_path():
     """Under kernel="auto", a float16 problem below the fused kernel's thresholds runs eager's
     own ops, as does one whose rows are not 16-byte aligned, each saying why."""

@@ -9,9 +9,10 @@
 //   place (or a 16-bit model's to args.out16), or reduces the row
 //   into args.row_out. Merges and reductions run in a fixed order. A block takes a
 //   kFinalizeChunk-column piece of a row, or (when the chain reduces) the whole row.
-// - The epilogue path: PyTorch's own fp32 GEMM left x @ W^T + b in args.out, and
-//   tile_epilogue_kernel applies the whole chain to it (problems too small for the fused GEMM
-//   to pay off: one or two launches after the GEMM instead of one per op).
+// - The epilogue path: PyTorch's own GEMM left x @ W^T + b in args.out (or, a 16-bit model's,
+//   in args.epilogue_in16), and tile_epilogue_kernel applies the whole chain to it (float32
+//   problems too small for the fused GEMM to pay off: one or two launches after the GEMM
+//   instead of one per op; 16-bit chains that norm or reduce in tiles at every size above them).
 #pragma once
 #include <algorithm>
 #include <cstdint>

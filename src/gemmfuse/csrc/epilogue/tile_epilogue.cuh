@@ -407,8 +407,8 @@ __device__ __forceinline__ SegmentMoments eager_group_stats_warp(const float* v,
 }
 
 // Whether a call's norm takes eager bf16's GroupNorm statistics: kEager (the epilogue path's
-// kernel), a GroupNorm's moments, and the call asks (params.group_stats; the host sets it for
-// a GroupNorm only).
+// kernel), a GroupNorm's moments, and the call asks (params.group_stats; dispatch.py's
+// group_stats_mode asks for a bf16 GroupNorm only, never a LayerNorm).
 template <class Epi, bool kEager>
 __device__ __forceinline__ bool eager_stats(const FusedArgs& args) {
   if constexpr (kEager && !Epi::kSoftmax && !Epi::kRms)

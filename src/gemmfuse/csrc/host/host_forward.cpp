@@ -114,7 +114,8 @@ at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tenso
   auto stream = c10::cuda::getCurrentCUDAStream();
   const gemmfuse::ChainTable& t = chain(table);
   if (model16) {
-    // (the launch refuses a chain with neither a norm nor a reduction: its kernel reads float32)
+    // (the launch refuses a chain with neither a norm nor a reduction: its kernel reads float32;
+    // the check after the launch says so)
     TORCH_CHECK(!norm_wide, "gemmfuse: a 16-bit y takes chains without wide GroupNorm groups");
     args.epilogue_in16 = reinterpret_cast<const uint16_t*>(y.data_ptr());
     args.params.model16 = bf16 ? gemmfuse::kBf16Model : gemmfuse::kFp16Model;
@@ -125,7 +126,10 @@ at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tenso
     args.epilogue_in = y.data_ptr<float>();  // allocate_outputs gives `out` where one is needed
   }
   const auto outputs = allocate_outputs(t, args, y, dtype, stream);
-  check_cuda(t.launch_epilogue_only(args, stream), "epilogue kernel launch");
+  const cudaError_t err = t.launch_epilogue_only(args, stream);
+  TORCH_CHECK(!(model16 && err == cudaErrorInvalidValue),
+              "gemmfuse: a 16-bit y takes chains that norm or reduce within 128-channel tiles");
+  check_cuda(err, "epilogue kernel launch");
   if (model16) return outputs.front().to(dtype);  // the reduced rows: 16-bit, as eager's
   return t.reduce_kind != 0 || !in_place ? outputs.front() : y;
 }

@@ -87,7 +87,7 @@ struct PlanSpec {
   bool backward = false;                // the chain backward kernel serves this call's backward
   bool split_dx = false, split_dw = false;  // the backward products on the split kernel
   bool sparse = false;  // dz is zero but for a few groups a row: the sparse products (before split)
-  // The epilogue path (a bf16 model's chain with a reduction): PyTorch's GEMM, then
+  // The epilogue path (a 16-bit model's chain that norms or reduces in tiles): PyTorch's GEMM, then
   // epilogue_forward with this group_stats, in place of the fused kernel.
   bool epilogue_path = false;
   int64_t group_stats = 0;
