@@ -4,8 +4,9 @@ Each part of a chain's library (gemmfuse.jit.CHAIN_PARTS) is compiled as it stan
 generated epilogue header of every kernel structure the shipped problems use, of chains holding
 every pointwise op (the last with logsumexp, the reduction with the most code), of the chains
 that read values again (gemmfuse.chains.value_chains) and of the softmax chains, for sm_90a and
-the portable sm_80 target (the Hopper parts for sm_80 with the first structure only: their
-kernels are empty there, so the others would repeat the sm_90a compile's host code). The
+the portable sm_80 target (for sm_80 every part but the portable kernel with the first
+structure only: the Hopper parts' kernels are empty there, and the others compile the same
+source as for sm_90a, where nothing but gemm_gn_sm90.cuh depends on the architecture). The
 chain-independent split.cu is compiled once per target, and fused_linear.cu (a standalone
 export's one translation unit: the same parts together) once, with the first structure.
 Usage: python scripts/compile_check.py [--jobs N]
@@ -36,7 +37,7 @@ from gemmfuse.kernelbench.registry import PROBLEMS
 from gemmfuse.sources import GENERATED_HEADER
 
 ARCHS = ("compute_90a,code=sm_90a", "compute_80,code=sm_80")
-SM90_ONLY_PARTS = ("chain_sm90_split.cu", "chain_sm90_one_pass.cu", "chain_sm90_bf16.cu")
+SM80_PART = "chain_sm80.cu"  # the one part with kernels of its own for sm_80
 
 
 def every_op_chains() -> list[Epilogue]:
@@ -82,10 +83,12 @@ def main() -> int:
             (include / GENERATED_HEADER).write_text(cuda_epilogue(structure))
             for arch in ARCHS:
                 for source in CHAIN_PARTS:
-                    # For sm_80 the Hopper parts' kernels are empty (their bodies need sm_90a's
-                    # features) and their host code is the sm_90a compile's: one structure
-                    # checks what the others would.
-                    if i == 0 or arch == ARCHS[0] or source not in SM90_ONLY_PARTS:
+                    # For sm_80 only the portable kernel (chain_sm80.cu) is code of its own: the
+                    # Hopper parts' kernels are empty there (their bodies need sm_90a's
+                    # features), and the other parts compile the very source the sm_90a compile
+                    # does (only gemm_gn_sm90.cuh tests the architecture). One structure checks
+                    # them for sm_80.
+                    if i == 0 or arch == ARCHS[0] or source == SM80_PART:
                         compile_(source, arch, include, str(structure))
                 if i == 0:
                     compile_("split.cu", arch, include, "")
