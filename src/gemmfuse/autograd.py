@@ -39,7 +39,13 @@ from typing import NamedTuple
 
 import torch
 
-from gemmfuse.dispatch import MODEL16, SPLIT_COLS_MAX, norm_settings, split_padded
+from gemmfuse.dispatch import (
+    BACKWARD_DTYPES,
+    MODEL16,
+    SPLIT_COLS_MAX,
+    norm_settings,
+    split_padded,
+)
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 from gemmfuse.reference import apply_epilogue, apply_pointwise
@@ -157,7 +163,7 @@ def kernel_backward_serves(chain: Epilogue, dtype: torch.dtype, n: int, device) 
     bfloat16 or float16, a column slab's working set within a block's shared memory, no softmax
     over the channels and no max pooling before the reduction (the kernel differentiates
     neither)."""
-    if device.type != "cuda" or dtype not in (torch.float32, *MODEL16):
+    if device.type != "cuda" or dtype not in BACKWARD_DTYPES:
         return False
     if chain.norm is not None and chain.norm.softmax:
         return False
@@ -330,7 +336,7 @@ def _sparse_fits(call: FusedCall, dz, weight, x) -> bool:
     return (
         call.sparse
         and dz.is_cuda
-        and dz.dtype in (torch.float32, *MODEL16)
+        and dz.dtype in BACKWARD_DTYPES
         and weight.dtype == x.dtype == dz.dtype
     )
 

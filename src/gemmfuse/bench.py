@@ -148,12 +148,13 @@ def git_commit() -> str:
         return "unknown"
 
 
-def cuda_pair(number: int):
-    """(problem, its module, eager Model, gemmfuse ModelNew): seeded alike, on the GPU."""
+def cuda_pair(number: int, dtype: torch.dtype = torch.float32):
+    """(problem, its module, eager Model, gemmfuse ModelNew): seeded alike, on the GPU, both
+    converted to ``dtype`` as KernelBench's 16-bit modes convert them (``.to(dtype)``)."""
     problem = get_problem(number)
     module = problem.load()
     ref, new = build_pair(problem, module.get_init_inputs())
-    return problem, module, ref.cuda(), new.cuda()
+    return problem, module, ref.to("cuda", dtype), new.to("cuda", dtype)
 
 
 def run_problem(number: int, seeds: int, iters: int, compile_: bool) -> Result:
@@ -269,10 +270,9 @@ def run_speed_modes(number: int, iters: int) -> list[ModeResult]:
 
 
 def _16bit_mode(number: int, dtype: torch.dtype, name: str, x, exact, iters: int) -> ModeResult:
-    """KernelBench's 16-bit mode: a fresh pair converted with ``.to(dtype)`` (a module's ``to``
-    converts it in place), tolerance 1e-2."""
-    _, _, ref, new = cuda_pair(number)
-    ref16, new16 = ref.to(dtype=dtype), new.to(dtype=dtype)
+    """KernelBench's 16-bit mode: a fresh pair in ``dtype`` (a module's ``to`` converts it in
+    place, so the fp32 pair is not reused), tolerance 1e-2."""
+    _, _, ref16, new16 = cuda_pair(number, dtype)
     x16 = [t.to(dtype) for t in x]
     with torch.no_grad():
         expect16, got16 = ref16(*x16), new16(*x16)

@@ -83,10 +83,10 @@ def run_problem(number: int, trials: int, compile_: bool) -> list[dict]:
 
 
 def _16bit_rows(number: int, dtype: torch.dtype, name: str, x, grad, trials: int) -> list[dict]:
-    """KernelBench's 16-bit mode for one dtype: a fresh pair converted with ``.to(dtype)`` (a
-    module's ``to`` converts it in place), its forward as constructed and a training step."""
-    _, _, ref, new = cuda_pair(number)
-    ref, new = ref.to(dtype=dtype), new.to(dtype=dtype)
+    """KernelBench's 16-bit mode for one dtype: a fresh pair in ``dtype`` (a module's ``to``
+    converts it in place, so the fp32 pair is not reused), its forward as constructed and a
+    training step."""
+    _, _, ref, new = cuda_pair(number, dtype)
     x16, grad16 = x.to(dtype), grad.to(dtype)
     x16g = x16.detach().requires_grad_()
     rows = []

@@ -34,6 +34,8 @@ PRECISIONS = {"fp32": True, "tf32": False}
 # The 16-bit models the Hopper kernel fuses: one tensor-core product on their own operands, the
 # epilogue in fp32, rounded to their dtype where eager rounds (fused_args.h's ModelDtype).
 MODEL16 = (torch.bfloat16, torch.float16)
+# The dtypes the backward's kernels take (the chain backward, the sparse products, the column sums)
+BACKWARD_DTYPES = (torch.float32, *MODEL16)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # kernel="auto" takes the fused kernel from these sizes up, and below them the epilogue path
 # (float32) or the PyTorch path (bfloat16, float16; a bf16 chain with a min or max takes the
@@ -327,7 +329,7 @@ def backward_products(path: str, x, weight, kernel: str, epilogue: Epilogue):
     (m, k), n = x.shape, weight.shape[0]
     if (
         path != "torch"
-        and x.dtype in (torch.float32, *MODEL16)
+        and x.dtype in BACKWARD_DTYPES
         and sparse_gradient(epilogue, n)
         and sparse_fits(m, n, k)
     ):

@@ -13,6 +13,8 @@ changed in place, an input changed in place before the backward, a second backwa
 derivative, a CUDA graph being captured.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -91,6 +93,15 @@ class Case:
         return gemmfuse.fused_linear(
             self.x, self.weight, self.bias, self.epilogue, *self.gn, params=self.params,
             weight_cache=cache, kernel=kernel, precision=precision,
+        )  # fmt: skip
+
+    def op(self, library_op, precision, token):
+        """``library_op`` (a ``gemmfuse::`` op) on the case's tensors and chain, the Hopper kernel
+        forced, with the weight cache of ``token`` (-1: none)."""
+        chain = epilogue_spec(self.epilogue, tail=False)
+        return library_op(
+            self.x, self.weight, self.bias, *self.gn, list(self.params), chain, "hopper",
+            precision, token,
         )  # fmt: skip
 
     def grads(self, out, grad):
@@ -180,13 +191,7 @@ def test_the_saving_z_op_runs_a_plan_bit_for_bit(name, precision, dtype, monkeyp
     GEMM result z the backward reads, equal the Python path's (no cache) bit for bit."""
     case = Case(name, dtype=dtype, seed=hash(("z", name, precision, str(dtype))) % 1000)
     decided = counting(monkeypatch, gemmfuse.library, "take_path")
-    chain = epilogue_spec(case.epilogue, tail=False)
-
-    def op(token):
-        return torch.ops.gemmfuse.fused_linear_saving_z(
-            case.x, case.weight, case.bias, *case.gn, list(case.params), chain, "hopper",
-            precision, token,
-        )  # fmt: skip
+    op = functools.partial(case.op, torch.ops.gemmfuse.fused_linear_saving_z, precision)
 
     with torch.no_grad():
         python = op(-1)
@@ -227,13 +232,7 @@ def test_the_inference_op_runs_a_plan_bit_for_bit(name, precision, dtype, monkey
     decided = counting_validate(monkeypatch)
     # fused_linear's implementation: the Python path around the plans
     forwarded = counting(monkeypatch, gemmfuse.library, "_forward")
-    chain = epilogue_spec(case.epilogue, tail=False)
-
-    def op(token):
-        return torch.ops.gemmfuse.fused_linear_inference(
-            case.x, case.weight, case.bias, *case.gn, list(case.params), chain, "hopper",
-            precision, token,
-        )  # fmt: skip
+    op = functools.partial(case.op, torch.ops.gemmfuse.fused_linear_inference, precision)
 
     with torch.no_grad():
         for step in ("first", "after the weight changed"):

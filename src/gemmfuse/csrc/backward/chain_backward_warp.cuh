@@ -7,8 +7,8 @@
 // formulas, compensated group sums (mean, then centred sums that refine it), the same routing;
 // sums in another order. A 16-bit model's instance (kExact false) sums in plain fp32 and
 // finishes its statistics in float, as eager's GroupNorm and column sums do in bf16 and fp16:
-// its results are rounded to 16 bits anyway, and the compensated sums kept the kernel bound by instruction
-// issue, not memory (ncu, #62).
+// its results are rounded to 16 bits anyway, and the compensated sums kept the kernel bound by
+// instruction issue, not memory (ncu, #62).
 #pragma once
 #include <cstdint>
 
