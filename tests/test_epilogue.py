@@ -17,6 +17,7 @@ from gemmfuse.epilogue import (
     epilogue_problem,
     epilogue_spec,
 )
+from gemmfuse.pointwise import ROUND
 
 
 def chain(slope=0.01, eps=1e-5, groups=8):
@@ -229,13 +230,26 @@ def test_epilogue_problem_checks_values_without_raising():
     assert "reads Value(2)" in epilogue_problem(pre=(("sigmoid", ()), ("add", (Value(2),))))
 
 
+def test_generated_struct_rounds_as_its_instance_model():
+    """The generated struct is a template over the model dtype, every rounding of its ops (the
+    swish's inner sigmoid and its gradient included) takes that dtype, and GeneratedEpilogue is
+    the instance that reads it at run time (csrc/abi/fused_args.h)."""
+    code = cuda_epilogue(Epilogue(pre=(Pointwise("swish"), Pointwise("mul", (2.0,)))))
+    assert "template <int kModel>\nstruct GeneratedEpilogueFor {" in code
+    assert "static constexpr int kModelDtype = kModel;" in code
+    assert "using GeneratedEpilogue = GeneratedEpilogueFor<gemmfuse::kAnyModel>;" in code
+    assert ROUND == "gemmfuse::round_like_model<kModel>"
+    assert "round_like_model(" not in code.replace(f"{ROUND}(", "")
+    assert f"{ROUND}(gemmfuse::sigmoid_rn(" in code and "swish_grad<kModel>(" in code
+
+
 def test_generated_code_keeps_values_in_registers():
     """Without Value arguments a stretch is generated as before (one running v); with them each
     value has its register, and the backward gathers a value's later reads in d<index>."""
     plain = cuda_epilogue(Epilogue(pre=(Pointwise("sigmoid"), Pointwise("mul", (2.0,)))))
-    assert "    v = round_like_model(" in plain and "float d0" not in plain
+    assert f"    v = {ROUND}(" in plain and "float d0" not in plain
     code = cuda_epilogue(value_chains()[0].structure)
-    assert "const float v3 = round_like_model((v2 + v0), p);" in code and "v = v3;" in code
+    assert f"const float v3 = {ROUND}((v2 + v0), p);" in code and "v = v3;" in code
     assert "float d0 = 0.f;" in code and "d0 += d;" in code and "d += d0;" in code
     detached = cuda_epilogue(value_chains()[1].structure)
     assert "float d0" not in detached  # the detached read sends no gradient back

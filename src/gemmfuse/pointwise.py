@@ -119,9 +119,14 @@ def _extreme_grad(loses: str) -> str:
     return f"({{x}} {loses} {{a0}} ? 0.f : {{x}} == {{a0}} ? {{g}} * 0.5f : {{g}})"
 
 
+# A rounding in generated code: to the model's dtype, as the kernel instance's GeneratedEpilogueFor
+# fixes it at compile time (a float32 instance's folds away; csrc/abi/fused_args.h).
+ROUND = "gemmfuse::round_like_model<kModel>"
+
+
 def _rounded_scalar(expression: str) -> str:
     """``expression`` with its float argument rounded as the model's dtype rounds it."""
-    return expression.replace("{a0}", "round_like_model({a0}, p)")
+    return expression.replace("{a0}", f"{ROUND}({{a0}}, p)")
 
 
 def _float_arg(lo: float, hi: float) -> tuple:
@@ -177,9 +182,9 @@ POINTWISE: dict[str, PointwiseDef] = {
     # (optimize matches the pattern itself)
     "swish": PointwiseDef(
         0,
-        "({v} * round_like_model(gemmfuse::sigmoid_rn({v}), p))",
+        f"({{v}} * {ROUND}(gemmfuse::sigmoid_rn({{v}}), p))",
         lambda v: v * torch.sigmoid(v),
-        grad="gemmfuse::swish_grad({x}, {g}, p)",
+        grad="gemmfuse::swish_grad<kModel>({x}, {g}, p)",
         samples=_NO_ARGS, usage="`swish` (x * sigmoid(x), as two ops)",
     ),
     "mish": PointwiseDef(

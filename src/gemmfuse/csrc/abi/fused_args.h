@@ -15,6 +15,16 @@ constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) take
 // The dtype a model computes in: float32 (the split GEMM), or one of the 16-bit dtypes whose
 // models run one tensor-core product on their own operands and round where eager rounds.
 enum ModelDtype : int { kFloat32Model = 0, kBf16Model = 1, kFp16Model = 2 };
+// A kernel instance that serves whichever ModelDtype params.model16 names at run time (see
+// round_like_model).
+constexpr int kAnyModel = -1;
+
+// Whether a kernel instance (Epi: a GeneratedEpilogueFor) serves the dtype a call's params name:
+// each launch checks, so a call never runs an instance that would round as another dtype does.
+template <class Epi, class Params>
+inline bool serves_model(const Params& p) {
+  return Epi::kModelDtype == kAnyModel || Epi::kModelDtype == p.model16;
+}
 
 // Run-time arguments of the epilogue ops: floats (a LeakyReLU slope, a multiplier) and fp32
 // tensors read at (row, col) as vec[i][row * vec_row_stride[i] + col]: per channel (row stride
@@ -37,12 +47,22 @@ struct EpilogueParams {
 };
 
 #ifdef __CUDACC__
-// A float to the 16-bit dtype of the model (kBf16Model or kFp16Model), as its bits. Both
-// conversions, then a select, with no branch between the dtypes: these run at every rounding
-// point of the epilogues. A first version branched there (nested in round_like_model's own
-// branch); KernelBench's #37 then took 3.87 ms against 2.83 before 16-bit support (#81 0.85
-// against 0.65; H100, 2026-11-26), and its split kernel's PTX held 3340 branches where the
-// bf16-only rounding's held 895. This form's holds 895 again (not yet timed on a GPU).
+// The model dtype a kernel instance serves, fixed at compile time where its variant serves one
+// (the split kernel float32 models, the bf16 kernel bf16 ones: GeneratedEpilogueFor<kModel>),
+// or kAnyModel: the one params.model16 names at run time. Fixed, the roundings below fold to
+// nothing (float32) or to one conversion. Decided at run time at every rounding point, they
+// cost the float32 split kernel 30% at KernelBench's #81 (808 against 618 us) and 40% at #37
+// (3.78 against 2.69 ms; H100, 2026-11-26): conversions and selects the bf16-only rounding did
+// not have, issued (predicated off) for every value.
+
+template <int kModel>
+__device__ __forceinline__ int model_dtype(int model16) {
+  return kModel == kAnyModel ? model16 : kModel;
+}
+
+// A float to the 16-bit dtype of the model (kBf16Model or kFp16Model), as its bits: both
+// conversions, then a select (no branch between the dtypes when model16 is known only at run
+// time).
 __device__ __forceinline__ uint16_t to_model16(float v, int model16) {
   const uint16_t h = __half_as_ushort(__float2half_rn(v));
   const uint16_t b = __bfloat16_as_ushort(__float2bfloat16_rn(v));
@@ -61,13 +81,14 @@ __device__ __forceinline__ uint32_t pack_model16(float a, float b, int model16) 
          (static_cast<uint32_t>(to_model16(b, model16)) << 16);
 }
 
-// v rounded to the model's dtype where it is a 16-bit one: one branch, as the bf16-only rounding
-// had, around both roundings and a select.
+// v rounded to the model's dtype where it is a 16-bit one (kModel: the kernel instance's).
+template <int kModel = kAnyModel>
 __device__ __forceinline__ float round_like_model(float v, const EpilogueParams& p) {
-  if (p.model16 == kFloat32Model) return v;
+  const int model16 = model_dtype<kModel>(p.model16);
+  if (model16 == kFloat32Model) return v;
   const float h = __half2float(__float2half_rn(v));
   const float b = __bfloat162float(__float2bfloat16_rn(v));
-  return p.model16 == kFp16Model ? h : b;
+  return model16 == kFp16Model ? h : b;
 }
 #endif
 

@@ -248,6 +248,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
   float* g_mean = rstd + groups;
   float* gx_mean = g_mean + groups;
   const EpilogueParams& p = a.params;
+  const int model16 = model_dtype<Epi::kModelDtype>(a.model16);  // fixed where the instance is
   const bool affine = a.gn_weight != nullptr;
   for (int i = threadIdx.x; i < 2 * kSums * w; i += blockDim.x) sums[i] = 0.f;
   const int errors = kSums * w;  // where each sum's rounding error is kept
@@ -266,7 +267,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
     return (u - mean[g]) * rstd[g];
   };
   auto norm_out = [&](int c, float xh) {
-    return round_like_model(affine ? xh * __ldg(a.gn_weight + c) + __ldg(a.gn_bias + c) : xh, p);
+    return round_like_model<Epi::kModelDtype>(affine ? xh * __ldg(a.gn_weight + c) + __ldg(a.gn_bias + c) : xh, p);
   };
   int row = 0;  // the row the lambdas below read (the loop's)
   auto chain_out = [&](int j) {
@@ -278,10 +279,10 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
 
   for (row = blockIdx.x; row < a.M; row += gridDim.x) {
     const int64_t base = static_cast<int64_t>(row) * n + c0;
-    load_row(zrow, a.z, base, 1, w, a.model16);
+    load_row(zrow, a.z, base, 1, w, model16);
     if constexpr (kKind == 0)
       load_row(grow, a.grad, row * a.grad_row_stride + c0 * a.grad_col_stride, a.grad_col_stride,
-               w, a.model16);
+               w, model16);
     __syncthreads();
     if constexpr (Epi::kNorm) {
       // the mean, then the centred sums that refine it and give the variance
@@ -300,7 +301,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
     }
 
     float out = 0.f, ties = 0.f, row_grad = 0.f;
-    if constexpr (kKind != 0) row_grad = load_float(a.grad, row * a.grad_row_stride, a.model16);
+    if constexpr (kKind != 0) row_grad = load_float(a.grad, row * a.grad_row_stride, model16);
     if constexpr (kExtremes || kKind == 5) {
       // min / max (and logsumexp's shift): the extreme and its ties, of the slab, then the row
       constexpr int kExtreme = kKind == 5 ? 2 : kKind;
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
       } else {
         const float dz = Epi::pre_backward(zrow[j], row, c, p, dv, sums, j, w);
         column_add(sums, j, errors, dz);
-        store_float(a.dz, base + j, dz, a.model16);
+        store_float(a.dz, base + j, dz, model16);
       }
     }
 
@@ -366,7 +367,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_kernel(const 
         const float du = rstd[g] * (grow[j] - g_term - xh * (gx_mean[g] * inv_gs));
         const float dz = Epi::pre_backward(zrow[j], row, c, p, du, sums, j, w);
         column_add(sums, j, errors, dz);
-        store_float(a.dz, base + j, dz, a.model16);
+        store_float(a.dz, base + j, dz, model16);
       }
     }
     __syncthreads();  // the slab's buffers are free again

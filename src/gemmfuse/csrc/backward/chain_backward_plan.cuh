@@ -55,13 +55,16 @@ int resident_blocks(Kernel kernel, size_t bytes) {
 // working set exceeds what the device gives a block, or the chain has a softmax over the
 // channels or a max pooling before its reduction, which the kernels do not differentiate (the
 // chain's backward runs in PyTorch).
+// Epi: a float32 model's instance (GeneratedEpilogueFor<kFloat32Model>), or the 16-bit models'
+// (kAnyModel: bfloat16 or float16 at run time).
 template <class Epi>
-BackwardPlan chain_backward_plan_for(int m, int n, int group_size, bool model16) {
+BackwardPlan chain_backward_plan_for(int m, int n, int group_size) {
   if constexpr (Epi::kSoftmax || Epi::kPool > 1) return {1, 0, 0, 0};
+  // float32 sums compensated (exact), 16-bit models' plain (chain_backward_warp.cuh)
+  constexpr bool kExact = Epi::kModelDtype == kFloat32Model;
   if (backward_in_registers<Epi>(n, group_size)) {
     const int slabs = n / kWarpSlab;
-    const int resident = model16 ? resident_blocks(chain_backward_warp_kernel<Epi, false>, 0)
-                              : resident_blocks(chain_backward_warp_kernel<Epi, true>, 0);
+    const int resident = resident_blocks(chain_backward_warp_kernel<Epi, kExact>, 0);
     if (resident < 1) return {slabs, 0, 0, 1};
     return {slabs, max(1, min(m, resident / slabs)), 0, 1};
   }
@@ -79,17 +82,18 @@ BackwardPlan chain_backward_plan_for(int m, int n, int group_size, bool model16)
 // kernel reads and writes four columns at once: z and dz 16-byte aligned (checked here).
 template <class Epi>
 cudaError_t launch_chain_backward_kernel(BackwardArgs a, const BackwardPlan& plan, cudaStream_t stream) {
-  if (plan.row_blocks < 1 || plan.slabs < 1 || a.N % plan.slabs != 0) return cudaErrorInvalidValue;
+  if (plan.row_blocks < 1 || plan.slabs < 1 || a.N % plan.slabs != 0 ||
+      (a.model16 == kFloat32Model) != (Epi::kModelDtype == kFloat32Model))
+    return cudaErrorInvalidValue;
   if (plan.in_registers &&
       (reinterpret_cast<uintptr_t>(a.z) % 16 != 0 || reinterpret_cast<uintptr_t>(a.dz) % 16 != 0))
     return cudaErrorMisalignedAddress;
   a.slab = a.N / plan.slabs;
   const dim3 grid(plan.row_blocks, plan.slabs);
   auto launch = [&]() {
-    if (plan.in_registers && a.model16)  // plain sums: chain_backward_warp.cuh
-      chain_backward_warp_kernel<Epi, false><<<grid, kBackwardThreads, 0, stream>>>(a);
-    else if (plan.in_registers)
-      chain_backward_warp_kernel<Epi, true><<<grid, kBackwardThreads, 0, stream>>>(a);
+    if (plan.in_registers)  // 16-bit models' plain sums: chain_backward_warp.cuh
+      chain_backward_warp_kernel<Epi, Epi::kModelDtype == kFloat32Model>
+          <<<grid, kBackwardThreads, 0, stream>>>(a);
     else
       chain_backward_kernel<Epi><<<grid, kBackwardThreads, plan.smem_bytes, stream>>>(a);
     return cudaGetLastError();

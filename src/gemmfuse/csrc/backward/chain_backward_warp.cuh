@@ -85,8 +85,8 @@ __device__ __forceinline__ void store4(void* p, int64_t i, const float (&v)[4], 
 
 // Whether the output gradient's four columns at c load as one vector in every row: unit column
 // stride, and rows (and the base) aligned to four elements' bytes.
-__device__ __forceinline__ bool grad_in_fours(const BackwardArgs& a, int c) {
-  const int64_t bytes = a.model16 ? 2 : 4;
+__device__ __forceinline__ bool grad_in_fours(const BackwardArgs& a, int c, int model16) {
+  const int64_t bytes = model16 ? 2 : 4;
   return a.grad_col_stride == 1 && a.grad_row_stride % 4 == 0 &&
          reinterpret_cast<uintptr_t>(a.grad) % (4 * bytes) == 0 && c % 4 == 0;
 }
@@ -95,15 +95,15 @@ __device__ __forceinline__ bool grad_in_fours(const BackwardArgs& a, int c) {
 // (a reducing chain's one gradient per row is read where it is used).
 template <int kKind>
 __device__ __forceinline__ void load_row_inputs(float (&zv)[4], float (&dv)[4], const BackwardArgs& a,
-                                                int row, int c, bool grad_vector) {
-  load4(zv, a.z, static_cast<int64_t>(row) * a.N + c, a.model16);
+                                                int row, int c, bool grad_vector, int model16) {
+  load4(zv, a.z, static_cast<int64_t>(row) * a.N + c, model16);
   if constexpr (kKind == 0) {
     const int64_t at = row * a.grad_row_stride;
     if (grad_vector) {
-      load4(dv, a.grad, at + c, a.model16);
+      load4(dv, a.grad, at + c, model16);
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) dv[i] = load_float(a.grad, at + (c + i) * a.grad_col_stride, a.model16);
+      for (int i = 0; i < 4; ++i) dv[i] = load_float(a.grad, at + (c + i) * a.grad_col_stride, model16);
     }
   }
 }
@@ -122,6 +122,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
     const float inv_gs = 1.f / static_cast<float>(gs);
     const bool extremes_phase = kExtremes && a.phase == 1;
     const EpilogueParams& p = a.params;
+    const int model16 = model_dtype<Epi::kModelDtype>(a.model16);  // fixed where the instance is
     const bool affine = a.gn_weight != nullptr;
     float gw[4] = {1.f, 1.f, 1.f, 1.f}, gb[4] = {0.f, 0.f, 0.f, 0.f};
     if (affine) {
@@ -136,16 +137,16 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
     // A row's z and output gradient are loaded one row ahead: a thread's next loads are in
     // flight while it works on the current row (ncu, #62 bf16: without it the kernel waited on
     // memory at 17% of DRAM bandwidth, occupancy capped at 3 blocks by registers).
-    const bool grad_vector = grad_in_fours(a, c);
+    const bool grad_vector = grad_in_fours(a, c, model16);
     float z_next[4], grad_next[4] = {0.f, 0.f, 0.f, 0.f};
-    if (blockIdx.x < a.M) load_row_inputs<kKind>(z_next, grad_next, a, blockIdx.x, c, grad_vector);
+    if (blockIdx.x < a.M) load_row_inputs<kKind>(z_next, grad_next, a, blockIdx.x, c, grad_vector, model16);
     for (int row = blockIdx.x; row < a.M; row += gridDim.x) {
       const int64_t base = static_cast<int64_t>(row) * n + c;
       float zv[4], u[4], dv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) zv[i] = z_next[i], dv[i] = grad_next[i];
       if (row + gridDim.x < a.M)
-        load_row_inputs<kKind>(z_next, grad_next, a, row + gridDim.x, c, grad_vector);
+        load_row_inputs<kKind>(z_next, grad_next, a, row + gridDim.x, c, grad_vector, model16);
 #pragma unroll
       for (int i = 0; i < 4; ++i) u[i] = Epi::pre(zv[i], row, c + i, p);
 
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         xh[i] = (u[i] - mean) * rstd;
-        y[i] = round_like_model(affine ? xh[i] * gw[i] + gb[i] : xh[i], p);
+        y[i] = round_like_model<Epi::kModelDtype>(affine ? xh[i] * gw[i] + gb[i] : xh[i], p);
       }
       auto chain_out = [&](int i) {
         if constexpr (Epi::kNorm) return Epi::post(y[i], row, c + i, p);
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
       };
 
       if constexpr (kKind != 0) {
-        const float row_grad = load_float(a.grad, row * a.grad_row_stride, a.model16);
+        const float row_grad = load_float(a.grad, row * a.grad_row_stride, model16);
         float out = 0.f, ties = 0.f;
         if constexpr (kExtremes) {
           RowAcc r;
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kBackwardThreads) chain_backward_warp_kernel(c
           column_sum<kExact>(acc, i, kErrors, dz[i]);
         }
       }
-      store4(a.dz, base, dz, a.model16);
+      store4(a.dz, base, dz, model16);
     }
     if (extremes_phase) return;
     float* partial = a.column_partial + static_cast<int64_t>(blockIdx.x) * kSums * n + c;

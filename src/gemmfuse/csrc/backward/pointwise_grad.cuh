@@ -53,8 +53,9 @@ __device__ __forceinline__ float mish_grad(float x) {
 
 // x * sigmoid(x) written as two ops: mul's gradient to both factors, then sigmoid's
 // (sigmoid_backward: grad * (1 - s) * s), with s rounded as the model rounds it.
+template <int kModel>
 __device__ __forceinline__ float swish_grad(float x, float g, const EpilogueParams& p) {
-  const float s = round_like_model(sigmoid_rn(x), p);
+  const float s = round_like_model<kModel>(sigmoid_rn(x), p);
   return g * s + (g * x) * (1.f - s) * s;
 }
 

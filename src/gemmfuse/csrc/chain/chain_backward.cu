@@ -5,11 +5,17 @@
 namespace gemmfuse {
 namespace parts {
 
+// A float32 model's instance (its roundings fold away), or the 16-bit models' (bfloat16 or
+// float16, chosen at run time).
 BackwardPlan backward_plan(int M, int N, int group_size, int model16) {
-  return chain_backward_plan_for<GeneratedEpilogue>(M, N, group_size, model16 != 0);
+  if (model16 == kFloat32Model)
+    return chain_backward_plan_for<GeneratedEpilogueFor<kFloat32Model>>(M, N, group_size);
+  return chain_backward_plan_for<GeneratedEpilogue>(M, N, group_size);
 }
 
 cudaError_t backward(const BackwardArgs& args, const BackwardPlan& plan, cudaStream_t stream) {
+  if (args.model16 == kFloat32Model)
+    return launch_chain_backward_kernel<GeneratedEpilogueFor<kFloat32Model>>(args, plan, stream);
   return launch_chain_backward_kernel<GeneratedEpilogue>(args, plan, stream);
 }
 

@@ -6,7 +6,7 @@ namespace gemmfuse {
 namespace parts {
 
 cudaError_t gemv(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream) {
-  return launch_gemv<GeneratedEpilogue>(args, gemv, stream);
+  return launch_gemv<GeneratedEpilogueFor<kFloat32Model>>(args, gemv, stream);
 }
 
 int gemv_slice(int K, int N) {

@@ -6,7 +6,7 @@ namespace gemmfuse {
 namespace parts {
 
 cudaError_t sm80(const FusedArgs& args, cudaStream_t stream) {
-  return launch_fused_gemm_gn<GeneratedEpilogue>(args, stream);
+  return launch_fused_gemm_gn<GeneratedEpilogueFor<kFloat32Model>>(args, stream);
 }
 
 }  // namespace parts

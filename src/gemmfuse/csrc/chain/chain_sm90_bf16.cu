@@ -6,7 +6,7 @@ namespace gemmfuse {
 namespace parts {
 
 cudaError_t sm90_bf16(const FusedArgs& args, cudaStream_t stream) {
-  return sm90::launch<GeneratedEpilogue, false, true>(args, stream);
+  return sm90::launch<GeneratedEpilogueFor<kBf16Model>, false, true>(args, stream);
 }
 
 }  // namespace parts

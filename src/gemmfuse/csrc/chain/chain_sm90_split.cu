@@ -7,7 +7,7 @@ namespace gemmfuse {
 namespace parts {
 
 cudaError_t sm90_split(const FusedArgs& args, cudaStream_t stream) {
-  return sm90::launch<GeneratedEpilogue, true, false>(args, stream);
+  return sm90::launch<GeneratedEpilogueFor<kFloat32Model>, true, false>(args, stream);
 }
 
 }  // namespace parts

@@ -141,8 +141,9 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
         y = normalize<Epi>(y, s_mean[i], s_mean_lo[i], s_rstd[i], r, c, args);
       }
       if constexpr (kind == 0) {
-        if (args.out16 != nullptr)
-          args.out16[static_cast<int64_t>(r) * N + c] = to_model16(y, args.params.model16);
+        if (Epi::kModelDtype != kFloat32Model && args.out16 != nullptr)
+          args.out16[static_cast<int64_t>(r) * N + c] =
+              to_model16(y, model_dtype<Epi::kModelDtype>(args.params.model16));
         else
           row[c] = y;
       } else {
@@ -180,6 +181,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedAr
 template <class Epi>
 cudaError_t launch_norm_finalize(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
+  if (!serves_model<Epi>(args.params)) return cudaErrorInvalidValue;
   const dim3 grid(args.M, Epi::kReduce == 0 ? (args.N + kFinalizeChunk - 1) / kFinalizeChunk : 1);
   norm_finalize_kernel<Epi><<<grid, kFinalizeThreads, 0, stream>>>(args);
   return cudaGetLastError();
@@ -202,7 +204,7 @@ __device__ __forceinline__ void stage_vectors(float* tile, const void* src, int 
   constexpr int kPerRow = kTile / kPer, kLoads = 8;
   constexpr int kBatches = kTile * kPerRow / (kFinalizeThreads * kLoads);
   static_assert(kBatches * kFinalizeThreads * kLoads == kTile * kPerRow, "whole batches");
-  const int model16 = args.params.model16;
+  const int model16 = model_dtype<Epi::kModelDtype>(args.params.model16);
 #pragma unroll 1
   for (int batch = 0; batch < kBatches; ++batch) {
     uint4 raw[kLoads];
@@ -246,7 +248,8 @@ template <class Epi>
 __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int rows_here,
                                              int cols_here, int tid, const FusedArgs& args) {
   const float* in = epilogue_source(args);
-  const uint16_t* in16 = args.epilogue_in16;
+  // a 16-bit model's z, when not null (never for a float32 instance)
+  const uint16_t* in16 = Epi::kModelDtype == kFloat32Model ? nullptr : args.epilogue_in16;
   constexpr int kBatch = 16;
   const int count = rows_here * kTile;
   auto place = [&](int idx, int64_t& at) {
@@ -264,7 +267,8 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
         raw[b] = place(first + b * kFinalizeThreads, at) ? __ldg(in16 + at) : uint16_t{0};
       }
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) z[b] = from_model16(raw[b], args.params.model16);
+      for (int b = 0; b < kBatch; ++b)
+        z[b] = from_model16(raw[b], model_dtype<Epi::kModelDtype>(args.params.model16));
     } else {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
@@ -292,15 +296,21 @@ __global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedAr
   extern __shared__ float tile[];
   const int m0 = blockIdx.x * kTile, n0 = blockIdx.y * kTile, tid = threadIdx.x;
   const int rows_here = min(kTile, args.M - m0), cols_here = min(kTile, args.N - n0);
-  const float* in = epilogue_source(args);
-  const uint16_t* in16 = args.epilogue_in16;  // a 16-bit model's z, when not null
-  // N a multiple of the values in 16 bytes keeps every row (and n0, a multiple of kTile) aligned
-  if (in16 != nullptr && args.N % 8 == 0 && reinterpret_cast<uintptr_t>(in16) % 16 == 0)
-    stage_vectors<Epi, 8>(tile, in16, m0, n0, rows_here, cols_here, tid, args);
-  else if (in16 == nullptr && args.N % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0)
-    stage_vectors<Epi, 4>(tile, in, m0, n0, rows_here, cols_here, tid, args);
-  else
-    stage_values<Epi>(tile, m0, n0, rows_here, cols_here, tid, args);
+  // N a multiple of the values in 16 bytes keeps every row (and n0, a multiple of kTile)
+  // aligned. A 16-bit instance reads the model's z (args.epilogue_in16), a float32 one floats.
+  if constexpr (Epi::kModelDtype == kFloat32Model) {
+    const float* in = epilogue_source(args);
+    if (args.N % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0)
+      stage_vectors<Epi, 4>(tile, in, m0, n0, rows_here, cols_here, tid, args);
+    else
+      stage_values<Epi>(tile, m0, n0, rows_here, cols_here, tid, args);
+  } else {
+    const uint16_t* in16 = args.epilogue_in16;
+    if (args.N % 8 == 0 && reinterpret_cast<uintptr_t>(in16) % 16 == 0)
+      stage_vectors<Epi, 8>(tile, in16, m0, n0, rows_here, cols_here, tid, args);
+    else
+      stage_values<Epi>(tile, m0, n0, rows_here, cols_here, tid, args);
+  }
   __syncthreads();
   const TileCoord coord{m0, n0, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
                         static_cast<int>(gridDim.y)};
@@ -378,29 +388,10 @@ __global__ void __launch_bounds__(kFinalizeThreads) pointwise_epilogue_kernel(Fu
   }
 }
 
+// tile_epilogue_kernel over the grid of tiles (its shared-memory limit raised where a tile needs
+// more than the default).
 template <class Epi>
-cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
-  if (args.M == 0 || args.N == 0) return cudaSuccess;
-  if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
-    return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
-  // A 16-bit input is read by tile_epilogue_kernel alone (chains that norm or reduce in tiles).
-  if (args.epilogue_in16 != nullptr && (args.norm_wide || (!Epi::kNorm && Epi::kReduce == 0)))
-    return cudaErrorInvalidValue;
-  if constexpr (!Epi::kNorm && Epi::kReduce == 0) {
-    const int64_t work = (static_cast<int64_t>(args.M) * args.N + 3) / 4;
-    const int blocks =
-        static_cast<int>(std::min<int64_t>((work + kFinalizeThreads - 1) / kFinalizeThreads, 8192));
-    pointwise_epilogue_kernel<Epi><<<blocks, kFinalizeThreads, 0, stream>>>(args);
-    return cudaGetLastError();
-  }
-  if (args.norm_wide && args.N <= kShortRow) {
-    const int n_tiles = (args.N + kTile - 1) / kTile;
-    const int smem = n_tiles * args.stats_per_tile * static_cast<int>(sizeof(float4)) +
-                     args.N * static_cast<int>(sizeof(float));
-    if (smem > 48 * 1024) return cudaErrorInvalidConfiguration;  // kShortRow keeps it below
-    row_epilogue_kernel<Epi><<<args.M, kFinalizeThreads, smem, stream>>>(args);
-    return cudaGetLastError();
-  }
+cudaError_t launch_tile_kernel(const FusedArgs& args, cudaStream_t stream) {
   const dim3 grid((args.M + kTile - 1) / kTile, (args.N + kTile - 1) / kTile);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
   const int smem = min(args.M, kTile) * kEpiStride * static_cast<int>(sizeof(float));
@@ -411,9 +402,48 @@ cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   tile_epilogue_kernel<Epi><<<grid, kFinalizeThreads, smem, stream>>>(args);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || !args.norm_wide) return err;
-  return launch_norm_finalize<Epi>(args, stream);
+  return cudaGetLastError();
+}
+
+// The epilogue path's launch for an instance of one model dtype: a float32 one takes a float32
+// z; a 16-bit one (bf16 or fp16) takes that model's z (args.epilogue_in16) into
+// tile_epilogue_kernel alone, for chains that norm or reduce in tiles.
+template <class Epi>
+cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
+  static_assert(Epi::kModelDtype != kAnyModel, "an instance of one model dtype");
+  constexpr bool k16 = Epi::kModelDtype != kFloat32Model;
+  if (args.M == 0 || args.N == 0) return cudaSuccess;
+  if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
+    return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
+  if ((args.epilogue_in16 != nullptr) != k16 || !serves_model<Epi>(args.params))
+    return cudaErrorInvalidValue;
+  if constexpr (k16) {
+    if constexpr (!Epi::kNorm && Epi::kReduce == 0) {
+      return cudaErrorInvalidValue;
+    } else {
+      if (args.norm_wide) return cudaErrorInvalidValue;
+      return launch_tile_kernel<Epi>(args, stream);
+    }
+  } else {
+    if constexpr (!Epi::kNorm && Epi::kReduce == 0) {
+      const int64_t work = (static_cast<int64_t>(args.M) * args.N + 3) / 4;
+      const int blocks = static_cast<int>(
+          std::min<int64_t>((work + kFinalizeThreads - 1) / kFinalizeThreads, 8192));
+      pointwise_epilogue_kernel<Epi><<<blocks, kFinalizeThreads, 0, stream>>>(args);
+      return cudaGetLastError();
+    }
+    if (args.norm_wide && args.N <= kShortRow) {
+      const int n_tiles = (args.N + kTile - 1) / kTile;
+      const int smem = n_tiles * args.stats_per_tile * static_cast<int>(sizeof(float4)) +
+                       args.N * static_cast<int>(sizeof(float));
+      if (smem > 48 * 1024) return cudaErrorInvalidConfiguration;  // kShortRow keeps it below
+      row_epilogue_kernel<Epi><<<args.M, kFinalizeThreads, smem, stream>>>(args);
+      return cudaGetLastError();
+    }
+    const cudaError_t err = launch_tile_kernel<Epi>(args, stream);
+    if (err != cudaSuccess || !args.norm_wide) return err;
+    return launch_norm_finalize<Epi>(args, stream);
+  }
 }
 
 }  // namespace gemmfuse

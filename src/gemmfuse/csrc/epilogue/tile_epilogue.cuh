@@ -33,27 +33,32 @@ __device__ __forceinline__ ColumnTerms column_terms(int gcol, const FusedArgs& a
 }
 
 // The GEMM result z = x @ W^T + b itself: unscaled, biased, rounded as the model rounds.
+template <class Epi>
 __device__ __forceinline__ float gemm_value(float acc, float a_inv, ColumnTerms col,
                                             const FusedArgs& args) {
   float v = acc * a_inv;
   if (args.b_inv_scale != nullptr) v *= col.inv_scale;
   if (args.bias != nullptr) v += col.bias;
-  return round_like_model(v, args.params);
+  return round_like_model<Epi::kModelDtype>(v, args.params);
 }
 
 // Stores z at (row, col) for the backward where the caller asked for it (args.z_out*); rows and
 // columns past the output are the tile's padding and are dropped.
+template <class Epi>
 __device__ __forceinline__ void save_gemm_value(float z, int row, int col, const FusedArgs& args) {
   if (row >= args.M || col >= args.N) return;
   const int64_t i = static_cast<int64_t>(row) * args.N + col;
   if (args.z_out != nullptr) args.z_out[i] = z;
-  if (args.z_out16 != nullptr) args.z_out16[i] = to_model16(z, args.params.model16);
+  if constexpr (Epi::kModelDtype != kFloat32Model) {
+    if (args.z_out16 != nullptr)
+      args.z_out16[i] = to_model16(z, model_dtype<Epi::kModelDtype>(args.params.model16));
+  }
 }
 
 template <class Epi>
 __device__ __forceinline__ float epilogue_input(float acc, float a_inv, ColumnTerms col, int grow,
                                                 int gcol, const FusedArgs& args) {
-  return Epi::pre(gemm_value(acc, a_inv, col, args), grow, gcol, args.params);
+  return Epi::pre(gemm_value<Epi>(acc, a_inv, col, args), grow, gcol, args.params);
 }
 
 template <class Epi>
@@ -448,7 +453,7 @@ __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, f
   else
     y = ((v - mean) - mean_lo) * rstd;
   if (args.gn_weight != nullptr) y = y * w + b;
-  return Epi::post(round_like_model(y, args.params), grow, gcol, args.params);
+  return Epi::post(round_like_model<Epi::kModelDtype>(y, args.params), grow, gcol, args.params);
 }
 
 template <class Epi>
@@ -461,11 +466,11 @@ __device__ __forceinline__ float normalize(float v, float mean, float mean_lo, f
 
 // Writes n finished values of one output row, starting at element `at` of the output: 16 bytes
 // at a time where the address allows.
-template <int kN>
+template <class Epi, int kN>
 __device__ __forceinline__ void store_run(const float (&y)[kN], int64_t at, const FusedArgs& args) {
-  if (args.out16 != nullptr) {
+  if (Epi::kModelDtype != kFloat32Model && args.out16 != nullptr) {
     uint16_t* dst = args.out16 + at;
-    const int model16 = args.params.model16;
+    const int model16 = model_dtype<Epi::kModelDtype>(args.params.model16);
     if (kN % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
 #pragma unroll
       for (int j = 0; j < kN; j += 8)
@@ -514,7 +519,7 @@ __device__ __forceinline__ void group_task(float* tile, const float* w, const fl
     v[0] = acc.m;
     v[1] = acc.s;
   } else {
-    store_run<kGs>(y, static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c0, args);
+    store_run<Epi, kGs>(y, static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c0, args);
   }
 }
 
@@ -643,7 +648,8 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       if (c < cols_here) {
         const int64_t at = static_cast<int64_t>(tc.m0 + r) * args.N + tc.n0 + c;
         if (model16)
-          args.out16[at] = to_model16(tile[r * kEpiStride + c], args.params.model16);
+          args.out16[at] = to_model16(tile[r * kEpiStride + c],
+                                      model_dtype<Epi::kModelDtype>(args.params.model16));
         else
           args.out[at] = tile[r * kEpiStride + c];
       }
@@ -768,7 +774,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
   }
 
   if constexpr (kind == 0) {
-    store(args.out16 != nullptr);
+    store(Epi::kModelDtype != kFloat32Model && args.out16 != nullptr);
   } else {
     // Partials are (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh), m alone otherwise.
     constexpr bool kPairs = kind >= 3;

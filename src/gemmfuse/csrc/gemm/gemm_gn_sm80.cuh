@@ -172,8 +172,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
         for (int e = 0; e < 2; ++e) {
           const int c = warp_n * kWarpTileN + j * 8 + 2 * t + e;
           const int gcol = min(tile_n + c, args.N - 1);
-          const float z = gemm_value(acc[i][j][half * 2 + e], a_inv, column_terms(gcol, args), args);
-          save_gemm_value(z, tile_m + r, tile_n + c, args);
+          const float z = gemm_value<Epi>(acc[i][j][half * 2 + e], a_inv, column_terms(gcol, args), args);
+          save_gemm_value<Epi>(z, tile_m + r, tile_n + c, args);
           tile[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
         }
       }
@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
 template <class Epi>
 cudaError_t launch_fused_gemm_gn(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
+  if (!serves_model<Epi>(args.params)) return cudaErrorInvalidValue;
   int device = 0, optin = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;

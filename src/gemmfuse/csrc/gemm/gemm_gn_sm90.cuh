@@ -423,8 +423,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
-              const float z = gemm_value(acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, args);
-              save_gemm_value(z, tile_m + r, n0 + c, args);
+              const float z = gemm_value<Epi>(acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, args);
+              save_gemm_value<Epi>(z, tile_m + r, n0 + c, args);
               const int grow = min(tile_m + r, args.M - 1);
               staging[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
             }
@@ -520,8 +520,11 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
 // kernel; args.split and args.bf16 must name the same variant.
 template <class Epi, bool kSplit, bool kBf16>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
+  static_assert(!kSplit || Epi::kModelDtype == kFloat32Model, "the split variant: float32 models");
+  static_assert(!kBf16 || Epi::kModelDtype == kBf16Model, "the bf16 variant: bf16 models");
   if (args.M == 0 || args.N == 0) return cudaSuccess;
-  if (args.k_padded % kBlockK != 0 || (args.bf16 != 0) != kBf16 || (args.split != 0) != kSplit)
+  if (args.k_padded % kBlockK != 0 || (args.bf16 != 0) != kBf16 || (args.split != 0) != kSplit ||
+      !serves_model<Epi>(args.params))
     return cudaErrorInvalidValue;
   CUtensorMap maps[4];
   const struct {

@@ -222,7 +222,7 @@ cudaError_t launch_gemv_rows(const FusedArgs& args, const GemvArgs& g, cudaStrea
 template <class Epi>
 cudaError_t launch_gemv(const FusedArgs& args, const GemvArgs& g, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
-  if (args.M > kGemvMaxRows || g.slice % 128 != 0 || g.slice > kGemvMaxSlice || g.K % 4 != 0 ||
+  if (!serves_model<Epi>(args.params) || args.M > kGemvMaxRows || g.slice % 128 != 0 || g.slice > kGemvMaxSlice || g.K % 4 != 0 ||
       g.x_stride % 4 != 0)
     return cudaErrorInvalidValue;
   if ((g.K + g.slice - 1) / g.slice > 65535) return cudaErrorInvalidConfiguration;
