@@ -81,9 +81,19 @@ __device__ __forceinline__ uint32_t pack_model16(float a, float b, int model16) 
          (static_cast<uint32_t>(to_model16(b, model16)) << 16);
 }
 
-// v rounded to the model's dtype where it is a 16-bit one (kModel: the kernel instance's).
+// v rounded to the model's dtype where it is a 16-bit one (kModel: the kernel instance's). Every
+// call is a rounding point of eager's: the op's result as PyTorch's own op stores it.
 template <int kModel = kAnyModel>
 __device__ __forceinline__ float round_like_model(float v, const EpilogueParams& p) {
+  if constexpr (kModel == kFloat32Model) {
+    // float32: v itself, but never fused into the next op. A select on the dtype field (always
+    // float32 here: the launch checked serves_model) is a barrier the code generator cannot see
+    // through. Returned bare, ptxas fused a product into the next op's sum (one FMA where eager
+    // rounds the product), and the backward's recomputed values disagreed with PyTorch's at
+    // the kinks of a min or hardtanh (tests/gpu/test_chain_backward.py, pool chain 2: twice
+    // PyTorch's error; H100, 2026-11-26).
+    return p.model16 == kFloat32Model ? v : __int_as_float(0x7fc00000);
+  }
   const int model16 = model_dtype<kModel>(p.model16);
   if (model16 == kFloat32Model) return v;
   const float h = __half2float(__float2half_rn(v));
