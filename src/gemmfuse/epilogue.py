@@ -6,8 +6,8 @@ An :class:`Epilogue` is the chain applied to ``y = x @ W.T + b`` of shape (M, N)
 
 Each pointwise op is one row of ``POINTWISE`` (pointwise.py) with all its meanings: the
 PyTorch function (reference.py evaluates chains with it), the CUDA expression (``cuda_epilogue``
-turns a chain into the ``GeneratedEpilogue`` struct the kernels are compiled with) and the ways
-models write it. An op's arguments are
+turns a chain into the ``GeneratedEpilogueFor`` struct template the kernels are compiled with)
+and the ways models write it. An op's arguments are
 Python floats (a LeakyReLU slope, a multiplier) or :class:`Param` references to tensors passed
 with the call (``fused_linear(..., params=...)``). Both are run-time kernel arguments, so one
 compiled kernel serves every value of a chain: the build cache is keyed by

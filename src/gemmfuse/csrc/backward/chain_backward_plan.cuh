@@ -14,7 +14,7 @@ namespace gemmfuse {
 // Blocks of `kernel` with `bytes` of dynamic shared memory resident on the current GPU at once
 // (0: they do not fit), queried once per device (the attribute calls cost microseconds each).
 // Keyed by the kernel's own address: every chain's library instantiates these templates with a
-// struct of the same name (GeneratedEpilogue), and a template's static may be one object for the
+// struct of the same name (GeneratedEpilogueFor<...>), and a template's static may be one object for the
 // whole process (GNU unique symbols; build.py compiles with -fno-gnu-unique as well). Keyed by
 // kind alone, a second chain's kernel found the first one's answer and never had its shared
 // memory limit raised: its launch failed with "invalid argument" (measured, H100, two chains

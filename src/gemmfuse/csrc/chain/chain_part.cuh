@@ -1,5 +1,5 @@
 // What every part of a chain's library starts with: the argument structs, the pointwise
-// derivatives the generated code calls, the generated epilogue (GeneratedEpilogue) and the
+// derivatives the generated code calls, the generated epilogue (GeneratedEpilogueFor) and the
 // parts' entry points, which chain_table.cu's dispatch calls.
 #pragma once
 #include "fused_args.h"

@@ -471,7 +471,7 @@ inline cudaError_t encode_operand(CUtensorMap* map, const void* base, int rows, 
 // Raises a kernel's dynamic shared-memory limit to `bytes` on `device`, once: the call costs
 // microseconds and every forward waits on it before its launch. Keyed by the kernel's address,
 // not a template static: every chain's library instantiates the kernels with a struct of the
-// same name (GeneratedEpilogue), and such a static may be one object for the whole process
+// same name (GeneratedEpilogueFor<...>), and such a static may be one object for the whole process
 // (chain_backward_plan.cuh's resident_blocks says how that failed once).
 inline cudaError_t raise_smem_once(const void* kernel, int bytes, int device) {
   static std::mutex lock;
