@@ -182,7 +182,8 @@ def _per_element_grads(chain: Epilogue, z, params, needs) -> bool:
 
 @functools.cache
 def _kernel_fits(structure: Epilogue, n: int, group_size: int, device: torch.device) -> bool:
-    # the float32 plan: a 16-bit chain's register kernel differs only in its sums (no shared memory)
+    # the float32 plan: a 16-bit chain's kernels are another instance of the same code, with the
+    # same static shared memory (its register kernel's sums plain, with none)
     return kernel_plan(structure, 1, n, group_size, device)[1] > 0
 
 

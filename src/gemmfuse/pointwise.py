@@ -120,7 +120,7 @@ def _extreme_grad(loses: str) -> str:
 
 
 # A rounding in generated code: to the model's dtype, as the kernel instance's GeneratedEpilogueFor
-# fixes it at compile time (a float32 instance's folds away; csrc/abi/fused_args.h).
+# fixes it at compile time (a float32 instance's is one select; csrc/abi/fused_args.h).
 ROUND = "gemmfuse::round_like_model<kModel>"
 
 

@@ -15,15 +15,17 @@ constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) take
 // The dtype a model computes in: float32 (the split GEMM), or one of the 16-bit dtypes whose
 // models run one tensor-core product on their own operands and round where eager rounds.
 enum ModelDtype : int { kFloat32Model = 0, kBf16Model = 1, kFp16Model = 2 };
-// A kernel instance that serves whichever ModelDtype params.model16 names at run time (see
-// round_like_model).
+// A kernel instance that serves either 16-bit ModelDtype, the one params.model16 names at run
+// time (see round_like_model; float32 calls take float32 instances).
 constexpr int kAnyModel = -1;
 
 // Whether a kernel instance (Epi: a GeneratedEpilogueFor) serves the dtype a call's params name:
-// each launch checks, so a call never runs an instance that would round as another dtype does.
+// the forward launches check, so a call never runs an instance that would round as another
+// dtype does (the backward's launch checks its own fields likewise).
 template <class Epi, class Params>
 inline bool serves_model(const Params& p) {
-  return Epi::kModelDtype == kAnyModel || Epi::kModelDtype == p.model16;
+  return Epi::kModelDtype == kAnyModel ? p.model16 != kFloat32Model
+                                       : Epi::kModelDtype == p.model16;
 }
 
 // Run-time arguments of the epilogue ops: floats (a LeakyReLU slope, a multiplier) and fp32
@@ -49,11 +51,12 @@ struct EpilogueParams {
 #ifdef __CUDACC__
 // The model dtype a kernel instance serves, fixed at compile time where its variant serves one
 // (the split kernel float32 models, the bf16 kernel bf16 ones: GeneratedEpilogueFor<kModel>),
-// or kAnyModel: the one params.model16 names at run time. Fixed, the roundings below fold to
-// nothing (float32) or to one conversion. Decided at run time at every rounding point, they
-// cost the float32 split kernel 30% at KernelBench's #81 (808 against 618 us) and 40% at #37
-// (3.78 against 2.69 ms; H100, 2026-11-26): conversions and selects the bf16-only rounding did
-// not have, issued (predicated off) for every value.
+// or kAnyModel: the 16-bit one params.model16 names at run time. Fixed, the roundings below
+// are one select (float32) or one conversion. Decided at run time among the three dtypes at
+// every rounding point (70eb585 to ce59cbb), they cost the float32 split kernel 30% at
+// KernelBench's #81 (806-808 us against 612-619 with 8442a71's bf16-only rounding) and 40% at
+// #37 (3.78 against 2.68-2.69 ms; H100, torch.profiler, one machine, 2026-11-26): conversions
+// and selects issued, predicated off, for every value.
 
 template <int kModel>
 __device__ __forceinline__ int model_dtype(int model16) {
@@ -81,13 +84,14 @@ __device__ __forceinline__ uint32_t pack_model16(float a, float b, int model16) 
          (static_cast<uint32_t>(to_model16(b, model16)) << 16);
 }
 
-// v rounded to the model's dtype where it is a 16-bit one (kModel: the kernel instance's). Every
-// call is a rounding point of eager's: the op's result as PyTorch's own op stores it.
-template <int kModel = kAnyModel>
+// v rounded to the model's dtype where it is a 16-bit one (kModel: the kernel instance's, named
+// at every call). Every call is a rounding point of eager's: the op's result as PyTorch's own op
+// stores it.
+template <int kModel>
 __device__ __forceinline__ float round_like_model(float v, const EpilogueParams& p) {
   if constexpr (kModel == kFloat32Model) {
     // float32: v itself, but never fused into the next op. A select on the dtype field (always
-    // float32 here: the launch checked serves_model) is a barrier the code generator cannot see
+    // float32 here: the launches check it) is a barrier the code generator cannot see
     // through. Returned bare, ptxas fused a product into the next op's sum (one FMA where eager
     // rounds the product), and the backward's recomputed values disagreed with PyTorch's at
     // the kinks of a min or hardtanh (tests/gpu/test_chain_backward.py, pool chain 2: twice

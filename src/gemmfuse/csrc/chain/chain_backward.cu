@@ -5,8 +5,8 @@
 namespace gemmfuse {
 namespace parts {
 
-// A float32 model's instance (its roundings fold away), or the 16-bit models' (bfloat16 or
-// float16, chosen at run time).
+// A float32 model's instance (its roundings fixed), or the 16-bit models' (bfloat16 or float16,
+// chosen at run time).
 BackwardPlan backward_plan(int M, int N, int group_size, int model16) {
   if (model16 == kFloat32Model)
     return chain_backward_plan_for<GeneratedEpilogueFor<kFloat32Model>>(M, N, group_size);
