@@ -19,15 +19,6 @@ enum ModelDtype : int { kFloat32Model = 0, kBf16Model = 1, kFp16Model = 2 };
 // time (see round_like_model; float32 calls take float32 instances).
 constexpr int kAnyModel = -1;
 
-// Whether a kernel instance (Epi: a GeneratedEpilogueFor) serves the dtype a call's params name:
-// the forward launches check, so a call never runs an instance that would round as another
-// dtype does (the backward's launch checks its own fields likewise).
-template <class Epi, class Params>
-inline bool serves_model(const Params& p) {
-  return Epi::kModelDtype == kAnyModel ? p.model16 != kFloat32Model
-                                       : Epi::kModelDtype == p.model16;
-}
-
 // Run-time arguments of the epilogue ops: floats (a LeakyReLU slope, a multiplier) and fp32
 // tensors read at (row, col) as vec[i][row * vec_row_stride[i] + col]: per channel (row stride
 // 0, an [N] vector) or per element (an [M, N] operand computed elsewhere, a residual). The
@@ -47,6 +38,14 @@ struct EpilogueParams {
   // GroupNorm normalises with the bf16 statistics it returns). dispatch.py finds which.
   int group_stats;
 };
+
+// Whether a kernel instance (Epi: a GeneratedEpilogueFor) serves the dtype a call's params name:
+// every launch checks, so a call never runs an instance that would round as another dtype does.
+template <class Epi>
+inline bool serves_model(const EpilogueParams& p) {
+  return Epi::kModelDtype == kAnyModel ? p.model16 != kFloat32Model
+                                       : Epi::kModelDtype == p.model16;
+}
 
 #ifdef __CUDACC__
 // The model dtype a kernel instance serves, fixed at compile time where its variant serves one
@@ -91,7 +90,7 @@ template <int kModel>
 __device__ __forceinline__ float round_like_model(float v, const EpilogueParams& p) {
   if constexpr (kModel == kFloat32Model) {
     // float32: v itself, but never fused into the next op. A select on the dtype field (always
-    // float32 here: the launches check it) is a barrier the code generator cannot see
+    // float32 here: the launch checked serves_model) is a barrier the code generator cannot see
     // through. Returned bare, ptxas fused a product into the next op's sum (one FMA where eager
     // rounds the product), and the backward's recomputed values disagreed with PyTorch's at
     // the kinks of a min or hardtanh (tests/gpu/test_chain_backward.py, pool chain 2: twice

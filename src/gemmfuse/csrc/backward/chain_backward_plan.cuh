@@ -83,8 +83,7 @@ BackwardPlan chain_backward_plan_for(int m, int n, int group_size) {
 template <class Epi>
 cudaError_t launch_chain_backward_kernel(BackwardArgs a, const BackwardPlan& plan, cudaStream_t stream) {
   if (plan.row_blocks < 1 || plan.slabs < 1 || a.N % plan.slabs != 0 ||
-      (a.model16 == kFloat32Model) != (Epi::kModelDtype == kFloat32Model) ||
-      a.params.model16 != a.model16)
+      !serves_model<Epi>(a.params) || a.params.model16 != a.model16)
     return cudaErrorInvalidValue;
   if (plan.in_registers &&
       (reinterpret_cast<uintptr_t>(a.z) % 16 != 0 || reinterpret_cast<uintptr_t>(a.dz) % 16 != 0))
