@@ -146,11 +146,11 @@ def test_random_chains_match_pytorch_modules(seed, m, groups, group_size):
 def test_plain_arguments_are_told_from_numbers_by_their_tag():
     """plain_ops writes a Param as ("param", i) and a Value as ("value", i, detach); any other
     argument, a tuple of numbers included, passes through as it is."""
-    from gemmfuse.reference import _argument
+    from gemmfuse.reference import op_argument
 
     p, v = torch.randn(3), torch.randn(3, requires_grad=True)
-    assert _argument(("param", 0), [p], [v]) is p
-    assert _argument(("value", 0, False), [p], [v]) is v
-    assert not _argument(("value", 0, True), [p], [v]).requires_grad
-    assert _argument((0.5, 2.0), [p], [v]) == (0.5, 2.0)
-    assert _argument(0.5, [p], [v]) == 0.5
+    assert op_argument(("param", 0), [p], [v]) is p
+    assert op_argument(("value", 0, False), [p], [v]) is v
+    assert not op_argument(("value", 0, True), [p], [v]).requires_grad
+    assert op_argument((0.5, 2.0), [p], [v]) == (0.5, 2.0)
+    assert op_argument(0.5, [p], [v]) == 0.5

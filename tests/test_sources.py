@@ -30,7 +30,7 @@ def test_the_export_translation_unit_holds_every_part():
     together: the host extension's kernels and every part of a chain's library."""
     included = re.findall(r'^#include "([^"]+)"$', read_csrc()["fused_linear.cu"], re.M)
     host_kernels = {name for name in HOST_SOURCES if name.endswith(".cu")}
-    assert host_kernels == {"split.cu", "sparse_products.cu", "column_sums.cu"}
+    assert host_kernels == {"split.cu", "sparse_products.cu", "column_sums.cu", "outer_binary.cu"}
     assert set(included) == set(CHAIN_PARTS) | host_kernels
 
 

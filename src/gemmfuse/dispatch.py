@@ -54,6 +54,17 @@ GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/abi/fused_args.h
 SPLIT_COLS_MAX = 65535 * 32
 
 
+# The tail ops (after a reduction) that run as one kernel where their tensor operand broadcasts
+# the reduction's value into an outer product's layout (tail.py), in the order of
+# csrc/operands/outer_binary.h's OuterOp. float32 only: #75 in KernelBench's method (H200,
+# 2026-11-26, the kernel against PyTorch's broadcast in one process, three runs) took 0.68 ms
+# against 0.75 forward and 1.02-1.04 against 1.04-1.07 a training step in float32, but in bf16
+# and fp16, whose calls are bound by the host's time, the kernel's 12 us saved did not show in
+# the forward and the training step was slower in every run (0.92-1.02 ms against 0.63-0.85).
+OUTER_OPS = ("add", "sub", "rsub", "mul", "div")
+OUTER_DTYPES = (torch.float32,)
+
+
 def split_padded(n: int) -> int:
     """n rounded up to a multiple of K_ALIGN: a split operand's padded contraction dimension
     (csrc/host/host_common.h's split_padded)."""
@@ -354,3 +365,27 @@ def backward_splits(path: str, x, weight, kernel: str) -> tuple[bool, bool]:
         return split_ok and (kernel != "auto" or fused_pays(rows, cols, depth))
 
     return pays(m, k, n), pays(n, k, m)
+
+
+def outer_layout(value: torch.Tensor, operand: torch.Tensor) -> tuple[bool, torch.Size] | None:
+    """How PyTorch's broadcast of ``value`` against ``operand`` lays out its result, where it is
+    an outer product's ``out[o, i]`` (#75's (M, 1) + (1, C, 1, 1) -> (1, C, M, 1)): (whether
+    value's elements run along i, the inner and contiguous index; the result's shape). None
+    where it is not one: the dimensions where each has more than one element overlap or
+    interleave, or one of them has a single element (a plain elementwise op, which PyTorch
+    vectorises)."""
+    shape = torch.broadcast_shapes(value.shape, operand.shape)
+    if 0 in shape:
+        return None
+    n = len(shape)
+    value_shape = (1,) * (n - value.dim()) + tuple(value.shape)
+    operand_shape = (1,) * (n - operand.dim()) + tuple(operand.shape)
+    value_dims = [d for d in range(n) if value_shape[d] != 1]
+    operand_dims = [d for d in range(n) if operand_shape[d] != 1]
+    if not value_dims or not operand_dims:
+        return None
+    if max(operand_dims) < min(value_dims):
+        return True, shape
+    if max(value_dims) < min(operand_dims):
+        return False, shape
+    return None

@@ -22,8 +22,8 @@ element (shape (M, N) itself, say a residual ``fc2(h) + x``; the kernel reads it
 row and column). Which one is a run-time matter: the kernel reads ``vec[row * stride + col]``
 with a row stride of 0 or N, so one compiled chain serves both.
 ``tail`` ops act on the reduction's (M,) or (M, 1) result with PyTorch's own broadcasting, any
-shape allowed (for instance #75's (M, 1) + (1, C, 1, 1) -> (1, C, M, 1)); they run in PyTorch
-after the kernel, on M values.
+shape allowed (for instance #75's (M, 1) + (1, C, 1, 1) -> (1, C, M, 1)); they run after the
+kernel, in PyTorch, but for an outer broadcast like #75's, which has a kernel (tail.py).
 
 This module imports only torch and the standard library: ``gemmfuse export`` inlines it into
 standalone files.
@@ -298,8 +298,8 @@ class Epilogue:
     def structure(self) -> "Epilogue":
         """This chain with every run-time value zeroed: what a compiled kernel depends on.
 
-        Tail ops run in PyTorch and the kernel reads tensor arguments in order whatever their
-        index, so the structure leaves both out.
+        Tail ops run outside the chain's kernels (tail.py) and the kernel reads tensor arguments
+        in order whatever their index, so the structure leaves both out.
         """
 
         def strip(ops):

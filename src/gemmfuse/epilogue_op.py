@@ -16,7 +16,7 @@ then the normalisation and what follows, modules.py). Paths:
     and inside ``torch.compile`` (whose compiler fuses the reference's ops itself). A CUDA call
     outside ``torch.compile`` warns (:class:`gemmfuse.FallbackWarning`) why.
 
-Tail ops (after a reduction) run in PyTorch.
+Tail ops (after a reduction) run as tail.py runs them: PyTorch's, an outer broadcast in one kernel.
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.
@@ -32,7 +32,8 @@ from gemmfuse.dispatch import FallbackWarning, select_epilogue_path
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.jit import extension_for
 from gemmfuse.ops import chain_arguments, records_grad
-from gemmfuse.reference import apply_epilogue, apply_pointwise
+from gemmfuse.reference import apply_epilogue
+from gemmfuse.tail import apply_tail
 from gemmfuse.validation import epilogue_argument_problem, raise_problem
 
 
@@ -73,7 +74,7 @@ def fused_epilogue_with_path(
         out = FusedEpilogueFunction.apply(epilogue.untailed, launch, z, gn_weight, gn_bias, *params)
     else:
         out = launch(z, gn_weight, gn_bias, params)
-    return apply_pointwise(out, epilogue.tail, params), path
+    return apply_tail(out, epilogue, params), path
 
 
 def _epilogue_launcher(epilogue: Epilogue):

@@ -1,8 +1,9 @@
 """The package's kernels, built in two pieces and loaded.
 
-- **The host extension** (csrc/host/host_*.cpp, bind_*.cpp, split.cu, sparse_products.cu and
-  column_sums.cu): argument checks, allocation and launches for every chain, the operand
-  splits, the sparse backward products and the chain backward's column sums.
+- **The host extension** (csrc/host/host_*.cpp, bind_*.cpp, split.cu, sparse_products.cu,
+  column_sums.cu and outer_binary.cu): argument checks, allocation and launches for every chain,
+  the operand splits, the sparse backward products, the chain backward's column sums and the
+  tail ops' outer broadcast.
   Chain-independent, so it is built once per torch version, CUDA version and GPU
   architecture, its translation units in parallel (``torch.utils.cpp_extension.load`` in this
   process: ninja).
@@ -47,7 +48,8 @@ CHAIN_PARTS = ("chain_table.cu", "chain_sm90_split.cu", "chain_sm90_one_pass.cu"
 HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_backward.cpp",
                 "host_plan.cpp", "host_autograd.cpp", "bind_splits.cpp", "bind_forward.cpp",
                 "bind_epilogue.cpp", "bind_backward.cpp", "bind_plan.cpp", "host_module.cpp",
-                "split.cu", "sparse_products.cu", "column_sums.cu")  # fmt: skip
+                "host_tail.cpp", "split.cu", "sparse_products.cu", "column_sums.cu",
+                "outer_binary.cu")  # fmt: skip
 # The parts' host code goes into a shared library.
 _PART_FLAGS = ("-Xcompiler=-fPIC",)
 _KERNELS: dict[tuple, ChainKernels] = {}

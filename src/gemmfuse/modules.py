@@ -56,7 +56,8 @@ from gemmfuse.ops import fused_linear_with_path, plans_apply
 from gemmfuse.plan import planned_call
 from gemmfuse.pointwise import POINTWISE
 from gemmfuse.pooling import ChannelPool, max_pool_window, pooled_linear
-from gemmfuse.reference import apply_epilogue, apply_pointwise, linear_epilogue
+from gemmfuse.reference import apply_epilogue, linear_epilogue
+from gemmfuse.tail import apply_tail
 from gemmfuse.validation import argument_problem
 from gemmfuse.weight_cache import SplitWeightCache
 
@@ -561,7 +562,7 @@ class FusedLinear(nn.Module):
             return True, None
         out, path = planned
         if epilogue.tail:
-            out = apply_pointwise(out, epilogue.tail, operands)
+            out = apply_tail(out, epilogue, operands)
         return True, ((out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])), path)
 
     def reference(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,8 @@ from gemmfuse.dispatch import (
 from gemmfuse.epilogue import Epilogue, epilogue_spec
 from gemmfuse.jit import extension_for
 from gemmfuse.plan import keep_plan, plannable, planned_call
-from gemmfuse.reference import apply_plain_ops, apply_pointwise, linear_epilogue, plain_ops
+from gemmfuse.reference import apply_plain_ops, linear_epilogue, plain_ops
+from gemmfuse.tail import apply_tail
 from gemmfuse.validation import validate
 from gemmfuse.weight_cache import SplitWeightCache, cache_for_call, fsdp_in_use
 
@@ -205,7 +206,7 @@ def fused_linear_with_path(
                                gn_weight, gn_bias, params)  # fmt: skip
         if planned is not None:
             out, path = planned
-            return (apply_pointwise(out, epilogue.tail, params) if epilogue.tail else out), path
+            return (apply_tail(out, epilogue, params) if epilogue.tail else out), path
     check_arguments(x, weight, bias, epilogue, gn_weight, gn_bias, params, kernel, precision)
     if torch.compiler.is_compiling():
         out = _traced_call(x, weight, bias, epilogue, gn_weight, gn_bias, params,
@@ -225,7 +226,7 @@ def fused_linear_with_path(
     if plannable(path, x) and cache is weight_cache:
         tensors = (x, weight, bias, gn_weight, gn_bias, params)
         keep_plan(weight_cache, epilogue, kernel, precision, tensors, grad, path)
-    return apply_pointwise(out, epilogue.tail, params), path
+    return apply_tail(out, epilogue, params), path
 
 
 def check_arguments(x, weight, bias, epilogue, gn_weight, gn_bias, params, kernel, precision):

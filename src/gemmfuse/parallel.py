@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from gemmfuse.epilogue import Epilogue, per_channel
 from gemmfuse.modules import BatchNormAffine, FusedLinear
 from gemmfuse.ops import fused_linear_with_path
-from gemmfuse.reference import apply_pointwise
+from gemmfuse.tail import apply_tail
 from gemmfuse.weight_cache import SplitWeightCache
 
 # How the W ranks' partial reductions (stacked on dim 0) combine into the whole row's.
@@ -162,7 +162,7 @@ class ColumnParallelFusedLinear(nn.Module):
                 return DTensor.from_local(out, self.mesh, [Shard(1)], run_check=False)
             return _GatherFromRanks.apply(out, group, 1)
         parts = _GatherFromRanks.apply(out.unsqueeze(0), group, 0)
-        out = apply_pointwise(_COMBINE[reduce.op](parts, dim=0), self.epilogue.tail, operands)
+        out = apply_tail(_COMBINE[reduce.op](parts, dim=0), self.epilogue, operands)
         if not self.gather_output:
             return DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
         return out

@@ -40,12 +40,14 @@ def apply_plain_ops(v: torch.Tensor, ops, params: Sequence[torch.Tensor] = ()) -
     writes them or as :class:`Param` / :class:`Value` objects."""
     values = [v]
     for name, args in ops:
-        v = POINTWISE[name].torch(v, *(_argument(a, params, values) for a in args))
+        v = POINTWISE[name].torch(v, *(op_argument(a, params, values) for a in args))
         values.append(v)
     return v
 
 
-def _argument(a, params, values):
+def op_argument(a, params, values):
+    """An op's argument as :func:`apply_plain_ops` passes it: a number as it is, a parameter from
+    ``params``, an earlier value of the stretch from ``values`` (detached where it says)."""
     if isinstance(a, (Param, Value)):
         a = _plain_argument(a)
     if not (isinstance(a, tuple) and a and a[0] in ("param", "value")):  # a number (or a list)

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gemmfuse.build import load_extension
-from gemmfuse.dispatch import GEMV_MAX_ROWS, K_ALIGN, SPLIT_COLS_MAX, TILE
+from gemmfuse.dispatch import GEMV_MAX_ROWS, K_ALIGN, OUTER_OPS, SPLIT_COLS_MAX, TILE
 from gemmfuse.epilogue import MAX_TENSORS, Epilogue, cuda_epilogue
 from gemmfuse.kernel_files import read_csrc
 
@@ -36,7 +36,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 # table first; the splits serve every chain.
 CHAIN_FUNCTIONS = ("gemm_split", "fused_forward", "fused_forward_16bit", "epilogue_forward",
                    "gemv_forward", "chain_backward", "chain_backward_plan")  # fmt: skip
-SHARED_FUNCTIONS = ("split_rows", "split_cols", "sparse_products")
+SHARED_FUNCTIONS = ("split_rows", "split_cols", "sparse_products", "tail_outer")
 
 
 def _flatten(files: Mapping[str, str], name: str, generated: str, seen: set[str]) -> list[str]:
@@ -72,6 +72,7 @@ def check_constants(host: ModuleType) -> None:
         "max_params": MAX_TENSORS,
         "split_cols_max": SPLIT_COLS_MAX,
         "k_align": K_ALIGN,
+        "outer_ops": len(OUTER_OPS),
     }
     theirs = dict(host.constants())
     if theirs != ours:

@@ -42,6 +42,7 @@ import gemmfuse.pointwise
 import gemmfuse.pooling
 import gemmfuse.reference
 import gemmfuse.sources
+import gemmfuse.tail
 import gemmfuse.validation
 from gemmfuse.kernel_files import read_csrc
 from gemmfuse.kernelbench.models import model_new_for
@@ -51,7 +52,8 @@ from gemmfuse.optimize import OptimizeReport, optimize
 # The export orders them by their imports, each after the modules it imports from.
 BUNDLED_MODULES = (gemmfuse.pointwise, gemmfuse.epilogue, gemmfuse.reference, gemmfuse.build,
                    gemmfuse.sources, gemmfuse.validation, gemmfuse.autograd, gemmfuse.dispatch,
-                   gemmfuse.weight_cache, gemmfuse.plan, gemmfuse.ops, gemmfuse.epilogue_op,
+                   gemmfuse.tail, gemmfuse.weight_cache, gemmfuse.plan, gemmfuse.ops,
+                   gemmfuse.epilogue_op,
                    gemmfuse.library, gemmfuse.pooling)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")

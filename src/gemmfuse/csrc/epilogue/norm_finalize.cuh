@@ -19,6 +19,7 @@
 
 #include "fused_args.h"
 #include "row_reduce.cuh"
+#include "smem_limit.h"
 #include "tile_epilogue.cuh"
 
 namespace gemmfuse {
@@ -396,9 +397,9 @@ cudaError_t launch_tile_kernel(const FusedArgs& args, cudaStream_t stream) {
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
   const int smem = min(args.M, kTile) * kEpiStride * static_cast<int>(sizeof(float));
   if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        tile_epilogue_kernel<Epi>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        kTile * kEpiStride * static_cast<int>(sizeof(float)));
+    const cudaError_t err =
+        raise_smem_once(reinterpret_cast<const void*>(tile_epilogue_kernel<Epi>),
+                        kTile * kEpiStride * static_cast<int>(sizeof(float)));
     if (err != cudaSuccess) return err;
   }
   tile_epilogue_kernel<Epi><<<grid, kFinalizeThreads, smem, stream>>>(args);

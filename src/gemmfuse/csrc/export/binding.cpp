@@ -6,6 +6,7 @@
 #include "host_backward.cpp"
 #include "host_plan.cpp"
 #include "host_autograd.cpp"
+#include "host_tail.cpp"
 #include "bind_splits.cpp"
 #include "bind_forward.cpp"
 #include "bind_epilogue.cpp"

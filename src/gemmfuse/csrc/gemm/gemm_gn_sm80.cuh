@@ -26,6 +26,7 @@
 
 #include "fused_args.h"
 #include "mma_sm80.cuh"
+#include "smem_limit.h"
 #include "tile_epilogue.cuh"
 
 namespace gemmfuse {
@@ -200,12 +201,12 @@ cudaError_t launch_fused_gemm_gn(const FusedArgs& args, cudaStream_t stream) {
   // Four stages where the GPU's shared memory allows (sm_80, sm_90), else three (sm_86, sm_89).
   if (optin >= smem_bytes(4)) {
     auto kernel = fused_gemm_gn_kernel<Epi, 4>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(4));
+    err = raise_smem_once(reinterpret_cast<const void*>(kernel), smem_bytes(4));
     if (err != cudaSuccess) return err;
     kernel<<<grid, kThreads, smem_bytes(4), stream>>>(args);
   } else {
     auto kernel = fused_gemm_gn_kernel<Epi, 3>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(3));
+    err = raise_smem_once(reinterpret_cast<const void*>(kernel), smem_bytes(3));
     if (err != cudaSuccess) return err;
     kernel<<<grid, kThreads, smem_bytes(3), stream>>>(args);
   }

@@ -28,14 +28,13 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
-#include <set>
 #include <utility>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_fp16.h>
 
 #include "fused_args.h"
+#include "smem_limit.h"
 #include "tile_epilogue.cuh"
 
 namespace gemmfuse {
@@ -468,21 +467,6 @@ inline cudaError_t encode_operand(CUtensorMap* map, const void* base, int rows, 
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Raises a kernel's dynamic shared-memory limit to `bytes` on `device`, once: the call costs
-// microseconds and every forward waits on it before its launch. Keyed by the kernel's address,
-// not a template static: every chain's library instantiates the kernels with a struct of the
-// same name (GeneratedEpilogueFor<...>), and such a static may be one object for the whole process
-// (chain_backward_plan.cuh's resident_blocks says how that failed once).
-inline cudaError_t raise_smem_once(const void* kernel, int bytes, int device) {
-  static std::mutex lock;
-  static std::set<std::pair<int, const void*>> raised;
-  std::lock_guard<std::mutex> guard(lock);
-  if (raised.count({device, kernel})) return cudaSuccess;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess) raised.insert({device, kernel});
-  return err;
-}
-
 template <class Epi, bool kSplit, bool kBf16>
 cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
                           cudaStream_t stream) {
@@ -492,7 +476,7 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   if (device >= 64) return cudaErrorInvalidDevice;
-  err = raise_smem_once(reinterpret_cast<const void*>(kernel), V::kSmemBytes, device);
+  err = raise_smem_once(reinterpret_cast<const void*>(kernel), V::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int m_tiles = (args.M + kTile - 1) / kTile;
   const int n_tiles = (args.N + V::kBlockN - 1) / V::kBlockN;

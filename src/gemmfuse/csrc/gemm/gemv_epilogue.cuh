@@ -19,6 +19,7 @@
 #include "fused_args.h"
 #include "norm_finalize.cuh"
 #include "row_reduce.cuh"
+#include "smem_limit.h"
 #include "tile_epilogue.cuh"
 
 namespace gemmfuse {
@@ -205,8 +206,8 @@ cudaError_t launch_gemv_rows(const FusedArgs& args, const GemvArgs& g, cudaStrea
   const dim3 grid((args.N + kTile - 1) / kTile, (g.K + g.slice - 1) / g.slice);
   const int smem = kRows * std::max(g.slice, kEpiStride) * static_cast<int>(sizeof(float));
   if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 kRows * kGemvMaxSlice * static_cast<int>(sizeof(float)));
+    const cudaError_t err = raise_smem_once(reinterpret_cast<const void*>(kernel),
+                                            kRows * kGemvMaxSlice * static_cast<int>(sizeof(float)));
     if (err != cudaSuccess) return err;
   }
   kernel<<<grid, kGemvThreads, smem, stream>>>(args, g);

@@ -1,5 +1,6 @@
 // The host extension's chain backward, and what Python checks when it loads a library.
 #include "column_sums.h"
+#include "outer_binary.h"
 #include "host_common.h"
 
 using namespace gemmfuse::host;
@@ -124,5 +125,6 @@ std::map<std::string, int64_t> constants() {
           {"gemv_max_rows", gemmfuse::kGemvMaxRows},
           {"max_params", gemmfuse::kMaxParams},
           {"split_cols_max", gemmfuse::kSplitColsMax},
-          {"k_align", gemmfuse::kKAlign}};
+          {"k_align", gemmfuse::kKAlign},
+          {"outer_ops", gemmfuse::kOuterDiv + 1}};
 }

@@ -42,6 +42,8 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
                                        std::vector<at::Tensor> vec_params,
                                        std::vector<double> scalar_params, int64_t group_size,
                                        double eps);
+at::Tensor tail_outer(at::Tensor value, at::Tensor operand, int64_t op, bool value_inner,
+                      std::vector<int64_t> shape);
 std::vector<int64_t> chain_backward_plan(int64_t table, int64_t M, int64_t N, int64_t group_size,
                                          bool model16);
 void check_table(int64_t table);
