@@ -26,7 +26,7 @@ backward needs besides the inputs:
    their dtype (one product each, rounded as eager rounds).
 3. ``db = dz.sum(0)`` (the kernel's column sum).
 
-Tail ops (after a reduction) run in PyTorch outside this function, with autograd's own backward.
+Tail ops (after a reduction) run outside this function (tail.py), with autograd's own backward.
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.

@@ -16,7 +16,8 @@ then the normalisation and what follows, modules.py). Paths:
     and inside ``torch.compile`` (whose compiler fuses the reference's ops itself). A CUDA call
     outside ``torch.compile`` warns (:class:`gemmfuse.FallbackWarning`) why.
 
-Tail ops (after a reduction) run as tail.py runs them: PyTorch's, an outer broadcast in one kernel.
+Tail ops (after a reduction) run as tail.py runs them: PyTorch's, a float32 outer broadcast in
+one kernel.
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.

@@ -3,15 +3,11 @@
 // backward kernel's dz and column sums, the products dx = dz W and dW = dz^T x on the sparse
 // kernels, the split kernel or PyTorch's, db the column sum of dz). Its own translation unit:
 // the autograd headers are the heaviest the host extension parses.
-#include <ATen/core/grad_mode.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
-#include <torch/csrc/autograd/functions/utils.h>
-
 #include <algorithm>
 #include <string>
 #include <type_traits>
 
+#include "autograd_node.h"
 #include "host_common.h"
 #include "host_plan.h"
 
@@ -21,17 +17,6 @@ namespace {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
-
-// torch 2.13 holds nodes by intrusive_ptr, earlier versions by shared_ptr.
-using NodePtr = decltype(torch::autograd::Edge::function);
-
-template <class N, class... Args>
-auto make_node(Args&&... args) {
-  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>)
-    return std::make_shared<N>(std::forward<Args>(args)...);
-  else
-    return c10::make_intrusive<N>(std::forward<Args>(args)...);
-}
 
 // A tensor the backward reads, with the version the forward saw (save_for_backward's check).
 struct Saved {

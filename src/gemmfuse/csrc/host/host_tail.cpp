@@ -4,13 +4,7 @@
 // each input's shape as it does for PyTorch's own broadcasting op. A C++ node, not a Python
 // autograd.Function: less host time a call (the forward and backward of a bf16 step took some
 // 100 us more with one, H200, 2026-11-26, when the kernel still took 16-bit models).
-#include <ATen/core/grad_mode.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
-#include <torch/csrc/autograd/functions/utils.h>
-
-#include <type_traits>
-
+#include "autograd_node.h"
 #include "host_common.h"
 #include "outer_binary.h"
 
@@ -20,15 +14,6 @@ namespace {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
-using NodePtr = decltype(torch::autograd::Edge::function);
-
-template <class N, class... Args>
-auto make_tail_node(Args&&... args) {
-  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>)
-    return std::make_shared<N>(std::forward<Args>(args)...);
-  else
-    return c10::make_intrusive<N>(std::forward<Args>(args)...);
-}
 
 struct TailOuterBackward : public Node {
   int64_t op = 0;
@@ -80,7 +65,7 @@ struct TailOuterBackward : public Node {
     // Differentiable once, as the fused call: with create_graph the gradients carry a node that
     // refuses a second differentiation.
     if (at::GradMode::is_enabled() && g.requires_grad()) {
-      auto error = make_tail_node<torch::autograd::Error>(
+      auto error = make_node<torch::autograd::Error>(
           "gemmfuse: a tail op's backward is not differentiable (a second derivative)",
           torch::autograd::collect_next_edges(g));
       for (auto& t : out) {
@@ -129,7 +114,7 @@ at::Tensor tail_outer(at::Tensor value, at::Tensor operand, int64_t op, bool val
                "tail_outer launch");
   }
   if (record) {
-    auto node = make_tail_node<TailOuterBackward>();
+    auto node = make_node<TailOuterBackward>();
     node->op = op;
     if (op == gemmfuse::kOuterMul || op == gemmfuse::kOuterDiv) {
       node->value = value;
