@@ -179,6 +179,11 @@ def _device_problem(x) -> str:
     return ""
 
 
+def kernels_run_on(x) -> bool:
+    """Whether gemmfuse's kernels run on x's device (a CUDA GPU of sm_80 or newer)."""
+    return not _device_problem(x)
+
+
 def _model16_problem(x, kernel: str) -> str:
     """Why the Hopper kernel cannot take a 16-bit model's call on x ("" if it can)."""
     name = _DTYPE_NAMES[x.dtype]

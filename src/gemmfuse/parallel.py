@@ -151,18 +151,19 @@ class ColumnParallelFusedLinear(nn.Module):
         gn = (None, None) if norm is None else (_local(norm.weight), _local(norm.bias))
         if x.requires_grad and grad_on:
             x = _CopyToRanks.apply(x, group)
-        out = fused_linear_with_path(
+        out, path = fused_linear_with_path(
             x, weight, bias, self.local_epilogue, *gn, params=operands,
             weight_cache=self.weight_split, kernel=self.fused.kernel,
             precision=self.fused.precision,
-        )[0]  # fmt: skip
+        )  # fmt: skip
         reduce = self.epilogue.reduce
         if reduce is None:
             if not self.gather_output:
                 return DTensor.from_local(out, self.mesh, [Shard(1)], run_check=False)
             return _GatherFromRanks.apply(out, group, 1)
         parts = _GatherFromRanks.apply(out.unsqueeze(0), group, 0)
-        out = apply_tail(_COMBINE[reduce.op](parts, dim=0), self.epilogue, operands)
+        combined = _COMBINE[reduce.op](parts, dim=0)
+        out = apply_tail(combined, self.epilogue, operands, kernel=path != "torch")
         if not self.gather_output:
             return DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
         return out

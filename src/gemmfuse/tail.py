@@ -18,21 +18,25 @@ modules): ``gemmfuse export`` inlines it into standalone files.
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.forward_ad import unpack_dual
 
-from gemmfuse.dispatch import OUTER_DTYPES, OUTER_OPS, outer_layout
+from gemmfuse.dispatch import OUTER_DTYPES, OUTER_OPS, kernels_run_on, outer_layout
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.jit import extension_for
 from gemmfuse.pointwise import POINTWISE
 from gemmfuse.reference import op_argument
 
 
-def apply_tail(v: torch.Tensor, epilogue: Epilogue, params: Sequence[torch.Tensor] = ()):
+def apply_tail(
+    v: torch.Tensor, epilogue: Epilogue, params: Sequence[torch.Tensor] = (), kernel: bool = True
+):
     """``epilogue.tail`` on the reduction's result ``v`` (what ``reference.apply_pointwise``
-    computes), an outer broadcast in one kernel."""
+    computes), an outer broadcast in one kernel. ``kernel=False``: PyTorch's ops alone (a call
+    that took the PyTorch path, for which no kernel library is built)."""
     values = [v]
     for op in epilogue.tail:
         args = [op_argument(a, params, values) for a in op.args]
-        out = _outer(epilogue, op.name, values[-1], args)
+        out = _outer(epilogue, op.name, values[-1], args) if kernel else None
         values.append(POINTWISE[op.name].torch(values[-1], *args) if out is None else out)
     return values[-1]
 
@@ -42,10 +46,14 @@ def _outer(epilogue: Epilogue, name: str, v: torch.Tensor, args: list):
     if name not in OUTER_OPS or len(args) != 1 or torch.compiler.is_compiling():
         return None
     operand = args[0]
-    if not (isinstance(operand, torch.Tensor) and v.is_cuda and operand.device == v.device):
+    if not (isinstance(operand, torch.Tensor) and kernels_run_on(v) and operand.device == v.device):
         return None
     if v.dtype not in OUTER_DTYPES or operand.dtype != v.dtype:
         return None  # PyTorch's type promotion decides the result's dtype
+    if not (v.is_contiguous() and operand.is_contiguous()):
+        return None  # PyTorch's result may follow a permuted input's layout; the kernel's not
+    if any(unpack_dual(t).tangent is not None for t in (v, operand)):
+        return None  # forward-mode AD: the C++ op carries no tangent
     layout = outer_layout(v, operand)
     if layout is None:
         return None

@@ -4,6 +4,7 @@ without its 16-byte stores; 16-bit and mixed dtypes stay PyTorch's."""
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from gemmfuse.dispatch import OUTER_OPS
 from gemmfuse.epilogue import Epilogue, Param, Pointwise
@@ -89,3 +90,40 @@ def test_second_derivative_is_refused():
     (dv,) = torch.autograd.grad(apply_tail(leaf, epilogue, [a]), [leaf], grad, create_graph=True)
     with pytest.raises(RuntimeError, match="not differentiable"):
         torch.autograd.grad(dv.sum(), [grad])
+
+
+def test_forward_ad_is_pytorchs():
+    """A dual tensor (forward-mode AD) takes PyTorch's op, so its tangent is PyTorch's."""
+    v, a, _ = _tensors(*LAYOUTS["75"], torch.float32, 5)
+    tangent = torch.randn_like(v)
+    epilogue = Epilogue(norm=CHAIN.norm, reduce=CHAIN.reduce, tail=CHAIN.tail)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(v, tangent)
+        ours = fwAD.unpack_dual(apply_tail(dual, epilogue, [a])).tangent
+        theirs = fwAD.unpack_dual(dual + a).tangent
+    assert ours is not None and torch.equal(ours, theirs)
+
+
+def test_non_contiguous_operand_stays_pytorchs():
+    v, a, _ = _tensors(*LAYOUTS["75"], torch.float32, 6)
+    operand = torch.empty(1, 4096, 1, 2, device=CUDA)[..., :1]  # a column stride of 2
+    operand.copy_(a)
+    epilogue = Epilogue(norm=CHAIN.norm, reduce=CHAIN.reduce, tail=CHAIN.tail)
+    assert not operand.is_contiguous() and _outer(epilogue, "add", v, [operand]) is None
+    assert torch.equal(apply_tail(v, epilogue, [operand]), v + operand)
+
+
+def test_in_place_change_no_gradient_reads_is_allowed():
+    """mul with a frozen operand: the value's gradient reads the operand alone, so changing the
+    value in place after the forward is no error (as with PyTorch's mul), and the gradient is
+    PyTorch's."""
+    v, a, grad = _tensors(*LAYOUTS["75"], torch.float32, 7)
+    epilogue = Epilogue(norm=CHAIN.norm, reduce=CHAIN.reduce, tail=(Pointwise("mul", (Param(0),)),))
+    grads = []
+    for run in (lambda x: apply_tail(x, epilogue, [a]), lambda x: x * a):
+        leaf = v.clone().requires_grad_()
+        x = leaf * 1.0
+        out = run(x)
+        x.add_(1.0)
+        grads.append(torch.autograd.grad(out, [leaf], grad)[0])
+    assert torch.equal(grads[0], grads[1])

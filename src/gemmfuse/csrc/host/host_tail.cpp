@@ -17,7 +17,7 @@ using torch::autograd::variable_list;
 
 struct TailOuterBackward : public Node {
   int64_t op = 0;
-  at::Tensor value, operand;  // saved for mul and div only
+  at::Tensor value, operand;  // saved for mul and div only, each where a gradient reads it
   int64_t value_version = 0, operand_version = 0;
   bool released = false;
 
@@ -37,7 +37,8 @@ struct TailOuterBackward : public Node {
       TORCH_CHECK(!released,
                   "gemmfuse: trying to backward through a tail op a second time; specify "
                   "retain_graph=True the first time");
-      TORCH_CHECK(value._version() == value_version && operand._version() == operand_version,
+      TORCH_CHECK((!value.defined() || value._version() == value_version) &&
+                      (!operand.defined() || operand._version() == operand_version),
                   "gemmfuse: a tensor the tail op's backward reads was modified by an in-place "
                   "operation after the forward");
     }
@@ -117,10 +118,17 @@ at::Tensor tail_outer(at::Tensor value, at::Tensor operand, int64_t op, bool val
     auto node = make_node<TailOuterBackward>();
     node->op = op;
     if (op == gemmfuse::kOuterMul || op == gemmfuse::kOuterDiv) {
-      node->value = value;
-      node->operand = operand;
-      node->value_version = value._version();
-      node->operand_version = operand._version();
+      // As PyTorch's nodes save: the value for the operand's gradient; the operand for the
+      // value's (and, dividing, for its own). So an in-place change to a tensor no gradient
+      // reads is not refused.
+      if (operand.requires_grad()) {
+        node->value = value;
+        node->value_version = value._version();
+      }
+      if (value.requires_grad() || (op == gemmfuse::kOuterDiv && operand.requires_grad())) {
+        node->operand = operand;
+        node->operand_version = operand._version();
+      }
     }
     node->set_next_edges(torch::autograd::collect_next_edges(value, operand));
     torch::autograd::set_history(out, node);
