@@ -10,8 +10,9 @@
 namespace gemmfuse {
 
 // Raises `kernel`'s dynamic shared-memory limit to `bytes` on the current device, once: the
-// call costs microseconds of host time (26 us before the chain kernel's every launch, H200,
-// torch.profiler, 2026-11-26) and every forward waits on it. Keyed by the kernel's address, not
+// call costs microseconds of host time and every forward waits on it (torch.profiler listed 26
+// us against it in each bf16 #75 forward, H200, 2026-11-26, when the chain kernel called it
+// before every launch; not timed on its own). Keyed by the kernel's address, not
 // a template static: every chain's library instantiates the kernels with a struct of the same
 // name (GeneratedEpilogueFor<...>), and such a static may be one object for the whole process
 // (chain_backward_plan.cuh's resident_blocks says how that failed once).

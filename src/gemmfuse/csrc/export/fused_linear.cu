@@ -1,5 +1,6 @@
 // A standalone export's one CUDA translation unit (load_inline builds one library): the operand
-// splits, the sparse backward products, the column sums, the tail's outer broadcast and every part of the chain's library.
+// splits, the sparse backward products, the column sums, the tail's outer broadcast and every
+// part of the chain's library.
 // The package builds the same files apart: the host extension's once, the parts of each chain
 // in parallel (gemmfuse/jit.py).
 #include "split.cu"

@@ -109,7 +109,7 @@ at::Tensor tail_outer(at::Tensor value, at::Tensor operand, int64_t op, bool val
     out = v.new_empty(shape);
     TORCH_CHECK(out.numel() == outer * inner, "gemmfuse: tail_outer: shape does not hold ",
                 std::to_string(outer), " x ", std::to_string(inner), " values");
-    check_cuda(gemmfuse::launch_outer_binary<float>(
+    check_cuda(gemmfuse::launch_outer_binary(
                    v.data_ptr<float>(), a.data_ptr<float>(), out.data_ptr<float>(), outer, inner,
                    value_inner, static_cast<int>(op), c10::cuda::getCurrentCUDAStream()),
                "tail_outer launch");

@@ -25,14 +25,14 @@ __device__ __forceinline__ float apply(int op, float x, float y) {
   }
 }
 
-// kVec values of T a thread (16 bytes where the inner length allows, else one).
-template <class T, int kVec>
+// kVec floats a thread (16 bytes where the inner length allows, else one).
+template <int kVec>
 __global__ void __launch_bounds__(kThreads)
-    outer_binary_kernel(const T* __restrict__ value, const T* __restrict__ operand,
-                        T* __restrict__ out, int64_t outer, int64_t inner, bool value_inner,
+    outer_binary_kernel(const float* __restrict__ value, const float* __restrict__ operand,
+                        float* __restrict__ out, int64_t outer, int64_t inner, bool value_inner,
                         int op) {
-  const T* inner_src = value_inner ? value : operand;
-  const T* outer_src = value_inner ? operand : value;
+  const float* inner_src = value_inner ? value : operand;
+  const float* outer_src = value_inner ? operand : value;
   const int64_t row_vectors = inner / kVec;
   const int64_t vectors = outer * row_vectors;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t o = t / row_vectors;
     const int64_t i = (t - o * row_vectors) * kVec;
     const float a = outer_src[o];
-    struct alignas(sizeof(T) * kVec) Pack { T v[kVec]; };
+    struct alignas(sizeof(float) * kVec) Pack { float v[kVec]; };
     const Pack in = *reinterpret_cast<const Pack*>(inner_src + i);
     Pack r;
 #pragma unroll
@@ -53,34 +53,31 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class T, int kVec>
-cudaError_t launch(const T* value, const T* operand, T* out, int64_t outer, int64_t inner,
-                   bool value_inner, int op, cudaStream_t stream) {
+template <int kVec>
+cudaError_t launch(const float* value, const float* operand, float* out, int64_t outer,
+                   int64_t inner, bool value_inner, int op, cudaStream_t stream) {
   const int64_t vectors = outer * (inner / kVec);
   // Enough blocks to fill the GPU several times over; the loop strides over the rest.
   const int64_t grid = std::min<int64_t>((vectors + kThreads - 1) / kThreads, int64_t{1} << 16);
-  outer_binary_kernel<T, kVec><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+  outer_binary_kernel<kVec><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       value, operand, out, outer, inner, value_inner, op);
   return cudaGetLastError();
 }
 
 }  // namespace outer
 
-template <class T>
-cudaError_t launch_outer_binary(const T* value, const T* operand, T* out, int64_t outer,
-                                int64_t inner, bool value_inner, int op, cudaStream_t stream) {
+cudaError_t launch_outer_binary(const float* value, const float* operand, float* out,
+                                int64_t outer, int64_t inner, bool value_inner, int op,
+                                cudaStream_t stream) {
   if (outer == 0 || inner == 0) return cudaSuccess;
   if (op < kOuterAdd || op > kOuterDiv) return cudaErrorInvalidValue;
-  constexpr int kVec = 16 / sizeof(T);
-  const T* inner_src = value_inner ? value : operand;
+  constexpr int kVec = 16 / sizeof(float);
+  const float* inner_src = value_inner ? value : operand;
   const bool aligned = inner % kVec == 0 && reinterpret_cast<uintptr_t>(inner_src) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(out) % 16 == 0;
   return aligned
-             ? outer::launch<T, kVec>(value, operand, out, outer, inner, value_inner, op, stream)
-             : outer::launch<T, 1>(value, operand, out, outer, inner, value_inner, op, stream);
+             ? outer::launch<kVec>(value, operand, out, outer, inner, value_inner, op, stream)
+             : outer::launch<1>(value, operand, out, outer, inner, value_inner, op, stream);
 }
-
-template cudaError_t launch_outer_binary<float>(const float*, const float*, float*, int64_t,
-                                                int64_t, bool, int, cudaStream_t);
 
 }  // namespace gemmfuse
