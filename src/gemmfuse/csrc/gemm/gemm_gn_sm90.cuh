@@ -10,7 +10,8 @@
 // row tiles, row tiles fastest within a band, so the blocks running at once share their x and W
 // panels in L2); the epilogue's fp32 tile reuses the ring, so the producer starts a block's
 // next tile once its epilogue is done.
-// - Split (fp32-accurate): 128x128 tiles, one per block; a stage holds x hi, x lo, W hi, W lo
+// - Split (fp32-accurate): 128x128 tiles, one per block (a persistent grid where the chain is
+//   pointwise: direct_store); a stage holds x hi, x lo, W hi, W lo
 //   (16 KB each), 3 stages. Per k-tile each consumer issues 12 wgmma.m64n128k16 (hi*lo, lo*hi,
 //   hi*hi for each 16-wide k step) into a tensor-core accumulator that the first of them
 //   overwrites, waits, frees the stage and promotes the k-tile's result into an fp32 register
@@ -21,8 +22,8 @@
 //   holds x (16 KB) and W (32 KB), 4 stages; 4 wgmma.m64n256k16 per k-tile accumulate across all
 //   of K. The wider tile reads 48 KB from L2 per 4 MFLOP where a 128x128 one read 32 KB per 2.
 // Measured on #62 (docs/DESIGN.md section 4): one-pass bf16 237 us against 262 us for
-// one-pass 128x128 tiles, one block per tile; the split variant is 3-8% slower persistent, so
-// it keeps a block per tile.
+// one-pass 128x128 tiles, one block per tile; the split variant with a staged epilogue is 3-8%
+// slower persistent, so it keeps a block per tile.
 // The epilogue is tile_epilogue.cuh's, run by the 256 consumer threads on 128x128 halves, with
 // the fp32-accurate statistics in the split variant and plain ones in the one-pass variants.
 #pragma once
@@ -50,14 +51,15 @@ constexpr int kStagingBytes = kTile * kEpiStride * 4;  // the epilogue's fp32 12
 // sizes, H100, 2026-11-24), and 15-25% slower with all row tiles in one band.
 constexpr int kWalkBand = 16;
 
-// Per variant (see the top of the file): tile width, ring depth and grid.
-template <bool kSplit>
+// Per variant (see the top of the file): tile width, ring depth and grid. kDirect: the split
+// variant storing from registers (direct_store), on a persistent grid.
+template <bool kSplit, bool kDirect = false>
 struct Variant {
   static constexpr int kBlockN = kSplit ? 128 : 256;  // output columns per tile
   static constexpr int kAccRegs = kBlockN / 2;        // fp32 accumulators per consumer thread
   static constexpr int kStageBytes = (kSplit ? 4 : 1 + kBlockN / kTile) * kOperandBytes;
   static constexpr int kStages = kSplit ? 3 : 4;
-  static constexpr bool kPersistent = !kSplit;        // else one block per tile
+  static constexpr bool kPersistent = !kSplit || kDirect;  // else one block per tile
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + 1 KB for alignment
   static_assert(kStagingBytes <= kStages * kStageBytes, "the epilogue tile fits the ring");
 };
@@ -253,6 +255,53 @@ struct TileWalk {
   }
 };
 
+// Whether a variant stores from registers: the split one on a chain of pointwise ops alone (no
+// norm, no reduction: nothing reads across the tile). Its tiles are then walked by a persistent
+// grid, the producer loading a block's next tile while its consumers store this one: staged in
+// the ring, the epilogue held the next tile's loads (the backward's dW product, whose K is the
+// batch, 16 k-tiles at KernelBench's #62, spent about a fifth of its time between tiles).
+template <class Epi, bool kSplit>
+__host__ __device__ constexpr bool direct_store() {
+  return kSplit && !Epi::kNorm && Epi::kReduce == 0;
+}
+
+// A tile's outputs stored from a consumer's wgmma fragment (m64n128: rows lane / 4 (+ 8),
+// columns 8 j + 2 (lane % 4) (+ 1)), each the staging path's value (gemm_value, then `pre`):
+// pairs of columns as one 8-byte store where the rows allow it.
+template <class Epi>
+__device__ __forceinline__ void store_direct(const float (&acc)[64], const float* col_scale,
+                                             const float* col_bias, int tile_m, int tile_n,
+                                             int consumer, int warp, int lane,
+                                             const FusedArgs& args) {
+  const bool pairs = args.N % 2 == 0 && reinterpret_cast<uintptr_t>(args.out) % 8 == 0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int grow = tile_m + consumer * 64 + warp * 16 + lane / 4 + half * 8;
+    if (grow >= args.M) continue;
+    const float a_inv = args.a_inv_scale ? __ldg(args.a_inv_scale + grow) : 1.f;
+    float* out_row = args.out + static_cast<int64_t>(grow) * args.N;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int c = j * 8 + 2 * (lane % 4), gcol = tile_n + c;
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const ColumnTerms col{col_scale[c + e], col_bias[c + e]};
+        const float z = gemm_value<Epi>(acc[4 * j + 2 * half + e], a_inv, col, args);
+        save_gemm_value<Epi>(z, grow, gcol + e, args);
+        v[e] = Epi::pre(z, grow, min(gcol + e, args.N - 1), args.params);
+      }
+      if (pairs && gcol + 1 < args.N) {
+        *reinterpret_cast<float2*>(out_row + gcol) = make_float2(v[0], v[1]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (gcol + e < args.N) out_row[gcol + e] = v[e];
+      }
+    }
+  }
+}
+
 // kSplit: hi*lo + lo*hi + hi*hi with promotion after every k-tile (fp32-accurate), or one
 // product per k-step accumulated across all of K in the tensor cores (precision="tf32" on the
 // fp16 hi parts, or a bf16 model's own operands when kBf16). Compile-time choices: a run-time
@@ -265,7 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                               const __grid_constant__ CUtensorMap tm_b_lo, const FusedArgs args,
                               const TileWalk walk) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using V = Variant<kSplit>;
+  constexpr bool kDirect = direct_store<Epi, kSplit>();
+  using V = Variant<kSplit, kDirect>;
   constexpr int kStageBytes = V::kStageBytes, kStages = V::kStages;
   extern __shared__ unsigned char smem_raw[];
   // Aligned to 1 KB by pointer arithmetic on the shared array (not through an integer), so the
@@ -300,7 +350,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int t = blockIdx.x; t < walk.tiles; t += gridDim.x, ++done) {
         const int2 tile = walk.coords(t);
         const int tile_m = tile.x * kTile, tile_n = tile.y * V::kBlockN;
-        if (done > 0) mbar_wait(&epilogue_done, (done - 1) & 1);  // the ring is free again
+        // the ring is free again (a direct store never holds it)
+        if (!kDirect && done > 0) mbar_wait(&epilogue_done, (done - 1) & 1);
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int s = it % kStages;
           mbar_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);  // first round passes at once
@@ -335,12 +386,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int warp = tid_wg / 32, lane = tid_wg % 32;
     const int n_tiles = (args.N + kTile - 1) / kTile;  // 128-column tiles, the epilogue's unit
     static_assert(V::kBlockN <= kConsumerThreads, "a column per consumer thread");
-    __shared__ float s_col_scale[V::kBlockN], s_col_bias[V::kBlockN];
+    // Two buffers where the store is direct: a warpgroup may load the next tile's terms while
+    // the other still reads this tile's (each tile's epilogue starts with a barrier of both).
+    constexpr int kColBuffers = kDirect ? 2 : 1;
+    __shared__ float s_col_scale_buf[kColBuffers][V::kBlockN], s_col_bias_buf[kColBuffers][V::kBlockN];
 
     int it = 0;
-    for (int t = blockIdx.x; t < walk.tiles; t += gridDim.x) {
+    for (int t = blockIdx.x, done = 0; t < walk.tiles; t += gridDim.x, ++done) {
       const int2 tile = walk.coords(t);
       const int m_idx = tile.x, tile_m = m_idx * kTile, tile_n = tile.y * V::kBlockN;
+      float* s_col_scale = s_col_scale_buf[done % kColBuffers];
+      float* s_col_bias = s_col_bias_buf[done % kColBuffers];
       float acc[V::kAccRegs];
 #pragma unroll
       for (int i = 0; i < V::kAccRegs; ++i) acc[i] = 0.f;
@@ -399,43 +455,48 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (k_tiles > 0) release((it - 1) % kStages);
       }
 
-      // The epilogue, on each 128-column half of the tile in turn: the accumulators go to the
-      // staging tile as epilogue inputs (unscaled, biased, `pre`), then tile_epilogue.
+      if constexpr (kDirect) {
+        consumers_sync();  // the tile's column terms are published
+        store_direct<Epi>(acc, s_col_scale, s_col_bias, tile_m, tile_n, consumer, warp, lane, args);
+      } else {
+        // The epilogue, on each 128-column half of the tile in turn: the accumulators go to the
+        // staging tile as epilogue inputs (unscaled, biased, `pre`), then tile_epilogue.
 #pragma unroll
-      for (int h = 0; h < V::kBlockN / kTile; ++h) {
-        const int n0 = tile_n + h * kTile;
-        if (n0 >= args.N) break;  // uniform across the consumers
-        consumers_sync();  // every wgmma has read the ring; the last epilogue is done with it
-        float a_inv[2];
+        for (int h = 0; h < V::kBlockN / kTile; ++h) {
+          const int n0 = tile_n + h * kTile;
+          if (n0 >= args.N) break;  // uniform across the consumers
+          consumers_sync();  // every wgmma has read the ring; the last epilogue is done with it
+          float a_inv[2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
-          a_inv[half] = args.a_inv_scale ? __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1)) : 1.f;
-        }
+          for (int half = 0; half < 2; ++half) {
+            const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
+            a_inv[half] = args.a_inv_scale ? __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1)) : 1.f;
+          }
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+          for (int j = 0; j < 16; ++j) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = j * 8 + 2 * (lane % 4) + e;
-            const ColumnTerms col{s_col_scale[h * kTile + c], s_col_bias[h * kTile + c]};
-            const int gcol = min(n0 + c, args.N - 1);
+            for (int e = 0; e < 2; ++e) {
+              const int c = j * 8 + 2 * (lane % 4) + e;
+              const ColumnTerms col{s_col_scale[h * kTile + c], s_col_bias[h * kTile + c]};
+              const int gcol = min(n0 + c, args.N - 1);
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
-              const float z = gemm_value<Epi>(acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, args);
-              save_gemm_value<Epi>(z, tile_m + r, n0 + c, args);
-              const int grow = min(tile_m + r, args.M - 1);
-              staging[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
+              for (int half = 0; half < 2; ++half) {
+                const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
+                const float z = gemm_value<Epi>(acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, args);
+                save_gemm_value<Epi>(z, tile_m + r, n0 + c, args);
+                const int grow = min(tile_m + r, args.M - 1);
+                staging[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
+              }
             }
           }
+          consumers_sync();
+          const TileCoord coord{tile_m, n0, m_idx, n0 / kTile, n_tiles};
+          tile_epilogue<Epi, kConsumerThreads, kSplit>(staging, args, coord, threadIdx.x,
+                                                       consumers_sync);
         }
-        consumers_sync();
-        const TileCoord coord{tile_m, n0, m_idx, n0 / kTile, n_tiles};
-        tile_epilogue<Epi, kConsumerThreads, kSplit>(staging, args, coord, threadIdx.x,
-                                                     consumers_sync);
+        consumers_sync();  // every consumer is done with the ring
+        if (threadIdx.x == 0) mbar_arrive(&epilogue_done);
       }
-      consumers_sync();  // every consumer is done with the ring
-      if (threadIdx.x == 0) mbar_arrive(&epilogue_done);
     }
   }
 #endif
@@ -470,7 +531,7 @@ inline cudaError_t encode_operand(CUtensorMap* map, const void* base, int rows, 
 template <class Epi, bool kSplit, bool kBf16>
 cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
                           cudaStream_t stream) {
-  using V = Variant<kSplit>;
+  using V = Variant<kSplit, direct_store<Epi, kSplit>()>;
   auto kernel = fused_gemm_gn_sm90_kernel<Epi, kSplit, kBf16>;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
