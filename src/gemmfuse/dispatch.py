@@ -56,13 +56,13 @@ SPLIT_COLS_MAX = 65535 * 32
 
 # The tail ops (after a reduction) that run as one kernel where their tensor operand broadcasts
 # the reduction's value into an outer product's layout (tail.py), in the order of
-# csrc/operands/outer_binary.h's OuterOp, in these dtypes (both inputs of one of them). #75 in
-# KernelBench's method, the kernel against PyTorch's broadcast in one process (H100, 2026-11-26,
-# three rounds of 100 calls): bf16 forward 0.210-0.211 ms against 0.222-0.237, fp16 0.221-0.232
-# against 0.238-0.250; the training steps within their spread (bf16 0.549-0.577 against
-# 0.546-0.553, fp16 0.616-0.733 against 0.595-0.703). float32 (H200): 0.68 against 0.75 ms.
+# csrc/operands/outer_binary.h's OuterOp. float32 only: #75 in KernelBench's method (H200,
+# 2026-11-26, the kernel against PyTorch's broadcast in one process, three runs) took 0.68 ms
+# against 0.75 forward and 1.02-1.04 against 1.04-1.07 a training step in float32, but in bf16
+# and fp16, whose calls are bound by the host's time, the kernel's 12 us saved did not show in
+# the forward and the training step was slower in every run (0.92-1.02 ms against 0.63-0.85).
 OUTER_OPS = ("add", "sub", "rsub", "mul", "div")
-OUTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUTER_DTYPES = (torch.float32,)
 
 
 def split_padded(n: int) -> int:

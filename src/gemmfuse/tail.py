@@ -2,10 +2,10 @@
 
 Each op is PyTorch's, but one whose tensor operand broadcasts the reduction's value into an
 outer product's layout (#75's ``(M, 1) + (1, C, 1, 1) -> (1, C, M, 1)``, ``dispatch.outer_layout``)
-runs in one CUDA kernel (csrc/operands/outer_binary.cu; float32, bfloat16 and float16,
-``dispatch.OUTER_DTYPES``): PyTorch's broadcasting kernel reads one value a thread through an
-offset calculator (22 us for #75's float32 output, H200, 2026-11-26), this one stores 16 bytes
-a thread (11 us). Its values are PyTorch's bit for bit, and with autograd
+runs in one CUDA kernel (csrc/operands/outer_binary.cu) in a float32 model
+(``dispatch.OUTER_DTYPES`` says why not a 16-bit one): PyTorch's broadcasting kernel reads one
+value a thread through an offset calculator (22 us for #75's output, H200, 2026-11-26), this
+one stores 16 bytes a thread (11 us). Its values are PyTorch's bit for bit, and with autograd
 recording so are its gradients (a C++ autograd node,
 csrc/host/host_tail.cpp, with PyTorch's formulas for the op, whose results autograd's engine
 reduces to each input's shape as it does for PyTorch's own op).

@@ -1,6 +1,6 @@
 """The tail's outer-broadcast kernel (tail.py, csrc/operands/outer_binary.cu) against PyTorch's
 broadcasting op: values and both gradients bit for bit, both layouts, inner lengths with and
-without its 16-byte stores, float32 and both 16-bit dtypes; mixed dtypes stay PyTorch's."""
+without its 16-byte stores; 16-bit and mixed dtypes stay PyTorch's."""
 
 import pytest
 import torch
@@ -36,12 +36,10 @@ def _tensors(value_shape, operand_shape, dtype, seed):
     return [t.to(CUDA, dtype) for t in (v, a, grad)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", OUTER_OPS)
-def test_kernel_is_pytorch_bit_for_bit(name, layout, dtype):
-    """16-bit values are computed in float and rounded once, as PyTorch's 16-bit ops do."""
-    v, a, grad = _tensors(*LAYOUTS[layout], dtype, OUTER_OPS.index(name))
+def test_kernel_is_pytorch_bit_for_bit(name, layout):
+    v, a, grad = _tensors(*LAYOUTS[layout], torch.float32, OUTER_OPS.index(name))
     epilogue = Epilogue(norm=CHAIN.norm, reduce=CHAIN.reduce, tail=(Pointwise(name, (Param(0),)),))
     leaves = [v.clone().requires_grad_(), a.clone().requires_grad_()]
     poison_allocator(4 * grad.numel(), CUDA)
@@ -61,15 +59,15 @@ def test_kernel_is_pytorch_bit_for_bit(name, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_mixed_dtypes_stay_pytorchs(dtype):
-    """A float32 operand against a 16-bit value: PyTorch's type promotion decides the result's
-    dtype, so PyTorch's op, not the kernel."""
+def test_16bit_and_mixed_dtypes_stay_pytorchs(dtype):
+    """A 16-bit model's tail (dispatch.OUTER_DTYPES), and a float32 operand against a 16-bit
+    value (PyTorch's type promotion): PyTorch's op, not the kernel."""
     v, a, _ = _tensors(*LAYOUTS["75"], dtype, 0)
     epilogue = Epilogue(norm=CHAIN.norm, reduce=CHAIN.reduce, tail=CHAIN.tail)
-    for value, operand in ((v, a.float()), (v.float(), a)):
-        assert _outer(epilogue, "add", value, [operand]) is None
-        out = apply_tail(value, epilogue, [operand])
-        assert out.dtype == (value + operand).dtype and torch.equal(out, value + operand)
+    for operand in (a, a.float()):
+        assert _outer(epilogue, "add", v, [operand]) is None
+        out = apply_tail(v, epilogue, [operand])
+        assert out.dtype == (v + operand).dtype and torch.equal(out, v + operand)
 
 
 @pytest.mark.parametrize("name", ["mul", "div"])

@@ -85,21 +85,16 @@ struct TailOuterBackward : public Node {
 
 using namespace gemmfuse::host;
 
-// value, operand: CUDA tensors of one dtype (float32, bfloat16, float16) whose broadcast is an outer product's layout
+// value, operand: float32 CUDA tensors whose broadcast is an outer product's layout
 // (dispatch.outer_layout) of `shape`: out[o * inner + i] = op(value[i], operand[o]) where
 // value_inner (inner = value's size), else op(value[o], operand[i]); op as gemmfuse::OuterOp
 // numbers them. Where autograd records and either input
 // requires grad, the result carries a TailOuterBackward node.
 at::Tensor tail_outer(at::Tensor value, at::Tensor operand, int64_t op, bool value_inner,
                       std::vector<int64_t> shape) {
-  const auto type = value.scalar_type();
-  const int dtype = type == at::kFloat ? gemmfuse::kFloat32Model
-                    : type == at::kBFloat16 ? gemmfuse::kBf16Model
-                    : type == at::kHalf ? gemmfuse::kFp16Model : -1;
-  TORCH_CHECK(value.is_cuda() && operand.device() == value.device() && dtype >= 0 &&
-                  operand.scalar_type() == type,
-              "gemmfuse: tail_outer needs CUDA tensors on one device, both float32, bfloat16 "
-              "or float16");
+  TORCH_CHECK(value.is_cuda() && operand.device() == value.device() &&
+                  value.scalar_type() == at::kFloat && operand.scalar_type() == at::kFloat,
+              "gemmfuse: tail_outer needs float32 CUDA tensors on one device");
   TORCH_CHECK(op >= gemmfuse::kOuterAdd && op <= gemmfuse::kOuterDiv,
               "gemmfuse: tail_outer: bad op ", std::to_string(op));
   c10::cuda::CUDAGuard guard(value.device());
@@ -114,9 +109,9 @@ at::Tensor tail_outer(at::Tensor value, at::Tensor operand, int64_t op, bool val
     out = v.new_empty(shape);
     TORCH_CHECK(out.numel() == outer * inner, "gemmfuse: tail_outer: shape does not hold ",
                 std::to_string(outer), " x ", std::to_string(inner), " values");
-    check_cuda(gemmfuse::launch_outer_binary(v.data_ptr(), a.data_ptr(), out.data_ptr(), outer,
-                                             inner, value_inner, static_cast<int>(op), dtype,
-                                             c10::cuda::getCurrentCUDAStream()),
+    check_cuda(gemmfuse::launch_outer_binary(
+                   v.data_ptr<float>(), a.data_ptr<float>(), out.data_ptr<float>(), outer, inner,
+                   value_inner, static_cast<int>(op), c10::cuda::getCurrentCUDAStream()),
                "tail_outer launch");
   }
   if (record) {

@@ -2,15 +2,10 @@
 // PyTorch runs it as a broadcasting elementwise kernel, one value a thread through an offset
 // calculator: 22 us for #75's float32 output of 32 MB (H200, torch.profiler, 2026-11-26), this
 // kernel 11 us. Here every thread stores 16 bytes along the inner operand and reads one value
-// of the outer one.
+// of the outer one. Float32 (dispatch.OUTER_DTYPES says why not the 16-bit models).
 #include "outer_binary.h"
 
 #include <algorithm>
-#include <type_traits>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "fused_args.h"
 
 namespace gemmfuse {
 // A named namespace: a standalone export compiles this file in one translation unit with the
@@ -30,24 +25,14 @@ __device__ __forceinline__ float apply(int op, float x, float y) {
   }
 }
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <class T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
-  else if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
-  else return v;
-}
-
-// kVec values of T a thread (16 bytes where the inner length allows, else one).
-template <class T, int kVec>
+// kVec floats a thread (16 bytes where the inner length allows, else one).
+template <int kVec>
 __global__ void __launch_bounds__(kThreads)
-    outer_binary_kernel(const T* __restrict__ value, const T* __restrict__ operand,
-                        T* __restrict__ out, int64_t outer, int64_t inner, bool value_inner,
+    outer_binary_kernel(const float* __restrict__ value, const float* __restrict__ operand,
+                        float* __restrict__ out, int64_t outer, int64_t inner, bool value_inner,
                         int op) {
-  const T* inner_src = value_inner ? value : operand;
-  const T* outer_src = value_inner ? operand : value;
+  const float* inner_src = value_inner ? value : operand;
+  const float* outer_src = value_inner ? operand : value;
   const int64_t row_vectors = inner / kVec;
   const int64_t vectors = outer * row_vectors;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -55,60 +40,44 @@ __global__ void __launch_bounds__(kThreads)
        t += stride) {
     const int64_t o = t / row_vectors;
     const int64_t i = (t - o * row_vectors) * kVec;
-    const float a = to_float(outer_src[o]);
-    struct alignas(sizeof(T) * kVec) Pack { T v[kVec]; };
+    const float a = outer_src[o];
+    struct alignas(sizeof(float) * kVec) Pack { float v[kVec]; };
     const Pack in = *reinterpret_cast<const Pack*>(inner_src + i);
     Pack r;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float b = to_float(in.v[j]);
-      r.v[j] = from_float<T>(value_inner ? apply(op, b, a) : apply(op, a, b));
+      const float b = in.v[j];
+      r.v[j] = value_inner ? apply(op, b, a) : apply(op, a, b);
     }
     *reinterpret_cast<Pack*>(out + o * inner + i) = r;
   }
 }
 
-template <class T, int kVec>
-cudaError_t launch_vec(const T* value, const T* operand, T* out, int64_t outer, int64_t inner,
-                       bool value_inner, int op, cudaStream_t stream) {
+template <int kVec>
+cudaError_t launch(const float* value, const float* operand, float* out, int64_t outer,
+                   int64_t inner, bool value_inner, int op, cudaStream_t stream) {
   const int64_t vectors = outer * (inner / kVec);
   // Enough blocks to fill the GPU several times over; the loop strides over the rest.
   const int64_t grid = std::min<int64_t>((vectors + kThreads - 1) / kThreads, int64_t{1} << 16);
-  outer_binary_kernel<T, kVec><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+  outer_binary_kernel<kVec><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
       value, operand, out, outer, inner, value_inner, op);
   return cudaGetLastError();
 }
 
-template <class T>
-cudaError_t launch(const void* value, const void* operand, void* out, int64_t outer,
-                   int64_t inner, bool value_inner, int op, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
-  const T *v = static_cast<const T*>(value), *a = static_cast<const T*>(operand);
-  T* o = static_cast<T*>(out);
-  const T* inner_src = value_inner ? v : a;
-  const bool aligned = inner % kVec == 0 && reinterpret_cast<uintptr_t>(inner_src) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(o) % 16 == 0;
-  return aligned ? launch_vec<T, kVec>(v, a, o, outer, inner, value_inner, op, stream)
-                 : launch_vec<T, 1>(v, a, o, outer, inner, value_inner, op, stream);
-}
-
 }  // namespace outer
 
-cudaError_t launch_outer_binary(const void* value, const void* operand, void* out, int64_t outer,
-                                int64_t inner, bool value_inner, int op, int dtype,
+cudaError_t launch_outer_binary(const float* value, const float* operand, float* out,
+                                int64_t outer, int64_t inner, bool value_inner, int op,
                                 cudaStream_t stream) {
   if (outer == 0 || inner == 0) return cudaSuccess;
   if (op < kOuterAdd || op > kOuterDiv) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case kFloat32Model:
-      return outer::launch<float>(value, operand, out, outer, inner, value_inner, op, stream);
-    case kBf16Model:
-      return outer::launch<__nv_bfloat16>(value, operand, out, outer, inner, value_inner, op, stream);
-    case kFp16Model:
-      return outer::launch<__half>(value, operand, out, outer, inner, value_inner, op, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  constexpr int kVec = 16 / sizeof(float);
+  const float* inner_src = value_inner ? value : operand;
+  const bool aligned = inner % kVec == 0 && reinterpret_cast<uintptr_t>(inner_src) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  return aligned
+             ? outer::launch<kVec>(value, operand, out, outer, inner, value_inner, op, stream)
+             : outer::launch<1>(value, operand, out, outer, inner, value_inner, op, stream);
 }
 
 }  // namespace gemmfuse
