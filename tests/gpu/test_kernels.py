@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from gemmfuse import Epilogue, FallbackWarning, GroupNormSpec, Reduction
+from gemmfuse import Epilogue, FallbackWarning, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.bench import check
 from gemmfuse.chains import chain_references, linear_data
 from gemmfuse.kernelbench.export import standalone_source
@@ -157,6 +157,43 @@ def test_hopper_tile_walk_on_exact_operands(number, precision, m, k, n, groups):
     expect, _, got = run_both(ref, new, x)
     assert new.last_path == "fused"
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+
+
+# Chains the split variant stores from registers (gemm_gn_sm90.cuh's direct_store): a plain
+# GEMM, and pointwise ops reading a per-channel vector.
+DIRECT_CHAINS = {
+    "plain": Epilogue(),
+    "pointwise": Epilogue(pre=(Pointwise("mul", (Param(0),)), Pointwise("relu"))),
+}
+
+
+@pytest.mark.parametrize("chain", DIRECT_CHAINS)
+@pytest.mark.parametrize(
+    "m,k,n",
+    [(257, 1000, 592), (3, 8, 257), (300, 64, 1001), (4396, 64, 640), (1024, 1024, 8192),
+     (129, 130, 2)],
+)  # fmt: skip
+def test_direct_store_on_exact_operands(chain, m, k, n):
+    """The split variant's direct stores on operands in quarters from -1 to 1 (every product and
+    partial sum exact in fp16 and fp32): equal to PyTorch's fp32 result bit for bit. The shapes
+    cut row and column tiles by M and N (odd N: single stores, not pairs), take a single k-tile
+    (a warpgroup may then run a tile ahead of the other over the double-buffered column terms),
+    and walk more tiles than resident blocks on the persistent grid."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel needs an sm_90 GPU")
+    gen = torch.Generator().manual_seed(m + k + n)
+    quarters = lambda *shape: (torch.randint(-4, 5, shape, generator=gen) / 4).to(CUDA)  # noqa: E731
+    x, w, b, scale = quarters(m, k), quarters(n, k), quarters(n), quarters(n)
+    epilogue = DIRECT_CHAINS[chain]
+    params = (scale,) if epilogue.pre else ()
+    poison_allocator(4 * m * n, CUDA)
+    with torch.no_grad():
+        got, path = fused_linear_with_path(x, w, b, epilogue, params=params, kernel="hopper")
+        expect = torch.nn.functional.linear(x, w, b)
+        if epilogue.pre:
+            expect = torch.relu(expect * scale)
+    assert path == "fused"
+    assert got.shape == expect.shape and torch.equal(got, expect)
 
 
 @pytest.mark.parametrize("layout", ["row-strided", "transposed"])

@@ -8,8 +8,8 @@
 // stage; the consumers free a stage through its "empty" mbarrier. setmaxnreg moves registers
 // from the producer to the consumers. A block walks output tiles in TileWalk's order (bands of
 // row tiles, row tiles fastest within a band, so the blocks running at once share their x and W
-// panels in L2); the epilogue's fp32 tile reuses the ring, so the producer starts a block's
-// next tile once its epilogue is done.
+// panels in L2); a staged epilogue's fp32 tile reuses the ring, so the producer starts a
+// block's next tile once that epilogue is done (a direct store holds no ring: direct_store).
 // - Split (fp32-accurate): 128x128 tiles, one per block (a persistent grid where the chain is
 //   pointwise: direct_store); a stage holds x hi, x lo, W hi, W lo
 //   (16 KB each), 3 stages. Per k-tile each consumer issues 12 wgmma.m64n128k16 (hi*lo, lo*hi,
@@ -24,8 +24,9 @@
 // Measured on #62 (docs/DESIGN.md section 4): one-pass bf16 237 us against 262 us for
 // one-pass 128x128 tiles, one block per tile; the split variant with a staged epilogue is 3-8%
 // slower persistent, so it keeps a block per tile.
-// The epilogue is tile_epilogue.cuh's, run by the 256 consumer threads on 128x128 halves, with
-// the fp32-accurate statistics in the split variant and plain ones in the one-pass variants.
+// The staged epilogue is tile_epilogue.cuh's, run by the 256 consumer threads on 128x128
+// halves, with the fp32-accurate statistics in the split variant and plain ones in the one-pass
+// variants; a direct store (split variant, pointwise chain) is store_direct's.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -400,8 +401,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       float acc[V::kAccRegs];
 #pragma unroll
       for (int i = 0; i < V::kAccRegs; ++i) acc[i] = 0.f;
-      // The tile's column terms, a column per consumer thread, loaded while the GEMM runs (the
-      // last tile's epilogue is done reading them; the epilogue's first barrier publishes them).
+      // The tile's column terms, a column per consumer thread, loaded while the GEMM runs (a
+      // staged epilogue is done reading the last tile's, and a direct store reads the other
+      // buffer; the epilogue's first barrier publishes them).
       if (threadIdx.x < V::kBlockN) {
         const ColumnTerms col = column_terms(min(tile_n + static_cast<int>(threadIdx.x), args.N - 1), args);
         s_col_scale[threadIdx.x] = col.inv_scale;
