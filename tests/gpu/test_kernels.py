@@ -182,7 +182,10 @@ def test_direct_store_on_exact_operands(chain, m, k, n):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel needs an sm_90 GPU")
     gen = torch.Generator().manual_seed(m + k + n)
-    quarters = lambda *shape: (torch.randint(-4, 5, shape, generator=gen) / 4).to(CUDA)  # noqa: E731
+
+    def quarters(*shape):
+        return (torch.randint(-4, 5, shape, generator=gen) / 4).to(CUDA)
+
     x, w, b, scale = quarters(m, k), quarters(n, k), quarters(n), quarters(n)
     epilogue = DIRECT_CHAINS[chain]
     params = (scale,) if epilogue.pre else ()

@@ -266,9 +266,19 @@ __host__ __device__ constexpr bool direct_store() {
   return kSplit && !Epi::kNorm && Epi::kReduce == 0;
 }
 
-// A tile's outputs stored from a consumer's wgmma fragment (m64n128: rows lane / 4 (+ 8),
-// columns 8 j + 2 (lane % 4) (+ 1)), each the staging path's value (gemm_value, then `pre`):
-// pairs of columns as one 8-byte store where the rows allow it.
+// Where a consumer thread's m64n128 wgmma fragment sits in the 128x128 tile: its value
+// acc[fragment_index(j, half, e)] is at row fragment_row(...half) and column fragment_col(j, ...e)
+// (j: the 8-column group, half: rows lane / 4 and lane / 4 + 8, e: the column pair's element).
+__device__ __forceinline__ int fragment_row(int consumer, int warp, int lane, int half) {
+  return consumer * 64 + warp * 16 + lane / 4 + half * 8;
+}
+__device__ __forceinline__ int fragment_col(int j, int lane, int e) {
+  return j * 8 + 2 * (lane % 4) + e;
+}
+__device__ __forceinline__ int fragment_index(int j, int half, int e) { return 4 * j + 2 * half + e; }
+
+// A tile's outputs stored from a consumer's wgmma fragment, each the staging path's value
+// (gemm_value, then `pre`): pairs of columns as one 8-byte store where the rows allow it.
 template <class Epi>
 __device__ __forceinline__ void store_direct(const float (&acc)[64], const float* col_scale,
                                              const float* col_bias, int tile_m, int tile_n,
@@ -277,18 +287,18 @@ __device__ __forceinline__ void store_direct(const float (&acc)[64], const float
   const bool pairs = args.N % 2 == 0 && reinterpret_cast<uintptr_t>(args.out) % 8 == 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int grow = tile_m + consumer * 64 + warp * 16 + lane / 4 + half * 8;
+    const int grow = tile_m + fragment_row(consumer, warp, lane, half);
     if (grow >= args.M) continue;
     const float a_inv = args.a_inv_scale ? __ldg(args.a_inv_scale + grow) : 1.f;
     float* out_row = args.out + static_cast<int64_t>(grow) * args.N;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const int c = j * 8 + 2 * (lane % 4), gcol = tile_n + c;
+      const int c = fragment_col(j, lane, 0), gcol = tile_n + c;
       float v[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const ColumnTerms col{col_scale[c + e], col_bias[c + e]};
-        const float z = gemm_value<Epi>(acc[4 * j + 2 * half + e], a_inv, col, args);
+        const float z = gemm_value<Epi>(acc[fragment_index(j, half, e)], a_inv, col, args);
         save_gemm_value<Epi>(z, grow, gcol + e, args);
         v[e] = Epi::pre(z, grow, min(gcol + e, args.N - 1), args.params);
       }
@@ -471,20 +481,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           float a_inv[2];
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
+            const int r = fragment_row(consumer, warp, lane, half);
             a_inv[half] = args.a_inv_scale ? __ldg(args.a_inv_scale + min(tile_m + r, args.M - 1)) : 1.f;
           }
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int c = j * 8 + 2 * (lane % 4) + e;
+              const int c = fragment_col(j, lane, e);
               const ColumnTerms col{s_col_scale[h * kTile + c], s_col_bias[h * kTile + c]};
               const int gcol = min(n0 + c, args.N - 1);
 #pragma unroll
               for (int half = 0; half < 2; ++half) {
-                const int r = consumer * 64 + warp * 16 + lane / 4 + half * 8;
-                const float z = gemm_value<Epi>(acc[4 * (h * 16 + j) + 2 * half + e], a_inv[half], col, args);
+                const int r = fragment_row(consumer, warp, lane, half);
+                const float z = gemm_value<Epi>(acc[fragment_index(h * 16 + j, half, e)], a_inv[half], col, args);
                 save_gemm_value<Epi>(z, tile_m + r, n0 + c, args);
                 const int grow = min(tile_m + r, args.M - 1);
                 staging[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
