@@ -10,6 +10,9 @@ namespace gemmfuse {
 
 constexpr int kMaxParams = 8;
 constexpr int kTile = 128;       // output tile side of every fused kernel
+// Rows of a 16-bit model's tile on the epilogue path (norm_finalize.cuh's tile_epilogue_kernel
+// says why half of kTile). Reducing chains take a row counter per band of this many rows.
+constexpr int kEpilogueRows16 = 64;
 constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) takes 1 to this
 
 // The dtype a model computes in: float32 (the split GEMM), or one of the 16-bit dtypes whose

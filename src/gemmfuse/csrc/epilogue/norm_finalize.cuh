@@ -193,18 +193,32 @@ __device__ __forceinline__ const float* epilogue_source(const FusedArgs& args) {
   return args.epilogue_in != nullptr ? args.epilogue_in : args.out;
 }
 
+// The epilogue path's staged value: z through `pre`. gemm_value's unscaling, bias and rounding
+// are identities here (launch_tile_epilogue refuses scales and a bias, and a 16-bit model's z is
+// in its dtype already), so a 16-bit instance skips them: a conversion each value, at a quarter
+// of the FP32 rate. A float32 instance keeps gemm_value, whose rounding is also a barrier to
+// contraction (round_like_model).
+template <class Epi>
+__device__ __forceinline__ float staged_input(float z, int row, int col, const FusedArgs& args) {
+  if constexpr (Epi::kModelDtype == kFloat32Model)
+    return epilogue_input<Epi>(z, 1.f, row, col, args);
+  else
+    return Epi::pre(z, row, col, args.params);
+}
+
 // The epilogue path's input tile, `pre` applied, staged into shared memory 16 bytes a load:
 // kPer values (8 of a 16-bit model's, 4 of float32), rows of N values that keep 16-byte
-// alignment, 8 loads a thread in flight at once (a 16-bit tile's 32 KB in one batch). Loaded
+// alignment, up to 8 loads a thread in flight at once (a 16-bit tile in one batch). Loaded
 // a value at a time, the address arithmetic and the waits dominated: #75's bf16 chain kernel
 // took 44 us for its 16 MB (torch.profiler, H100, 2026-11-26), most stall samples there (ncu).
-template <class Epi, int kPer>
+template <class Epi, int kPer, int kRows>
 __device__ __forceinline__ void stage_vectors(float* tile, const void* src, int m0, int n0,
                                               int rows_here, int cols_here, int tid,
                                               const FusedArgs& args) {
-  constexpr int kPerRow = kTile / kPer, kLoads = 8;
-  constexpr int kBatches = kTile * kPerRow / (kFinalizeThreads * kLoads);
-  static_assert(kBatches * kFinalizeThreads * kLoads == kTile * kPerRow, "whole batches");
+  constexpr int kPerRow = kTile / kPer, kVectors = kRows * kPerRow;
+  constexpr int kLoads = kVectors / kFinalizeThreads < 8 ? kVectors / kFinalizeThreads : 8;
+  constexpr int kBatches = kVectors / (kFinalizeThreads * kLoads);
+  static_assert(kBatches * kFinalizeThreads * kLoads == kVectors, "whole batches");
   const int model16 = model_dtype<Epi::kModelDtype>(args.params.model16);
 #pragma unroll 1
   for (int batch = 0; batch < kBatches; ++batch) {
@@ -235,7 +249,7 @@ __device__ __forceinline__ void stage_vectors(float* tile, const void* src, int 
           z = from_model16(static_cast<uint16_t>(words[j / 2] >> (16 * (j % 2))), model16);
         else
           z = __uint_as_float(words[j]);
-        tile[r * kEpiStride + c + j] = epilogue_input<Epi>(z, 1.f, m0 + r, n0 + c + j, args);
+        tile[r * kEpiStride + c + j] = staged_input<Epi>(z, m0 + r, n0 + c + j, args);
       }
     }
   }
@@ -281,42 +295,59 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
     for (int b = 0; b < kBatch; ++b) {
       const int idx = first + b * kFinalizeThreads, r = idx / kTile, c = idx % kTile;
       if (idx < count && c < cols_here)
-        tile[r * kEpiStride + c] = epilogue_input<Epi>(z[b], 1.f, m0 + r, n0 + c, args);
+        tile[r * kEpiStride + c] = staged_input<Epi>(z[b], m0 + r, n0 + c, args);
     }
   }
 }
 
 // The epilogue path: args.out holds x @ W^T + b from PyTorch's GEMM (args.bias is null). A
-// block stages one kTile x kTile tile of it (rows past M not even in shared memory), applies
-// `pre`, and runs the GEMM kernels' own tile_epilogue on it: the same statistics, merges and
-// reductions, so the two paths differ only in the GEMM. Tiles, not rows, are the unit of work
-// so that a handful of rows still spreads over many blocks: one block per row was latency-bound
-// (about 30 us for one row of 8192).
+// block stages one tile of it (rows past M not even in shared memory), applies `pre`, and runs
+// the GEMM kernels' own tile_epilogue on it: the same statistics, merges and reductions, so the
+// two paths differ only in the GEMM. Tiles, not rows, are the unit of work so that a handful of
+// rows still spreads over many blocks: one block per row was latency-bound (about 30 us for one
+// row of 8192).
+// A 16-bit model's instance differs in two ways. kTile x kTile tiles of fp32 (66 KB) and 80
+// registers a thread left 3 blocks an SM, so #62's 512 tiles took two rounds, the second a
+// lone block an SM (ncu, H100, 2026-11-26: 14% of DRAM bandwidth). Its tiles are
+// kEpilogueRows16 rows and its registers capped at 64 (ptxas spills a few values, in the
+// unaligned rows' staging and outside the loops), 4
+// blocks an SM: 1024 tiles in two full rounds of half the work. And its statistics are plain
+// fp32 sums, not the compensated ones (kExact, rstd in double), as the one-pass GEMM variants'
+// and eager's own are: the values are 16-bit ones already (a bf16 GroupNorm takes eager's own
+// statistics anyway, eager_group_stats). At 1024 x 8192 (torch.profiler, 20 calls, same
+// machine): bf16 #62 30.4 -> 24.5 us, fp16 #62 32.6 -> 24.5, bf16 #75 26.7 -> 21.0, fp16 #75
+// 33.6 -> 20.1. The float32 instance is as it was (minimum blocks 0: no bound; same SASS).
 template <class Epi>
-__global__ void __launch_bounds__(kFinalizeThreads) tile_epilogue_kernel(FusedArgs args) {
+constexpr int kEpilogueRows = Epi::kModelDtype == kFloat32Model ? kTile : kEpilogueRows16;
+
+template <class Epi>
+__global__ void __launch_bounds__(kFinalizeThreads, Epi::kModelDtype == kFloat32Model ? 0 : 4)
+    tile_epilogue_kernel(FusedArgs args) {
+  constexpr int kRows = kEpilogueRows<Epi>;
+  constexpr bool kExact = Epi::kModelDtype == kFloat32Model;
   extern __shared__ float tile[];
-  const int m0 = blockIdx.x * kTile, n0 = blockIdx.y * kTile, tid = threadIdx.x;
-  const int rows_here = min(kTile, args.M - m0), cols_here = min(kTile, args.N - n0);
+  const int m0 = blockIdx.x * kRows, n0 = blockIdx.y * kTile, tid = threadIdx.x;
+  const int rows_here = min(kRows, args.M - m0), cols_here = min(kTile, args.N - n0);
   // N a multiple of the values in 16 bytes keeps every row (and n0, a multiple of kTile)
   // aligned. A 16-bit instance reads the model's z (args.epilogue_in16), a float32 one floats.
   if constexpr (Epi::kModelDtype == kFloat32Model) {
     const float* in = epilogue_source(args);
     if (args.N % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0)
-      stage_vectors<Epi, 4>(tile, in, m0, n0, rows_here, cols_here, tid, args);
+      stage_vectors<Epi, 4, kRows>(tile, in, m0, n0, rows_here, cols_here, tid, args);
     else
       stage_values<Epi>(tile, m0, n0, rows_here, cols_here, tid, args);
   } else {
     const uint16_t* in16 = args.epilogue_in16;
     if (args.N % 8 == 0 && reinterpret_cast<uintptr_t>(in16) % 16 == 0)
-      stage_vectors<Epi, 8>(tile, in16, m0, n0, rows_here, cols_here, tid, args);
+      stage_vectors<Epi, 8, kRows>(tile, in16, m0, n0, rows_here, cols_here, tid, args);
     else
       stage_values<Epi>(tile, m0, n0, rows_here, cols_here, tid, args);
   }
   __syncthreads();
   const TileCoord coord{m0, n0, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
                         static_cast<int>(gridDim.y)};
-  tile_epilogue<Epi, kFinalizeThreads, true, true, true>(tile, args, coord, tid,
-                                                        [] { __syncthreads(); });
+  tile_epilogue<Epi, kFinalizeThreads, kExact, true, true, kRows>(tile, args, coord, tid,
+                                                                 [] { __syncthreads(); });
 }
 
 // Rows of at most kShortRow channels with groups wider than (or straddling) a tile are finished
@@ -393,13 +424,14 @@ __global__ void __launch_bounds__(kFinalizeThreads) pointwise_epilogue_kernel(Fu
 // more than the default).
 template <class Epi>
 cudaError_t launch_tile_kernel(const FusedArgs& args, cudaStream_t stream) {
-  const dim3 grid((args.M + kTile - 1) / kTile, (args.N + kTile - 1) / kTile);
+  constexpr int kRows = kEpilogueRows<Epi>;
+  const dim3 grid((args.M + kRows - 1) / kRows, (args.N + kTile - 1) / kTile);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  const int smem = min(args.M, kTile) * kEpiStride * static_cast<int>(sizeof(float));
+  const int smem = min(args.M, kRows) * kEpiStride * static_cast<int>(sizeof(float));
   if (smem > 48 * 1024) {
     const cudaError_t err =
         raise_smem_once(reinterpret_cast<const void*>(tile_epilogue_kernel<Epi>),
-                        kTile * kEpiStride * static_cast<int>(sizeof(float)));
+                        kRows * kEpiStride * static_cast<int>(sizeof(float)));
     if (err != cudaSuccess) return err;
   }
   tile_epilogue_kernel<Epi><<<grid, kFinalizeThreads, smem, stream>>>(args);

@@ -629,16 +629,17 @@ __device__ __forceinline__ void row_partials(float* tile, int rows_here, int col
 // kExact: the fp32-accurate statistics (segment_moments). kRegisterGroups: groups of 8, 16 and
 // 32 in registers (group_task); off where registers are scarce and rows few (the few-rows GEMV).
 // kEager: honour params.group_stats (eager_group_stats; the epilogue path's kernel only).
+// kRows: the tile's rows (kTile, or fewer: the 16-bit epilogue path's kEpilogueRows16).
 // Groups of 64 stay in shared memory: in registers (a thread storing its group's run of the
 // row) #37's fused kernel took 3.7 ms with autograd on against 3.2 (H100, 2026-11-24), the
 // runs' 16-byte pieces of 32 rows per store beside z's stores.
 template <class Epi, int kThreads, bool kExact, bool kRegisterGroups = true, bool kEager = false,
-          class Sync>
+          int kRows = kTile, class Sync>
 __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args, TileCoord tc,
                                               int tid, Sync sync) {
   constexpr int kind = Epi::kReduce;
   const int lane = tid & 31, warp = tid >> 5;
-  const int rows_here = min(kTile, args.M - tc.m0);
+  const int rows_here = min(kRows, args.M - tc.m0);
   const int cols_here = min(kTile, args.N - tc.n0);
   const int gs = args.group_size;
 
