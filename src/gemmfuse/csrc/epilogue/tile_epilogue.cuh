@@ -796,21 +796,16 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     } else {
       row_partials<Epi, kThreads>(tile, rows_here, cols_here, tid, sync, put_partial);
     }
-    // The partials are published by one thread's fence after the barrier, and the last block
-    // acquires the others' by one thread's fence before the barrier: a barrier orders its
-    // threads' writes before what follows it, so one fence acts for them all (CUTLASS's
-    // GenericBarrier arrives the same way). A fence in every thread, as before, held #75's
-    // 16-bit chain kernel on memory-barrier and barrier stalls (ncu, H100, 2026-11-26).
     __shared__ bool is_last;
+    __threadfence();
     sync();
     if (tid == 0) {
-      __threadfence();
       const int arrived = atomicAdd(args.row_counter + tc.m_idx, 1);
       is_last = arrived == tc.n_tiles - 1;
-      if (is_last) __threadfence();
     }
     sync();
     if (is_last) {
+      __threadfence();
       // The row's partials in tile order, kFold loads in flight before they are merged: one
       // at a time, the last block of a row band waited on 64 L2 loads in turn (#75 at N = 8192)
       // after every other block had finished.
