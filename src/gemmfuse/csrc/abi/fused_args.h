@@ -132,7 +132,8 @@ struct FusedArgs {
 
   float* row_partial;        // [N tiles, M] when it reduces ([2, N tiles, M] for sum/mean/lse)
   float* row_out;            // [M] when it reduces
-  int* row_counter;          // [M tiles], zero on entry, left zero on exit
+  int* row_counter;          // a counter per kEpilogueRows16 rows (every kernel's row bands
+                             // are that or wider), zero on entry, left zero on exit
   int M, N, k_padded, group_size;
   int k_cols;                // valid K columns of the operands; TMA zero-fills up to k_padded
   int64_t a_row_stride, b_row_stride;  // elements

@@ -311,10 +311,12 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
 // lone block an SM (ncu, H100, 2026-11-26: 14% of DRAM bandwidth). Its tiles are
 // kEpilogueRows16 rows and its registers capped at 64 (ptxas spills a few values, in the
 // unaligned rows' staging and outside the loops), 4
-// blocks an SM: 1024 tiles in two full rounds of half the work. And its statistics are plain
-// fp32 sums, not the compensated ones (kExact, rstd in double), as the one-pass GEMM variants'
-// and eager's own are: the values are 16-bit ones already (a bf16 GroupNorm takes eager's own
-// statistics anyway, eager_group_stats). At 1024 x 8192 (torch.profiler, 20 calls, same
+// blocks an SM: 1024 tiles in 1.94 rounds of half the work. And its statistics are plain fp32
+// sums, not the compensated ones (kExact, rstd in double), as the one-pass GEMM variants' and
+// eager's own are: the values are 16-bit ones already (a bf16 GroupNorm takes eager's own
+// statistics where the call asks, params.group_stats, eager_group_stats). Not adapted: a
+// reduction without a norm (row_partials) maps threads to kTile rows, so half of them idle on
+// these tiles. At 1024 x 8192 (torch.profiler, 20 calls, same
 // machine): bf16 #62 30.4 -> 24.5 us, fp16 #62 32.6 -> 24.5, bf16 #75 26.7 -> 21.0, fp16 #75
 // 33.6 -> 20.1. The float32 instance is as it was (minimum blocks 0: no bound; same SASS).
 template <class Epi>

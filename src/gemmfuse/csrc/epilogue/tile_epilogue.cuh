@@ -1,6 +1,6 @@
 // The epilogue both GEMM kernels share, from an fp32 output tile staged in shared memory.
 //
-// On entry `tile` holds kTile x kTile values of pre(x @ W^T + b) (row stride kTile + 1, so
+// On entry `tile` holds kRows x kTile values of pre(x @ W^T + b) (row stride kTile + 1, so
 // walks down a column hit distinct banks). Then, by the GroupNorm's group size:
 // - groups that divide kTile (they never straddle tiles): statistics per (row, group) with two
 //   passes over shared memory (a shifted mean, then the centred sum of squares), then the affine
@@ -143,7 +143,8 @@ __device__ __forceinline__ float shifted_mean(float shift, float sum, float comp
 // every normalised value of the group alike, one in the variance scales them all, and a later
 // op or sum over channels shows either; uncompensated, a sequential sum of n terms loses about
 // sqrt(n) ulps, more than PyTorch's tree reductions. Otherwise (the one-pass tf32 and bf16
-// variants, whose GEMM error is thousands of times larger): plain sums, two chains at a time.
+// variants, whose GEMM error is thousands of times larger, and the epilogue path's 16-bit
+// instances, whose z is rounded to 16 bits): plain sums, two chains at a time.
 // kN > 0: n is kN, known at compile time (v may then be a register array: loops unroll fully).
 template <bool kExact, int kN = 0, class Values>
 __device__ __forceinline__ SegmentMoments segment_moments(const Values& v, int n_run_time) {

@@ -64,7 +64,7 @@ inline const float* ptr_or_null(const std::optional<at::Tensor>& t) {
 }
 
 // Zeroed int32 arrival counters, one set per device, stream and use (kRowCounters: the reducing
-// epilogue's, per row tile; kWindowCounters: the few-rows GEMV's, per column window): kernels
+// epilogue's, per row band; kWindowCounters: the few-rows GEMV's, per column window): kernels
 // leave them zero, and launches on one stream run in order, so a set is reused.
 enum CounterUse { kRowCounters, kWindowCounters };
 inline int* arrival_counters(const at::Tensor& like, int64_t n, cudaStream_t stream, CounterUse use) {
@@ -92,7 +92,7 @@ inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& tabl
                                                 gemmfuse::FusedArgs& args, const at::Tensor& x,
                                          at::ScalarType out_dtype, cudaStream_t stream) {
   const int64_t M = args.M, N = args.N, tile = gemmfuse::kTile;
-  const int64_t n_tiles = (N + tile - 1) / tile, m_tiles = (M + tile - 1) / tile;
+  const int64_t n_tiles = (N + tile - 1) / tile;
   const auto f32 = x.options().dtype(at::kFloat);
   const int reduce = table.reduce_kind;
   std::vector<at::Tensor> keep;
