@@ -67,6 +67,17 @@ __device__ __forceinline__ float epilogue_input(float acc, float a_inv, int grow
   return epilogue_input<Epi>(acc, a_inv, column_terms(gcol, args), grow, gcol, args);
 }
 
+// A GEMM kernel's accumulator at output place (row, col), which may be the tile's padding past
+// the output, as its epilogue input: z saved for the backward where the call asks (not past the
+// output), then `pre` at the place clamped into the output.
+template <class Epi>
+__device__ __forceinline__ float saved_epilogue_input(float acc, float a_inv, ColumnTerms terms,
+                                                      int row, int col, const FusedArgs& args) {
+  const float z = gemm_value<Epi>(acc, a_inv, terms, args);
+  save_gemm_value<Epi>(z, row, col, args);
+  return Epi::pre(z, min(row, args.M - 1), min(col, args.N - 1), args.params);
+}
+
 // Where a tile sits: its origin and its index in the grid of tiles.
 struct TileCoord {
   int m0, n0;      // first row and column

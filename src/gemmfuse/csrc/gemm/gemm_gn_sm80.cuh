@@ -173,9 +173,8 @@ __global__ void __launch_bounds__(kThreads, 1) fused_gemm_gn_kernel(const FusedA
         for (int e = 0; e < 2; ++e) {
           const int c = warp_n * kWarpTileN + j * 8 + 2 * t + e;
           const int gcol = min(tile_n + c, args.N - 1);
-          const float z = gemm_value<Epi>(acc[i][j][half * 2 + e], a_inv, column_terms(gcol, args), args);
-          save_gemm_value<Epi>(z, tile_m + r, tile_n + c, args);
-          tile[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
+          tile[r * kEpiStride + c] = saved_epilogue_input<Epi>(
+              acc[i][j][half * 2 + e], a_inv, column_terms(gcol, args), tile_m + r, tile_n + c, args);
         }
       }
     }

@@ -298,9 +298,8 @@ __device__ __forceinline__ void store_direct(const float (&acc)[64], const float
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const ColumnTerms col{col_scale[c + e], col_bias[c + e]};
-        const float z = gemm_value<Epi>(acc[fragment_index(j, half, e)], a_inv, col, args);
-        save_gemm_value<Epi>(z, grow, gcol + e, args);
-        v[e] = Epi::pre(z, grow, min(gcol + e, args.N - 1), args.params);
+        v[e] = saved_epilogue_input<Epi>(acc[fragment_index(j, half, e)], a_inv, col, grow,
+                                         gcol + e, args);
       }
       if (pairs && gcol + 1 < args.N) {
         *reinterpret_cast<float2*>(out_row + gcol) = make_float2(v[0], v[1]);
@@ -490,14 +489,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int e = 0; e < 2; ++e) {
               const int c = fragment_col(j, lane, e);
               const ColumnTerms col{s_col_scale[h * kTile + c], s_col_bias[h * kTile + c]};
-              const int gcol = min(n0 + c, args.N - 1);
 #pragma unroll
               for (int half = 0; half < 2; ++half) {
                 const int r = fragment_row(consumer, warp, lane, half);
-                const float z = gemm_value<Epi>(acc[fragment_index(h * 16 + j, half, e)], a_inv[half], col, args);
-                save_gemm_value<Epi>(z, tile_m + r, n0 + c, args);
-                const int grow = min(tile_m + r, args.M - 1);
-                staging[r * kEpiStride + c] = Epi::pre(z, grow, gcol, args.params);
+                staging[r * kEpiStride + c] = saved_epilogue_input<Epi>(
+                    acc[fragment_index(h * 16 + j, half, e)], a_inv[half], col, tile_m + r, n0 + c, args);
               }
             }
           }
