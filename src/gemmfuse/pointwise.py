@@ -188,7 +188,8 @@ POINTWISE: dict[str, PointwiseDef] = {
         samples=_NO_ARGS, usage="`swish` (x * sigmoid(x), as two ops)",
     ),
     "mish": PointwiseDef(
-        0, "({v} * tanhf(log1pf(expf({v}))))", F.mish, grad="({g} * gemmfuse::mish_grad({x}))",
+        0, "({v} * tanhf(gemmfuse::log1p_rn(expf({v}))))", F.mish,
+        grad="({g} * gemmfuse::mish_grad({x}))",
         spellings=(Spelling((F.mish,), *_INPLACE),),
         modules=((nn.Mish, lambda m: ("mish", ())),), samples=_NO_ARGS, usage="`mish`",
     ),
@@ -252,7 +253,7 @@ POINTWISE: dict[str, PointwiseDef] = {
     # softplus(beta, threshold): linear above threshold, as PyTorch
     "softplus": PointwiseDef(
         2,
-        "({v} * {a0} > {a1} ? {v} : log1pf(expf({v} * {a0})) / {a0})",
+        "({v} * {a0} > {a1} ? {v} : gemmfuse::log1p_rn(expf({v} * {a0})) / {a0})",
         F.softplus,
         grad="gemmfuse::softplus_grad({x}, {g}, {a0}, {a1})",
         spellings=(Spelling((F.softplus,), ("beta", "threshold"), (1.0, 20.0),

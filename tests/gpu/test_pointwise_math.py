@@ -20,9 +20,13 @@ CHUNK = 1 << 28  # float32 values per call: 1 GiB in, 1 GiB out
 COLUMNS = 4096
 
 OPS = {
-    "sigmoid": torch.sigmoid,
-    "silu": F.silu,
-    "swish": lambda v: v * torch.sigmoid(v),
+    "sigmoid": (Pointwise("sigmoid"), torch.sigmoid),
+    "silu": (Pointwise("silu"), F.silu),
+    "swish": (Pointwise("swish"), lambda z: z * torch.sigmoid(z)),
+    # log1p_rn in mish and softplus (and its default and another beta and threshold)
+    "mish": (Pointwise("mish"), F.mish),
+    "softplus": (Pointwise("softplus", (1.0, 20.0)), F.softplus),
+    "softplus_beta": (Pointwise("softplus", (0.75, 3.0)), lambda z: F.softplus(z, 0.75, 3.0)),
 }
 
 
@@ -40,8 +44,8 @@ def _differing(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_pointwise_equals_pytorch_on_every_float(op):
-    epilogue = Epilogue(pre=(Pointwise(op),))
-    reference = OPS[op]
+    pointwise, reference = OPS[op]
+    epilogue = Epilogue(pre=(pointwise,))
     mismatches, examples = 0, []
     with torch.no_grad():
         for first in range(-(1 << 31), 1 << 31, CHUNK):

@@ -47,7 +47,7 @@ __device__ __forceinline__ float silu_grad(float x) {
 
 __device__ __forceinline__ float mish_grad(float x) {
   const float s = sigmoid_rn(x);
-  const float t = tanhf(log1pf(expf(x)));
+  const float t = tanhf(log1p_rn(expf(x)));
   return t + x * s * (1.f - t * t);
 }
 
