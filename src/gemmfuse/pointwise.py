@@ -253,7 +253,8 @@ POINTWISE: dict[str, PointwiseDef] = {
     # softplus(beta, threshold): linear above threshold, as PyTorch
     "softplus": PointwiseDef(
         2,
-        "({v} * {a0} > {a1} ? {v} : gemmfuse::log1p_rn(expf({v} * {a0})) / {a0})",
+        "gemmfuse::select_greater({v} * {a0}, {a1}, {v}, "
+        "gemmfuse::log1p_rn(expf({v} * {a0})) / {a0})",
         F.softplus,
         grad="gemmfuse::softplus_grad({x}, {g}, {a0}, {a1})",
         spellings=(Spelling((F.softplus,), ("beta", "threshold"), (1.0, 20.0),

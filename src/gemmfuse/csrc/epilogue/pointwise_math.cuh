@@ -75,6 +75,16 @@ __device__ __forceinline__ float log1p_rn(float a) {
   return special ? (a == 0.f ? -0.f : s) : r;
 }
 
+// a > b ? x : y as a select, x and y both computed: a ternary whose y is long (softplus's
+// log1p(exp(v beta)) / beta) compiles to a branch around y, which keeps ptxas from interleaving
+// the values a thread holds. NaN compares false, as in the ternary.
+__device__ __forceinline__ float select_greater(float a, float b, float x, float y) {
+  float r;
+  asm("{\n .reg .pred p;\n setp.gt.f32 p, %1, %2;\n selp.f32 %0, %3, %4, p;\n}"
+      : "=f"(r) : "f"(a), "f"(b), "f"(x), "f"(y));
+  return r;
+}
+
 // torch.sigmoid: 1 / (1 + exp(-v)).
 __device__ __forceinline__ float sigmoid_rn(float v) {
   return reciprocal_at_least_one(1.f + expf(-v));
