@@ -47,31 +47,34 @@ __device__ __forceinline__ float reciprocal_at_least_one(float d) {
 }
 
 // log1pf(a) by the operations nvcc 13.0 emits for it (its libdevice's, read from the PTX), with
-// the branch to its special cases (a < 0, inf, NaN) made a select: the same value for every a,
-// and the only branch of mish and softplus gone but for softplus's division. A toolkit whose
-// log1pf differed would show in tests/gpu/test_pointwise_math.py, which compares against
-// PyTorch's mish and softplus over every float. Not done for division: a branch-free a / b
+// the branch to its special cases (a < 0, inf, NaN) made selects (ptxas predicates what is left:
+// no branch in the SASS): the same value as log1pf for every a (a one-off check over all 2^32
+// floats, H100, 2026-11-26; docs/DESIGN.md section 4). tests/gpu/test_pointwise_math.py checks
+// it as mish and softplus use it, on expf's results, against PyTorch over every input float; a
+// toolkit whose log1pf differed there would show. Not done for division: a branch-free a / b
 // (both mantissas through the fast path, the exponents put back, subnormals rounded once) was
 // bit-exact but slower, 1.4-2.7x in a microbenchmark and 690 -> 855 us in the fused kernel with
 // an rdiv chain (H100, 2026-11-26, docs/DESIGN.md section 4).
 __device__ __forceinline__ float log1p_rn(float a) {
-  const int ia = __float_as_int(a);
-  const int e = (__float_as_int(__fadd_rz(a, 1.f)) - 0x3f400000) & static_cast<int>(0xff800000);
-  const float m = __int_as_float(ia - e);
-  const float u = __fadd_rn(fmaf(0.25f, __int_as_float(0x40800000 - e), -1.f), m);
-  float p = fmaf(__int_as_float(0xbd39bf78), u, __int_as_float(0x3dd80012));
-  p = fmaf(p, u, __int_as_float(0xbe0778e0));
+  // the bit arithmetic unsigned, where it wraps (a = -1: 0x40800000 - e is 2^31)
+  const unsigned ua = __float_as_uint(a);
+  const unsigned e = (__float_as_uint(__fadd_rz(a, 1.f)) - 0x3f400000u) & 0xff800000u;
+  const float m = __uint_as_float(ua - e);
+  const float u = __fadd_rn(fmaf(0.25f, __uint_as_float(0x40800000u - e), -1.f), m);
+  float p = fmaf(__uint_as_float(0xbd39bf78u), u, __int_as_float(0x3dd80012));
+  p = fmaf(p, u, __uint_as_float(0xbe0778e0u));
   p = fmaf(p, u, __int_as_float(0x3e146475));
-  p = fmaf(p, u, __int_as_float(0xbe2a68dd));
+  p = fmaf(p, u, __uint_as_float(0xbe2a68ddu));
   p = fmaf(p, u, __int_as_float(0x3e4caf9e));
-  p = fmaf(p, u, __int_as_float(0xbe800042));
+  p = fmaf(p, u, __uint_as_float(0xbe800042u));
   p = fmaf(p, u, __int_as_float(0x3eaaaae6));
   p = fmaf(p, u, -0.5f);
-  const float r = fmaf(__fmul_rn(static_cast<float>(e), 0x1p-23f), __int_as_float(0x3f317218),
+  const float r = fmaf(__fmul_rn(static_cast<float>(static_cast<int>(e)), 0x1p-23f),
+                       __int_as_float(0x3f317218),
                        fmaf(__fmul_rn(u, p), u, u));
   // a < -1, +inf or NaN: a * inf + inf (NaN, inf, NaN); -0: -0; [-1, -0) and the rest: r
-  const bool special = static_cast<unsigned>(ia) >= 0x7f800000u;
-  const float s = ia >= -1082130431 ? fmaf(a, INFINITY, INFINITY) : r;
+  const bool special = ua >= 0x7f800000u;
+  const float s = static_cast<int>(ua) >= -1082130431 ? fmaf(a, INFINITY, INFINITY) : r;
   return special ? (a == 0.f ? -0.f : s) : r;
 }
 
