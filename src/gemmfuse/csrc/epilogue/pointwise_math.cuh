@@ -12,7 +12,10 @@
 // ranges where it is not (huge d, tiny or subnormal results) are scaled into it by powers of
 // two, selected without branching; every scale factor is a normal float, so flush-to-zero
 // cannot turn one into 0. tests/gpu/test_pointwise_math.py checks them against PyTorch over
-// all 2^32 floats.
+// all 2^32 floats. Not done for a general a / b: a branch-free one (both mantissas through the
+// fast path, the exponents put back, subnormals rounded once) was bit-exact but slower, 1.4-2.7x
+// in a microbenchmark and 690 -> 855 us in the fused kernel with an rdiv chain (H100,
+// 2026-11-26, docs/DESIGN.md section 4): the grammar's div, rdiv and softplus keep `/`.
 #pragma once
 
 namespace gemmfuse {
@@ -51,10 +54,7 @@ __device__ __forceinline__ float reciprocal_at_least_one(float d) {
 // no branch in the SASS): the same value as log1pf for every a (a one-off check over all 2^32
 // floats, H100, 2026-11-26; docs/DESIGN.md section 4). tests/gpu/test_pointwise_math.py checks
 // it as mish and softplus use it, on expf's results, against PyTorch over every input float; a
-// toolkit whose log1pf differed there would show. Not done for division: a branch-free a / b
-// (both mantissas through the fast path, the exponents put back, subnormals rounded once) was
-// bit-exact but slower, 1.4-2.7x in a microbenchmark and 690 -> 855 us in the fused kernel with
-// an rdiv chain (H100, 2026-11-26, docs/DESIGN.md section 4).
+// toolkit whose log1pf differed there would show.
 __device__ __forceinline__ float log1p_rn(float a) {
   // the bit arithmetic unsigned, where it wraps (a = -1: 0x40800000 - e is 2^31)
   const unsigned ua = __float_as_uint(a);
