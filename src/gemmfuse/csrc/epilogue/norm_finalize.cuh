@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "fused_args.h"
+#include "group_rows.cuh"
 #include "row_reduce.cuh"
 #include "smem_limit.h"
 #include "tile_epilogue.cuh"
@@ -319,6 +320,9 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
 // these tiles. At 1024 x 8192 (torch.profiler, 20 calls, same
 // machine): bf16 #62 30.4 -> 24.5 us, fp16 #62 32.6 -> 24.5, bf16 #75 26.7 -> 21.0, fp16 #75
 // 33.6 -> 20.1. The float32 instance is as it was (minimum blocks 0: no bound; same SASS).
+// Since 2026-11-27 the 16-bit calls whose groups are 8, 16 or 32 channels take
+// group_rows_kernel (group_rows.cuh: no shared-memory tile, 24.3 -> 16.3 us for bf16 #62's
+// chain, 21.1 -> 15.6 for bf16 #75's); this kernel serves the other group sizes.
 template <class Epi>
 constexpr int kEpilogueRows = Epi::kModelDtype == kFloat32Model ? kTile : kEpilogueRows16;
 
@@ -457,6 +461,7 @@ cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
       return cudaErrorInvalidValue;
     } else {
       if (args.norm_wide) return cudaErrorInvalidValue;
+      if (group_rows_serves<Epi>(args)) return launch_group_rows<Epi>(args, stream);
       return launch_tile_kernel<Epi>(args, stream);
     }
   } else {

@@ -1,0 +1,225 @@
+// The 16-bit epilogue path's kernel for GroupNorm groups of 8, 16 or 32 channels (the common
+// sizes; tile_epilogue_kernel in norm_finalize.cuh serves the rest): a thread per (row, group)
+// loads the group's values from the model's z straight into registers, 16 bytes a load, and
+// normalises them, applies the chain and stores them from there, with no shared-memory tile
+// between.
+//
+// Why: after PyTorch's 16-bit GEMM (169-178 us at #62's 1024 x 8192 x 8192) the chain kernel is
+// all that stands between the model and its floor. At that size (torch.profiler, median of 10
+// calls, L2 cleared before each, H100, 2026-11-27) the tile kernel, staging 64 x 128 tiles in
+// shared memory and walking them again per group, took 24.3 us for bf16 #62's chain and 21.1
+// for bf16 #75's (fp16: 24.8, 20.8); this kernel 16.3 and 15.6 (fp16: 15.7, 16.2). One pass
+// of PyTorch's own over the same z (z * 2, 16 MB in and out) took 9.1 us. Tried on the way:
+// - a thread per task, its loads then its arithmetic, two tasks a thread: 16.4-16.6 and 18.3 us
+//   (ncu: warps waiting on global loads 40% of their cycles, 50% occupancy); software
+//   pipelining (below) took it to the figures above;
+// - a thread per 8 values, a group's lanes trading their words by shuffles (each warp-wide
+//   load and store one contiguous 512 bytes): 19.9 and 22.0 us, since each lane then computes
+//   its group's statistics again and the kernel is bound by issued instructions (ncu: 62% of
+//   the SMs' throughput, 22% of DRAM's).
+//
+// The values are the tile kernel's: the same `pre`, statistics (group_statistics with the
+// group's size known at compile time, eager bf16's where the call asks), `normalize` and
+// `post` per value; a reduction pushes a group's outputs in column order, merges a tile's
+// (kTile columns') groups in group order and the row's tiles in tile order, the order of the
+// tile kernel's register groups and its last block's fold, with the partials in shared
+// memory: a block owns whole rows, so no partials go through global memory and no counters.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include "fused_args.h"
+#include "row_reduce.cuh"
+#include "tile_epilogue.cuh"
+
+namespace gemmfuse {
+
+constexpr int kGroupRowsThreads = 256;
+// Groups of a row whose partials one block keeps in shared memory (8 bytes each): a longer
+// row's reduction takes the tile kernel.
+constexpr int kGroupRowsMaxGroups = 4096;
+
+// Whether group_rows_kernel serves a 16-bit epilogue-path call: a norm over groups of 8, 16 or
+// 32 that never straddle tiles, z and the norm's weights 16-byte aligned (N a multiple of 8
+// keeps every group's start so), no pooling before a reduction.
+template <class Epi>
+bool group_rows_serves(const FusedArgs& args) {
+  if constexpr (!Epi::kNorm || Epi::kPool != 1) {
+    return false;
+  } else {
+    const int gs = args.group_size;
+    if (gs != 8 && gs != 16 && gs != 32) return false;
+    if (args.norm_wide || args.N % gs != 0 || args.N % 8 != 0) return false;
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (!aligned(args.epilogue_in16) || !aligned(args.gn_weight) || !aligned(args.gn_bias))
+      return false;  // (null is aligned: a norm without the affine part)
+    return Epi::kReduce == 0 || args.N / gs <= kGroupRowsMaxGroups;
+  }
+}
+
+// Rows a block owns: about kGroupRowsTasks (row, group) tasks' worth (4 a thread: one task's
+// loads in flight while the thread computes another), fewer where that would leave under
+// kGroupRowsMinBlocks blocks (about two an SM on an H100's 132). The kernel reads the count
+// back from its grid (group_rows_of_grid), so the host's choice is the only one.
+constexpr int kGroupRowsTasks = 4 * kGroupRowsThreads;
+constexpr int kGroupRowsMinBlocks = 256;
+
+inline int group_rows_per_block(int M, int groups_per_row) {
+  int rows = std::max(1, kGroupRowsTasks / groups_per_row);
+  while (rows > 1 && (static_cast<int64_t>(M) + rows - 1) / rows < kGroupRowsMinBlocks) rows /= 2;
+  return rows;
+}
+
+// A block's rows, as many as cover M over the grid (at most what group_rows_per_block chose).
+__device__ __forceinline__ int group_rows_of_grid(int M) {
+  return static_cast<int>((static_cast<int64_t>(M) + gridDim.x - 1) / gridDim.x);
+}
+
+// One (row, group) task: the group's kGs values of z as 16-byte words.
+template <int kGs>
+struct GroupWords {
+  uint4 w[kGs / 8];
+};
+
+template <int kGs>
+__device__ __forceinline__ GroupWords<kGs> load_group(const uint16_t* in16, int64_t at) {
+  GroupWords<kGs> g;
+#pragma unroll
+  for (int i = 0; i < kGs / 8; ++i) g.w[i] = __ldg(reinterpret_cast<const uint4*>(in16 + at) + i);
+  return g;
+}
+
+// The chain on one task's values: `pre`, the group's statistics, the norm and `post`; stored,
+// or (a reduction) pushed in column order into the returned partial (empty without reduction).
+template <class Epi, int kGs>
+__device__ __forceinline__ RowAcc finish_group(const GroupWords<kGs>& g, int row, int col,
+                                               int64_t at, const FusedArgs& args) {
+  const int model16 = model_dtype<Epi::kModelDtype>(args.params.model16);
+  float y[kGs];
+#pragma unroll
+  for (int j = 0; j < kGs; ++j) {
+    const uint32_t word = (&g.w[j / 8].x)[(j % 8) / 2];
+    const float z = from_model16(static_cast<uint16_t>(word >> (16 * (j % 2))), model16);
+    y[j] = Epi::pre(z, row, col + j, args.params);
+  }
+  float rstd;
+  const SegmentMoments mom = group_statistics<Epi, false, true, kGs>(y, kGs, args, rstd);
+  const bool affine = args.gn_weight != nullptr;
+#pragma unroll
+  for (int j = 0; j < kGs; j += 4) {
+    float4 w = make_float4(0.f, 0.f, 0.f, 0.f), b = w;
+    if (affine) {
+      w = __ldg(reinterpret_cast<const float4*>(args.gn_weight + col + j));
+      b = __ldg(reinterpret_cast<const float4*>(args.gn_bias + col + j));
+    }
+    const float ws[4] = {w.x, w.y, w.z, w.w}, bs[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      y[j + i] = normalize<Epi>(y[j + i], mom.mean, mom.mean_lo, rstd, ws[i], bs[i], row,
+                                col + j + i, args);
+  }
+  RowAcc acc = row_acc_empty<Epi::kReduce>();
+  if constexpr (Epi::kReduce != 0) {
+#pragma unroll
+    for (int j = 0; j < kGs; ++j) row_acc_push<Epi::kReduce>(acc, y[j]);
+  } else {
+    store_run<Epi, kGs>(y, at, args);
+  }
+  return acc;
+}
+
+// A row's partials (one per group, in shared memory) folded as tile_epilogue folds its tiles':
+// each tile's groups in order (a thread per (row, tile)), then the row's tiles in order (a
+// thread per row).
+template <class Epi, int kGs>
+__device__ __forceinline__ void fold_rows(RowAcc* part, int row0, int rows_here, int groups,
+                                          int tid, const FusedArgs& args) {
+  constexpr int kind = Epi::kReduce, kPerTile = kTile / kGs;
+  const int n_tiles = (groups + kPerTile - 1) / kPerTile;
+  for (int task = tid; task < rows_here * n_tiles; task += kGroupRowsThreads) {
+    RowAcc* row = part + (task / n_tiles) * groups;
+    const int g0 = (task % n_tiles) * kPerTile, g1 = min(groups, g0 + kPerTile);
+    RowAcc acc = row[g0];
+    for (int g = g0 + 1; g < g1; ++g) acc = row_acc_merge<kind>(acc, row[g]);
+    row[g0] = acc;  // no other task reads this tile's groups
+  }
+  __syncthreads();
+  constexpr int kFold = 8;  // loads in flight before they merge
+  for (int r = tid; r < rows_here; r += kGroupRowsThreads) {
+    const RowAcc* row = part + r * groups;
+    RowAcc acc = row[0];
+    for (int t0 = 1; t0 < n_tiles; t0 += kFold) {
+      RowAcc p[kFold];
+#pragma unroll
+      for (int j = 0; j < kFold; ++j) p[j] = row[min(t0 + j, n_tiles - 1) * kPerTile];
+#pragma unroll
+      for (int j = 0; j < kFold; ++j)
+        if (t0 + j < n_tiles) acc = row_acc_merge<kind>(acc, p[j]);
+    }
+    args.row_out[row0 + r] = row_acc_finish<kind>(acc, args.N);
+  }
+}
+
+// A block takes group_rows_of_grid rows; each thread walks its (row, group) tasks with the next
+// task's loads issued before the current task's arithmetic (software pipelining: a thread
+// per task, its loads then its arithmetic, left ncu's warps 40% of their cycles waiting on
+// global loads at 50% occupancy, H100, 2026-11-27).
+template <class Epi, int kGs>
+__global__ void __launch_bounds__(kGroupRowsThreads) group_rows_kernel(FusedArgs args) {
+  static_assert(Epi::kModelDtype != kFloat32Model, "the 16-bit epilogue path");
+  extern __shared__ RowAcc group_part[];  // [rows, groups]: a reduction's partials
+  const int groups = args.N / kGs, rows = group_rows_of_grid(args.M);
+  const int row0 = blockIdx.x * rows, rows_here = min(rows, args.M - row0);
+  const int tasks = rows_here * groups, tid = threadIdx.x;
+  auto place = [&](int task, int& row, int& col) {
+    row = row0 + task / groups;
+    col = task % groups * kGs;
+    return static_cast<int64_t>(row) * args.N + col;
+  };
+  int row, col;
+  GroupWords<kGs> current{};
+  if (tid < tasks) current = load_group<kGs>(args.epilogue_in16, place(tid, row, col));
+  for (int task = tid; task < tasks; task += kGroupRowsThreads) {
+    const int next = task + kGroupRowsThreads;
+    GroupWords<kGs> ahead{};
+    if (next < tasks) ahead = load_group<kGs>(args.epilogue_in16, place(next, row, col));
+    const int64_t at = place(task, row, col);
+    const RowAcc acc = finish_group<Epi, kGs>(current, row, col, at, args);
+    if constexpr (Epi::kReduce != 0) group_part[task] = acc;
+    current = ahead;
+  }
+  if constexpr (Epi::kReduce != 0) {
+    __syncthreads();
+    fold_rows<Epi, kGs>(group_part, row0, rows_here, groups, tid, args);
+  }
+}
+
+template <class Epi, int kGs>
+cudaError_t launch_group_rows_for(const FusedArgs& args, cudaStream_t stream) {
+  const int groups = args.N / kGs, rows = group_rows_per_block(args.M, groups);
+  const int blocks = static_cast<int>((static_cast<int64_t>(args.M) + rows - 1) / rows);
+  const int smem = Epi::kReduce != 0 ? rows * groups * static_cast<int>(sizeof(RowAcc)) : 0;
+  group_rows_kernel<Epi, kGs><<<blocks, kGroupRowsThreads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+// group_rows_kernel for a call group_rows_serves.
+template <class Epi>
+cudaError_t launch_group_rows(const FusedArgs& args, cudaStream_t stream) {
+  if constexpr (!Epi::kNorm || Epi::kPool != 1) {
+    return cudaErrorInvalidValue;
+  } else {
+    switch (args.group_size) {
+      case 8:
+        return launch_group_rows_for<Epi, 8>(args, stream);
+      case 16:
+        return launch_group_rows_for<Epi, 16>(args, stream);
+      case 32:
+        return launch_group_rows_for<Epi, 32>(args, stream);
+      default:
+        return cudaErrorInvalidValue;
+    }
+  }
+}
+
+}  // namespace gemmfuse
