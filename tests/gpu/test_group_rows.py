@@ -1,15 +1,16 @@
 """The 16-bit epilogue path's register-group kernel (csrc/epilogue/group_rows.cuh) against eager
 PyTorch in the model's dtype: GroupNorm chains with a `pre` op reading a per-element tensor, a
-`post` op reading a per-channel one, every reduction and none, rows that a block shares or
-owns alone (N = 256 to 8192), M off every multiple. Groups of 4 and 64 take the tile kernel
+`post` op reading a per-channel one, every reduction and none, N = 256 to 8192, blocks of one
+row and of several with a shorter last one. Groups of 4 and 64 take the tile kernel
 (norm_finalize.cuh) on the same bar, so a failure of both says the bar, not the kernel, is off.
 
 The bar: a bf16 chain's output is eager bf16's to the bit (eager's GEMM, its GroupNorm
 statistics, its roundings: dispatch.group_stats_mode); an fp16 one's no further from the fp16
-model's float64 values than twice eager's error, and allclose(1e-2). Not fp16 groups of 4
-(tile kernel): a group of 4 whose spread is near eps's amplifies fp16's roundings until eager's
-own output is 1.5e-2 from the float64 value (M=37, N=8192; ours 1.3e-2, and one output of
-303104 0.019 from eager's; H100, 2026-11-27), so allclose(1e-2) to eager is ill-posed there."""
+model's float64 values than twice eager's error, and allclose(1e-2), but for fp16 groups of 4
+(tile kernel) the float64 bar alone: a group of 4 whose spread is near eps's amplifies fp16's
+roundings until both results stray (M=37, N=8192, no reduction: eager's largest error against
+float64 1.5e-2, ours 1.3e-2, and one output of 303104 0.019 from eager's; H100, 2026-11-27), so
+allclose(1e-2) to eager is ill-posed there."""
 
 from __future__ import annotations
 
@@ -80,10 +81,10 @@ def _run(epilogue, x, linear, norm, params):
     "dtype,reduce", DTYPE_REDUCES, ids=[f"{str(d)[6:]}-{r}" for d, r in DTYPE_REDUCES]
 )
 @pytest.mark.parametrize("group_size", [4, 8, 16, 32, 64])
-@pytest.mark.parametrize("m,n", [(300, 256), (300, 1024), (37, 8192)])
+# Rows a block owns (group_rows_per_block): one at M = 300 and 37; 8 at M = 2053, N = 1024
+# (257 blocks, the last with 5 rows: the kernel's own count from its grid).
+@pytest.mark.parametrize("m,n", [(300, 256), (300, 1024), (37, 8192), (2053, 1024)])
 def test_chain_matches_eager(dtype, reduce, group_size, m, n):
-    if dtype == torch.float16 and group_size == 4:
-        pytest.skip("fp16 groups of 4: allclose(1e-2) to eager is ill-posed (module docstring)")
     epilogue, x, linear, norm, params = _case(dtype, m, 512, n, group_size, reduce, seed=m + n)
     exact_args = [t.double() for t in (x, *params)]
     with torch.no_grad():
@@ -102,6 +103,8 @@ def test_chain_matches_eager(dtype, reduce, group_size, m, n):
         err, eager_err = max_abs_err(got, exact), max_abs_err(eager, exact)
         label += f": error {err:.3e}, eager's {eager_err:.3e}"
         assert err <= 2 * eager_err, label
+        if group_size == 4:
+            return  # allclose(1e-2) to eager is ill-posed there (the module's docstring)
         torch.testing.assert_close(
             got.float(), eager.float(), atol=1e-2, rtol=1e-2, msg=lambda s: f"{label}\n{s}"
         )

@@ -8,10 +8,13 @@
 // all that stands between the model and its floor. At that size (torch.profiler, median of 10
 // calls, L2 cleared before each, H100, 2026-11-27) the tile kernel, staging 64 x 128 tiles in
 // shared memory and walking them again per group, took 24.3 us for bf16 #62's chain and 21.1
-// for bf16 #75's (fp16: 24.8, 20.8); this kernel 16.3 and 15.6 (fp16: 15.7, 16.2). One pass
-// of PyTorch's own over the same z (z * 2, 16 MB in and out) took 9.1 us. Tried on the way:
+// for bf16 #75's (fp16: 24.8, 20.8); this kernel 16.3 and 15.6 (fp16: 15.7, 16.2; in a call
+// of its own, the tile kernel's figures steady at 24.1-24.4 and 21.0-21.2 over three others).
+// One pass of PyTorch's own over the same z (z * 2, 16 MB in and out) took 9.1 us. Tried on
+// the way (each in a call beside the tile kernel):
 // - a thread per task, its loads then its arithmetic, two tasks a thread: 16.4-16.6 and 18.3 us
-//   (ncu: warps waiting on global loads 40% of their cycles, 50% occupancy); software
+//   (ncu, groups of 16: warps waiting on global loads 40% of their cycles, 50% occupancy at
+//   64 registers; groups of 32 take 76-80, 37.5%); software
 //   pipelining (below) took it to the figures above;
 // - a thread per 8 values, a group's lanes trading their words by shuffles (each warp-wide
 //   load and store one contiguous 512 bytes): 19.9 and 22.0 us, since each lane then computes
@@ -23,7 +26,9 @@
 // `post` per value; a reduction pushes a group's outputs in column order, merges a tile's
 // (kTile columns') groups in group order and the row's tiles in tile order, the order of the
 // tile kernel's register groups and its last block's fold, with the partials in shared
-// memory: a block owns whole rows, so no partials go through global memory and no counters.
+// memory: a block owns whole rows, so no partials go through global memory and no counters
+// (host_common.h's allocate_outputs still makes the tile kernel's for a reducing call; they go
+// unused here).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -40,8 +45,9 @@ constexpr int kGroupRowsThreads = 256;
 constexpr int kGroupRowsMaxGroups = 4096;
 
 // Whether group_rows_kernel serves a 16-bit epilogue-path call: a norm over groups of 8, 16 or
-// 32 that never straddle tiles, z and the norm's weights 16-byte aligned (N a multiple of 8
-// keeps every group's start so), no pooling before a reduction.
+// 32 that never straddle tiles, z and the norm's weights 16-byte aligned (N a multiple of the
+// group size keeps every group's start so), no max pooling (Epi::kPool 1), and for a reduction
+// at most kGroupRowsMaxGroups groups a row.
 template <class Epi>
 bool group_rows_serves(const FusedArgs& args) {
   if constexpr (!Epi::kNorm || Epi::kPool != 1) {
@@ -59,8 +65,9 @@ bool group_rows_serves(const FusedArgs& args) {
 
 // Rows a block owns: about kGroupRowsTasks (row, group) tasks' worth (4 a thread: one task's
 // loads in flight while the thread computes another), fewer where that would leave under
-// kGroupRowsMinBlocks blocks (about two an SM on an H100's 132). The kernel reads the count
-// back from its grid (group_rows_of_grid), so the host's choice is the only one.
+// kGroupRowsMinBlocks blocks (about two an SM on an H100's 132). The kernel derives its rows
+// from its grid (group_rows_of_grid): the fewest that cover M in the host's number of blocks,
+// at most the host's count, so the shared memory sized for that count always suffices.
 constexpr int kGroupRowsTasks = 4 * kGroupRowsThreads;
 constexpr int kGroupRowsMinBlocks = 256;
 

@@ -320,9 +320,11 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
 // these tiles. At 1024 x 8192 (torch.profiler, 20 calls, same
 // machine): bf16 #62 30.4 -> 24.5 us, fp16 #62 32.6 -> 24.5, bf16 #75 26.7 -> 21.0, fp16 #75
 // 33.6 -> 20.1. The float32 instance is as it was (minimum blocks 0: no bound; same SASS).
-// Since 2026-11-27 the 16-bit calls whose groups are 8, 16 or 32 channels take
-// group_rows_kernel (group_rows.cuh: no shared-memory tile, 24.3 -> 16.3 us for bf16 #62's
-// chain, 21.1 -> 15.6 for bf16 #75's); this kernel serves the other group sizes.
+// Since 2026-11-27 most 16-bit calls whose GroupNorm groups are 8, 16 or 32 channels take
+// group_rows_kernel (group_rows.cuh: no shared-memory tile; bf16 #62's chain 24.1-24.4 us here
+// against 16.3 there, #75's 21.0-21.2 against 15.6, timed in separate calls); this kernel
+// serves the rest: other group sizes, no norm, and what group_rows_serves refuses (unaligned z
+// or norm weights, a max pooling, a reduction over more than kGroupRowsMaxGroups groups).
 template <class Epi>
 constexpr int kEpilogueRows = Epi::kModelDtype == kFloat32Model ? kTile : kEpilogueRows16;
 
@@ -445,8 +447,9 @@ cudaError_t launch_tile_kernel(const FusedArgs& args, cudaStream_t stream) {
 }
 
 // The epilogue path's launch for an instance of one model dtype: a float32 one takes a float32
-// z; a 16-bit one (bf16 or fp16) takes that model's z (args.epilogue_in16) into
-// tile_epilogue_kernel alone, for chains that norm or reduce in tiles.
+// z; a 16-bit one (bf16 or fp16) takes that model's z (args.epilogue_in16), for chains that
+// norm or reduce in tiles, into one kernel: group_rows_kernel where group_rows_serves says so,
+// else tile_epilogue_kernel.
 template <class Epi>
 cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
   static_assert(Epi::kModelDtype != kAnyModel, "an instance of one model dtype");
