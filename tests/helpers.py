@@ -1,4 +1,5 @@
-"""Shared test utilities: model pairs, a Linear-then-body model, and error measures."""
+"""Shared test utilities: model pairs, a Linear-then-body model, error measures, and the CUDA
+kernels a call launches."""
 
 from __future__ import annotations
 
@@ -94,3 +95,11 @@ def float64_bar(err_eager: float, op_floor: float, exact: torch.Tensor) -> float
     finite = exact[exact.isfinite()].abs()
     ulp = torch.finfo(torch.float32).eps * (float(finite.max()) if finite.numel() else 0.0)
     return err_eager + op_floor + ulp
+
+
+def kernel_names(fn, *args) -> list[str]:
+    """The names of the CUDA kernels ``fn(*args)`` launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

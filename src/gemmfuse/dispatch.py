@@ -245,7 +245,8 @@ def model16_in_tiles(epilogue: Epilogue, n: int) -> bool:
     cuBLAS's 16-bit GEMM outruns the fused kernel's single product, whose epilogue is not
     overlapped with its mainloop: at #62's size (H100, 2026-11-26, torch.profiler, commit
     6d92f8d) the bf16 GEMM took 169 us and the chain kernel 36 us, 205 us in all against the
-    fused kernel's 224 (231 saving z); fp16 216 against 228. A bf16 chain there normalises with
+    fused kernel's 224 (231 saving z); fp16 216 against 228 (the bf16 chain kernel: 24.3 us since
+    edb0080, 16.3 us since 2d7d717, docs/DESIGN.md section 3). A bf16 chain there normalises with
     eager bf16's statistics and gives eager's output to the bit."""
     norm = epilogue.norm
     if norm is None and epilogue.reduce is None:

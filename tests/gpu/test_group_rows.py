@@ -22,7 +22,7 @@ import torch
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.reference import apply_epilogue
-from helpers import max_abs_err, poison_allocator
+from helpers import kernel_names, max_abs_err, poison_allocator
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -47,7 +47,7 @@ def _chain(groups: int, reduce: str | None, affine: bool) -> Epilogue:
 
 
 def _case(dtype, m, k, n, group_size, reduce, affine=True, seed=0):
-    """(epilogue, x, linear, norm, params, exact model inputs) of one drawn case."""
+    """(epilogue, x, linear, norm, params) of one drawn case, on the GPU in ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
     linear = torch.nn.Linear(k, n)
     norm = torch.nn.GroupNorm(n // group_size, n, affine=affine)
@@ -110,13 +110,6 @@ def test_chain_matches_eager(dtype, reduce, group_size, m, n):
         )
 
 
-def _kernels_run(fn) -> set[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {event.name for event in prof.events()}
-
-
 @NOT_HOPPER
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("reduce", [None, "min"])
@@ -132,7 +125,7 @@ def test_register_groups_take_the_kernel(group_size, reduce, affine):
         eager = _eager(epilogue, x, linear, norm, params)
         poison_allocator(4 * eager.numel(), CUDA)
         out = []
-        names = _kernels_run(lambda: out.append(_run(epilogue, x, linear, norm, params)))
+        names = kernel_names(lambda: out.append(_run(epilogue, x, linear, norm, params)))
     got, path = out[0]
     assert path == "epilogue"
     ran_rows = any("group_rows_kernel" in name for name in names)

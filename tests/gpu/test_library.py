@@ -18,6 +18,7 @@ from gemmfuse.chains import chain_pool, linear_data
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.warmup import build_in_processes, structures_for
+from helpers import kernel_names
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -39,13 +40,6 @@ def problem(number: int, seed: int = 0):
     model = get_problem(number).load().Model(*INIT[number]).to(CUDA)
     x = torch.rand(M, INIT[number][0], device=CUDA)
     return model, optimize(model, (x,))[0], x
-
-
-def kernel_names(fn, *args) -> list[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def cpu_op_names(fn, *args) -> list[str]:

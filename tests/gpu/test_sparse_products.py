@@ -19,7 +19,7 @@ import torch
 from gemmfuse.bench import cuda_pair
 from gemmfuse.build import arch_flags
 from gemmfuse.jit import host_extension
-from helpers import rel_err
+from helpers import kernel_names, rel_err
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -244,14 +244,6 @@ def test_bad_operands_raise(host, make, message):
         host.sparse_products(*make(), True, True)
 
 
-def kernels_of(fn) -> list[str]:
-    """The names of the CUDA kernels fn() launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_75_training_step_takes_the_sparse_products(dtype):
     """KernelBench #75 (GroupNorm of 16 channels, then min) as the benchmark trains it: each
@@ -270,7 +262,7 @@ def test_the_75_training_step_takes_the_sparse_products(dtype):
 
     # the first call is decided in Python (and keeps a plan); the later ones run the plan
     for _ in range(3):
-        names = kernels_of(step)
+        names = kernel_names(step)
         assert any("sparse_rows_kernel" in n for n in names), names
         assert any("sparse_products_kernel" in n for n in names), names
         assert all(p.grad is not None and p.grad.isfinite().all() for p in new.parameters())

@@ -55,7 +55,7 @@ bool group_rows_serves(const FusedArgs& args) {
   } else {
     const int gs = args.group_size;
     if (gs != 8 && gs != 16 && gs != 32) return false;
-    if (args.norm_wide || args.N % gs != 0 || args.N % 8 != 0) return false;
+    if (args.norm_wide || args.N % gs != 0) return false;
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     if (!aligned(args.epilogue_in16) || !aligned(args.gn_weight) || !aligned(args.gn_bias))
       return false;  // (null is aligned: a norm without the affine part)
