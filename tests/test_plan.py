@@ -65,8 +65,34 @@ def test_a_plan_holds_the_calls_decisions(fake_ext):
         table=1234, plain_table=0, model16=False, kernel_code=0, split=False,
         scalars=[0.2], group_size=512, eps=1e-3, norm_wide=True, keepdim=True,
         channel_params=[0, 1], first_slot=3, backward=False, split_dx=True, split_dw=True,
-        sparse=False, epilogue_path=False, group_stats=0,
+        sparse=False, epilogue_path=False, group_stats=0, chain_apart=False,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "m, k, precision, kernel, apart",
+    [(1024, 4096, "fp32", "auto", True), (2048, 4096, "fp32", "auto", True),
+     (1024, 4096, "tf32", "auto", False), (1024, 4096, "fp32", "hopper", False),
+     (512, 4096, "fp32", "auto", False), (4096, 2048, "fp32", "auto", False)],
+)  # fmt: skip
+def test_a_plan_runs_the_chain_apart_where_dispatch_says(fake_ext, m, k, precision, kernel, apart):
+    """dispatch.chain_apart's sizes (M * N from 2^23, K from 4096, fp32 under kernel="auto")
+    reach the plan, which then holds the plain GEMM's table for the forward's GEMM."""
+    cache = SplitWeightCache()
+    keep_plan(cache, Epilogue(pre=(Pointwise("relu"),)), kernel, precision,
+              tensors(m=m, k=k, n=8192), grad=False)  # fmt: skip
+    (plan,) = cache.plans
+    assert plan.spec["chain_apart"] is apart
+    assert plan.spec["plain_table"] == (FakeExt.table if apart else 0)
+
+
+def test_chain_apart_needs_sm90_and_float32(monkeypatch):
+    x = torch.randn(1024, 8192)
+    monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
+    assert gemmfuse.dispatch.chain_apart(x, 8192, "auto", "fp32")
+    assert not gemmfuse.dispatch.chain_apart(x.double(), 8192, "auto", "fp32")
+    monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (8, 0))
+    assert not gemmfuse.dispatch.chain_apart(x, 8192, "auto", "fp32")
 
 
 def test_plans_are_kept_most_recent_first_and_bounded(fake_ext):

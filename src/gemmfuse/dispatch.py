@@ -3,9 +3,10 @@
 ``select_path`` picks the path of a call (``fused``, ``epilogue`` or ``torch``; ops.py's module
 docstring says what each runs) from its tensors, the GPU and ``kernel=``, and
 ``select_epilogue_path`` that of a ``fused_epilogue`` call (the chain on a given tensor);
-``fused_pays`` holds the size thresholds of ``kernel="auto"``; ``backward_products`` says which
-backward products run on the sparse kernels (a dz zero but for a few groups a row) or the split
-tensor-core kernel. Not yet here: the launch's own choices
+``fused_pays`` holds the size thresholds of ``kernel="auto"``, ``chain_apart`` whether a fused
+call's chain runs in the GEMM's epilogue or in the chain kernel after it; ``backward_products``
+says which backward products run on the sparse kernels (a dz zero but for a few groups a row) or
+the split tensor-core kernel. Not yet here: the launch's own choices
 (a wide GroupNorm's second sweep and the one-or-two-rows kernel in ops.launch_path, whether the
 chain backward kernel fits in autograd.py, tiles and grids in csrc/). The constants that the
 CUDA sources share are checked against them by tests/test_sources.py, and against the compiled
@@ -49,6 +50,18 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 MIN_FUSED_WORK = 1e8
 MIN_FUSED_ROWS = 16
 MIN_FUSED_K = 1024
+# kernel="auto" runs a float32 fused call on Hopper as two kernels from these sizes up
+# (chain_apart): the split GEMM storing z, then the chain kernel on z. The fused kernel's chain
+# runs after each tile's mainloop, on one block an SM, with the tensor cores idle; the chain
+# kernel runs at full occupancy, and z's extra store and read cost less from M * N = 2^23 with
+# K >= 4096 (docs/DESIGN.md section 3). The two kernels' time against the fused kernel's, H200,
+# 2026-11-27, median of 20: #62 1.00x, #75 0.94x, the pool's random chains 0.74-1.02x, 8192 x
+# 8192 0.87-0.90x; K = 1024 or M * N = 2^22: 0.97-1.18x; tf32's single product 1.12-1.14x (so
+# it keeps the fused kernel). KernelBench's method on an H100 that day: #62 0.655 and 0.695 ms
+# against 0.734 and 0.732, #75 0.671 and 0.691 against 0.715 and 0.720 (before the float32
+# group_rows_kernel took the chain kernel from 55 to 34 us).
+CHAIN_APART_MIN_OUTPUTS = 2**23
+CHAIN_APART_MIN_K = 4096
 GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/abi/fused_args.h
 # kSplitColsMax in csrc/operands/split.h: split_cols' grid bound on columns
 SPLIT_COLS_MAX = 65535 * 32
@@ -194,6 +207,19 @@ def _model16_problem(x, kernel: str) -> str:
     if x.shape[1] % 8 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return f"{name} rows must be 16-byte aligned (in_features a multiple of 8)"
     return ""
+
+
+def chain_apart(x, n: int, kernel: str, precision: str) -> bool:
+    """Whether a fused-path call on float32 x with n output channels runs as the split GEMM
+    storing z, then the chain kernel on z, rather than the chain in the GEMM's epilogue: under
+    kernel="auto", precision="fp32", on sm_90, from CHAIN_APART_MIN_OUTPUTS and
+    CHAIN_APART_MIN_K (kernel="hopper" keeps the chain in the fused kernel)."""
+    m, k = x.shape
+    return (
+        kernel == "auto" and precision == "fp32" and x.dtype == torch.float32
+        and m * n >= CHAIN_APART_MIN_OUTPUTS and k >= CHAIN_APART_MIN_K
+        and _capability(x.device.index) == (9, 0)
+    )  # fmt: skip
 
 
 def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tuple[str, str]:

@@ -4,16 +4,17 @@ Paths, in the order they are tried:
 
 ``fused``
     One CUDA kernel (plus the activation's split pre-sweep): split-fp16 tensor-core GEMM with the
-    chain up to its reduction in its epilogue. GroupNorm groups that fit a 128-channel output
-    tile are normalised in the tile; wider groups (or groups that straddle tiles) get their
-    statistics from each tile, merged by a light second kernel that normalises the output in
-    place (one extra read and write of it). Needs a CUDA float32 2-D input on an sm_80+ GPU and
-    tensor arguments of ``pre``/``post`` ops that are per channel and of x's dtype.
-    The kernel is the Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async)
-    elsewhere. bfloat16 and float16 models are fused on sm_90 too (one tensor-core product on
-    their own operands, fp32 epilogue rounded where eager rounds); ``kernel="portable"`` /
-    ``"hopper"`` forces one. ``tail`` ops
-    (after a reduction) run in PyTorch on the reduced (M,) values.
+    chain up to its reduction in its epilogue. Under ``kernel="auto"``, a float32 call on sm_90 from
+    M*N = 2^23 with K >= 4096 (``dispatch.chain_apart``) runs the chain in the chain kernel right
+    after the GEMM instead (the GEMM stores z), which is faster there. GroupNorm groups that fit a
+    128-channel output tile are normalised in the tile; wider groups (or groups that straddle tiles)
+    get their statistics from each tile, merged by a light second kernel that normalises the output
+    in place (one extra read and write of it). Needs a CUDA float32 2-D input on an sm_80+ GPU and
+    tensor arguments of ``pre``/``post`` ops that are per channel and of x's dtype. The kernel is
+    the Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync + cp.async) elsewhere.
+    bfloat16 and float16 models are fused on sm_90 too (one tensor-core product on their own
+    operands, fp32 epilogue rounded where eager rounds); ``kernel="portable"`` / ``"hopper"`` forces
+    one. ``tail`` ops (after a reduction) run in PyTorch on the reduced (M,) values.
 ``epilogue``
     PyTorch's own GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
     that applies the whole chain tile by tile (csrc/epilogue/norm_finalize.cuh): two launches
@@ -59,6 +60,7 @@ from gemmfuse.dispatch import (
     MODEL16,
     PRECISIONS,
     backward_products,
+    chain_apart,
     gemv_fits,
     group_stats_mode,
     norm_settings,
@@ -85,9 +87,11 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     gn_weight, gn_bias = cache.float32(gn_weight, "gn_weight"), cache.float32(gn_bias, "gn_bias")
     chain = chain_arguments(epilogue, params, m, n)
     vectors, _, group_size, eps, norm_wide = chain
-    fused_z = save_z and path == "fused"  # the epilogue path's z is a copy of F.linear's
-    z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
     model16 = x.dtype in MODEL16
+    apart = path == "fused" and not model16 and chain_apart(x, n, kernel, precision)
+    # the epilogue path's z is a copy of F.linear's, a chain apart's the split GEMM's output
+    fused_z = save_z and path == "fused" and not apart
+    z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
     if path == "epilogue" and not save_z and not model16 and gemv_fits(x, weight):
         bias32 = cache.float32(bias, "bias")
         out = ext.gemv_forward(x, weight, bias32, gn_weight, gn_bias, *chain)
@@ -100,6 +104,14 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
         w = weight if weight.is_contiguous() else weight.contiguous()
         bias32 = cache.float32(bias, "bias")
         out = ext.fused_forward_16bit(x, w, bias32, gn_weight, gn_bias, *chain, z)
+    elif apart:  # the split GEMM stores z, then the chain kernel on it (in place unless kept)
+        splits = cache.get(ext, weight, split_padded(weight.shape[1]))
+        y = extension_for(Epilogue()).fused_forward(
+            x, *splits, cache.float32(bias, "bias"), None, None, [], [], 1, 0.0,
+            FUSED_KERNELS[kernel], PRECISIONS[precision], False, None,
+        )  # fmt: skip
+        z = y if save_z else None
+        out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z)
     else:
         w_hi, w_lo, w_inv = cache.get(ext, weight, split_padded(weight.shape[1]))
         out = ext.fused_forward(

@@ -34,6 +34,7 @@ from gemmfuse.dispatch import (
     MODEL16,
     PRECISIONS,
     backward_products,
+    chain_apart,
     group_stats_mode,
     norm_settings,
 )
@@ -103,13 +104,16 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     if grad and wants_operand_grad:
         return  # an (M, N) operand's gradient: PyTorch's backward of the chain gives it
     sparse, split_dx, split_dw = backward_products(path, x, weight, kernel, epilogue)
-    # The plain GEMM's library runs the split products: loaded only where a backward wants it
-    plain = extension_for(Epilogue()).table if grad and (split_dx or split_dw) else 0
+    model16 = x.dtype in MODEL16
+    apart = path == "fused" and not model16 and chain_apart(x, n, kernel, precision)
+    # The plain GEMM's library runs a chain apart's GEMM and the split products: loaded only
+    # where the forward or a backward wants it
+    plain = extension_for(Epilogue()).table if apart or (grad and (split_dx or split_dw)) else 0
     ext = extension_for(epilogue)
     group_size, eps, norm_wide = norm_settings(epilogue, n)
     plan = ext.host.Plan(
         cache.native(ext), epilogue, kernel, precision, every,
-        table=ext.table, plain_table=plain, model16=x.dtype in MODEL16,
+        table=ext.table, plain_table=plain, model16=model16,
         kernel_code=FUSED_KERNELS.get(kernel, 0), split=PRECISIONS[precision],
         scalars=list(epilogue.scalars), group_size=group_size, eps=eps, norm_wide=norm_wide,
         keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,
@@ -117,6 +121,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
         backward=serves_backward, split_dx=split_dx, split_dw=split_dw, sparse=sparse,
         epilogue_path=path == "epilogue",
         group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
+        chain_apart=apart,
     )  # fmt: skip
     cache.plans = [plan, *cache.plans[: MAX_PLANS - 1]]
     cache.plan_kinds = [kind, *cache.plan_kinds[: MAX_PLANS - 1]]

@@ -1,8 +1,9 @@
-"""The 16-bit epilogue path's register-group kernel (csrc/epilogue/group_rows.cuh) against eager
-PyTorch in the model's dtype: GroupNorm chains with a `pre` op reading a per-element tensor, a
-`post` op reading a per-channel one, every reduction and none, N = 256 to 8192, blocks of one
-row and of several with a shorter last one. Groups of 4 and 64 take the tile kernel
-(norm_finalize.cuh) on the same bar, so a failure of both says the bar, not the kernel, is off.
+"""The epilogue path's register-group kernel (csrc/epilogue/group_rows.cuh) against eager PyTorch in
+the model's dtype, 16-bit (groups of 8, 16, 32) and float32 (groups of 8 and 16): GroupNorm chains
+with a `pre` op reading a per-element tensor, a `post` op reading a per-channel one, every reduction
+and none, N = 256 to 8192, blocks of one row and of several with a shorter last one. Groups of 4 and
+64 take the tile kernel (norm_finalize.cuh) on the same bar, so a failure of both says the bar, not
+the kernel, is off.
 
 The bar: a bf16 chain's output is eager bf16's to the bit (eager's GEMM, its GroupNorm
 statistics, its roundings: dispatch.group_stats_mode); an fp16 one's no further from the fp16
@@ -10,7 +11,10 @@ model's float64 values than twice eager's error, and allclose(1e-2), but for fp1
 (tile kernel) the float64 bar alone: a group of 4 whose spread is near eps's amplifies fp16's
 roundings until both results stray (M=37, N=8192, no reduction: eager's largest error against
 float64 1.5e-2, ours 1.3e-2, and one output of 303104 0.019 from eager's; H100, 2026-11-27), so
-allclose(1e-2) to eager is ill-posed there."""
+allclose(1e-2) to eager is ill-posed there. A float32 chain's (the GEMM eager's own F.linear,
+the chain kernel's fp32-accurate statistics) is allclose(1e-4) to eager fp32 and within
+helpers.float64_bar of the float64 values (eager's error, plus eager's fp32 ops' own on the
+exactly rounded GEMM result, plus an ulp)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.reference import apply_epilogue
-from helpers import kernel_names, max_abs_err, poison_allocator
+from helpers import float64_bar, kernel_names, max_abs_err, poison_allocator
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -35,6 +39,11 @@ REDUCES = [None, "min", "max", "sum", "mean", "logsumexp"]
 # be eager's to the bit, which its order is not); fp16 by every reduction.
 DTYPE_REDUCES = [(torch.bfloat16, r) for r in REDUCES[:3]] + [(torch.float16, r) for r in REDUCES]
 REGISTER_GROUPS = (8, 16, 32)  # group_rows_serves' sizes
+FP32_REGISTER_GROUPS = (8, 16)  # a float32 z's (32 takes the tile kernel)
+NO_SM80 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="the float32 epilogue path needs an sm_80+ GPU",
+)
 
 
 def _chain(groups: int, reduce: str | None, affine: bool) -> Epilogue:
@@ -133,3 +142,57 @@ def test_register_groups_take_the_kernel(group_size, reduce, affine):
     assert (ran_rows, ran_tiles) == (group_size in REGISTER_GROUPS,
                                      group_size not in REGISTER_GROUPS), sorted(names)  # fmt: skip
     assert torch.equal(got, eager)
+
+
+def _float64_and_ops_alone(epilogue, x, linear, norm, params):
+    """(float64 values, eager fp32's chain on the float64 GEMM result rounded to fp32)."""
+    linear64, norm64 = copy.deepcopy(linear).double(), copy.deepcopy(norm).double()
+    z64 = linear64(x.double())
+    gn64 = (norm64.weight, norm64.bias) if norm.affine else (None, None)
+    exact = apply_epilogue(z64, epilogue, *gn64, [p.double() for p in params])
+    gn = (norm.weight, norm.bias) if norm.affine else (None, None)
+    return exact, apply_epilogue(z64.float(), epilogue, *gn, params)
+
+
+@NO_SM80
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("group_size", [4, 8, 16, 32, 64])
+@pytest.mark.parametrize("m,n", [(300, 256), (37, 8192), (2053, 1024)])
+def test_float32_chain_matches_eager(reduce, group_size, m, n):
+    seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data every run; printed on failure
+    epilogue, x, linear, norm, params = _case(torch.float32, m, 512, n, group_size, reduce,
+                                              seed=seed)  # fmt: skip
+    with torch.no_grad():
+        eager = _eager(epilogue, x, linear, norm, params)
+        exact, ops_alone = _float64_and_ops_alone(epilogue, x, linear, norm, params)
+        poison_allocator(4 * m * n, CUDA)
+        got, path = _run(epilogue, x, linear, norm, params)
+    err, eager_err = max_abs_err(got, exact), max_abs_err(eager, exact)
+    label = f"{epilogue} M={m} N={n} seed {seed}: error {err:.3e}, eager's {eager_err:.3e}"
+    assert path == "epilogue", label
+    assert got.dtype == torch.float32 and got.shape == eager.shape, label
+    assert not got.isnan().any(), label
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4, msg=lambda s: f"{label}\n{s}")
+    assert err <= float64_bar(eager_err, max_abs_err(ops_alone, exact), exact), label
+
+
+@NO_SM80
+@pytest.mark.parametrize("reduce", [None, "min"])
+@pytest.mark.parametrize("group_size", [4, 8, 16, 32, 64])
+def test_float32_register_groups_take_the_kernel(group_size, reduce):
+    """A float32 z's groups of 8 and 16 run group_rows_kernel, other sizes the tile kernel, at
+    KernelBench's width (N = 8192, 1024 rows)."""
+    epilogue, x, linear, norm, params = _case(
+        torch.float32, 1024, 1024, 8192, group_size, reduce, seed=group_size
+    )
+    with torch.no_grad():
+        eager = _eager(epilogue, x, linear, norm, params)
+        out = []
+        names = kernel_names(lambda: out.append(_run(epilogue, x, linear, norm, params)))
+    got, path = out[0]
+    assert path == "epilogue"
+    ran_rows = any("group_rows_kernel" in name for name in names)
+    ran_tiles = any("tile_epilogue_kernel" in name for name in names)
+    rows = group_size in FP32_REGISTER_GROUPS
+    assert (ran_rows, ran_tiles) == (rows, not rows), sorted(names)
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)

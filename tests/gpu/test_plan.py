@@ -22,6 +22,7 @@ import gemmfuse
 import gemmfuse.library
 import gemmfuse.ops
 from gemmfuse import Epilogue, FusedLinear, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse.dispatch import chain_apart
 from gemmfuse.epilogue import epilogue_spec
 from gemmfuse.jit import extension_for
 from gemmfuse.kernelbench.models import ModelNew62, ModelNew75
@@ -150,14 +151,31 @@ KINDS = [("62", "fp32", torch.float32), ("75", "fp32", torch.float32),
 @pytest.mark.parametrize("name,precision,dtype", KINDS)
 def test_planned_call_is_the_python_path_bit_for_bit(name, precision, dtype, monkeypatch):
     case = Case(name, dtype=dtype, seed=hash((name, precision, str(dtype))) % 1000)
-    decided = counting_validate(monkeypatch)
+    check_planned_call(case, precision, "hopper", counting_validate(monkeypatch))
+
+
+@pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
+@pytest.mark.parametrize("name", ["62", "75", "wide", "residual"])
+def test_planned_chain_apart_is_the_python_path_bit_for_bit(name, monkeypatch):
+    """kernel="auto" at sizes where the chain runs apart (dispatch.chain_apart: the plain GEMM's
+    table, then the chain kernel), planned and in Python."""
+    case = Case(name, m=1024, k=4096, n=8192, seed=hash(("apart", name)) % 1000)
+    assert case.cache.plans == [] and chain_apart(case.x, 8192, "auto", "fp32")
+    check_planned_call(case, "fp32", "auto", counting_validate(monkeypatch))
+    assert all(plan.path == "fused" for plan in case.cache.plans)
+
+
+def check_planned_call(case, precision, kernel, decided):
+    """The planned call's output (no_grad, and with autograd) and every gradient equal the
+    Python path's; ``decided`` counts the calls the Python rules decide."""
+    call = functools.partial(case.call, precision=precision, kernel=kernel)
     with torch.no_grad():
-        python = case.call(None, precision=precision)
-        case.call(case.cache, precision=precision)  # decided in Python: keeps a plan
+        python = call(None)
+        call(case.cache)  # decided in Python: keeps a plan
         assert case.cache.plans, "no plan kept"
         before = len(decided)
         poison_allocator(python.numel() * python.element_size(), python.device)
-        planned = case.call(case.cache, precision=precision)
+        planned = call(case.cache)
         assert len(decided) == before, "the plan did not run the call"
     assert_same(planned, python, "no_grad output")
     assert not planned.isnan().any()
@@ -166,12 +184,13 @@ def test_planned_call_is_the_python_path_bit_for_bit(name, precision, dtype, mon
     # 16-bit result's own rounding alone is up to 2^-8 of each value in bf16, 2^-11 in fp16)
     exact = case.float64()
     rel = ((planned.double() - exact).norm() / exact.norm()).item()
-    assert rel < (1e-2 if dtype != torch.float32 else {"fp32": 1e-5, "tf32": 2e-3}[precision])
+    float32 = case.x.dtype == torch.float32
+    assert rel < ({"fp32": 1e-5, "tf32": 2e-3}[precision] if float32 else 1e-2)
 
     # Under autograd: the forward with its node, and every gradient
-    out_py = case.call(None, precision=precision)
-    case.call(case.cache, precision=precision)  # a plan for calls that record
-    out = case.call(case.cache, precision=precision)
+    out_py = call(None)
+    call(case.cache)  # a plan for calls that record
+    out = call(case.cache)
     # the tail op's node sits on top; the planned call's is below it
     node = out.grad_fn.next_functions[0][0] if case.epilogue.tail else out.grad_fn
     assert node.name() == NODE

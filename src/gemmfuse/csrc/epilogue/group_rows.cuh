@@ -1,8 +1,18 @@
-// The 16-bit epilogue path's kernel for GroupNorm groups of 8, 16 or 32 channels (the common
-// sizes; tile_epilogue_kernel in norm_finalize.cuh serves the rest): a thread per (row, group)
-// loads the group's values from the model's z straight into registers, 16 bytes a load, and
-// normalises them, applies the chain and stores them from there, with no shared-memory tile
-// between.
+// The epilogue path's kernel for GroupNorm groups of 8, 16 or 32 channels of a 16-bit model's z,
+// and of 8 or 16 of a float32 z (the common sizes; tile_epilogue_kernel in norm_finalize.cuh
+// serves the rest): a thread per (row, group) loads the group's values from z straight into
+// registers, 16 bytes a load, and normalises them, applies the chain and stores them from
+// there, with no shared-memory tile between.
+//
+// Float32 since 2026-11-27: the chain kernel of a fused call whose chain runs apart
+// (dispatch.chain_apart: the split GEMM stores z, this kernel normalises it in place) and of the
+// float32 epilogue path. At 1024 x 8192 (torch.profiler, median of 10 launches on a given z in
+// place, L2 cleared before each, H100, two rounds alternating with the tile kernel's tree):
+// #62's chain 50.7-53.2 -> 26.4-26.7 us (groups of 8), 50.7-51.3 -> 34.2-34.5 (16); #75's
+// 41.0-41.1 -> 31.7-31.8 (8), 37.8-37.9 -> 29.6-30.0 (16). Groups of 32 take 160 registers
+// (one block an SM): 53.6-53.7 against 54.9-55.5 (#62), 39.9-40.3 against 36.2 (#75), so the
+// tile kernel keeps them. Groups of 16 are held to 64 registers (four blocks an SM; 72
+// unbounded, three): 34.2-34.5 against 37.9-38.0 (#62), 29.6-30.0 against 36.7-36.9 (#75).
 //
 // Why: after PyTorch's 16-bit GEMM (169-178 us at #62's 1024 x 8192 x 8192) the chain kernel is
 // all that stands between the model and its floor. At that size (torch.profiler, median of 10
@@ -44,8 +54,21 @@ constexpr int kGroupRowsThreads = 256;
 // row's reduction takes the tile kernel.
 constexpr int kGroupRowsMaxGroups = 4096;
 
-// Whether group_rows_kernel serves a 16-bit epilogue-path call: a norm over groups of 8, 16 or
-// 32 that never straddle tiles, z and the norm's weights 16-byte aligned (N a multiple of the
+// The values of z in one 16-byte load: 8 of a 16-bit model's, 4 of float32.
+template <class Epi>
+constexpr int kGroupRowsPer = Epi::kModelDtype == kFloat32Model ? 4 : 8;
+
+// z as the kernel reads it: the model's 16-bit z, or float32 (in place or not).
+template <class Epi>
+__device__ __host__ __forceinline__ const void* group_rows_source(const FusedArgs& args) {
+  if constexpr (Epi::kModelDtype == kFloat32Model)
+    return epilogue_source(args);
+  else
+    return args.epilogue_in16;
+}
+
+// Whether group_rows_kernel serves an epilogue-path call: a norm over groups of 8, 16 or 32
+// that never straddle tiles, z and the norm's weights 16-byte aligned (N a multiple of the
 // group size keeps every group's start so), no max pooling (Epi::kPool 1), and for a reduction
 // at most kGroupRowsMaxGroups groups a row.
 template <class Epi>
@@ -54,10 +77,11 @@ bool group_rows_serves(const FusedArgs& args) {
     return false;
   } else {
     const int gs = args.group_size;
-    if (gs != 8 && gs != 16 && gs != 32) return false;
+    if (gs != 8 && gs != 16 && (gs != 32 || Epi::kModelDtype == kFloat32Model)) return false;
     if (args.norm_wide || args.N % gs != 0) return false;
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if (!aligned(args.epilogue_in16) || !aligned(args.gn_weight) || !aligned(args.gn_bias))
+    if (!aligned(group_rows_source<Epi>(args)) || !aligned(args.gn_weight) ||
+        !aligned(args.gn_bias))
       return false;  // (null is aligned: a norm without the affine part)
     return Epi::kReduce == 0 || args.N / gs <= kGroupRowsMaxGroups;
   }
@@ -82,35 +106,59 @@ __device__ __forceinline__ int group_rows_of_grid(int M) {
   return static_cast<int>((static_cast<int64_t>(M) + gridDim.x - 1) / gridDim.x);
 }
 
-// One (row, group) task: the group's kGs values of z as 16-byte words.
-template <int kGs>
+// One (row, group) task: the group's kGs values of z as 16-byte words, kPer values each.
+template <int kGs, int kPer>
 struct GroupWords {
-  uint4 w[kGs / 8];
+  uint4 w[kGs / kPer];
 };
 
-template <int kGs>
-__device__ __forceinline__ GroupWords<kGs> load_group(const uint16_t* in16, int64_t at) {
-  GroupWords<kGs> g;
+// A 16-bit z through the read-only cache; a float32 one, which the kernel may overwrite (in
+// place: each group is read, then written, by one thread), by plain loads.
+template <class Epi, int kGs>
+__device__ __forceinline__ GroupWords<kGs, kGroupRowsPer<Epi>> load_group(const void* in,
+                                                                        int64_t at) {
+  constexpr int kPer = kGroupRowsPer<Epi>;
+  GroupWords<kGs, kPer> g;
+  if constexpr (Epi::kModelDtype == kFloat32Model) {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const float*>(in) + at);
 #pragma unroll
-  for (int i = 0; i < kGs / 8; ++i) g.w[i] = __ldg(reinterpret_cast<const uint4*>(in16 + at) + i);
+    for (int i = 0; i < kGs / kPer; ++i) g.w[i] = src[i];
+  } else {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(in) + at);
+#pragma unroll
+    for (int i = 0; i < kGs / kPer; ++i) g.w[i] = __ldg(src + i);
+  }
   return g;
+}
+
+// Value j of a task's words: a float32 one's bits, or a 16-bit model's value widened.
+template <class Epi, int kGs>
+__device__ __forceinline__ float group_value(const GroupWords<kGs, kGroupRowsPer<Epi>>& g, int j,
+                                             int model16) {
+  if constexpr (Epi::kModelDtype == kFloat32Model) {
+    return __uint_as_float((&g.w[j / 4].x)[j % 4]);
+  } else {
+    const uint32_t word = (&g.w[j / 8].x)[(j % 8) / 2];
+    return from_model16(static_cast<uint16_t>(word >> (16 * (j % 2))), model16);
+  }
 }
 
 // The chain on one task's values: `pre`, the group's statistics, the norm and `post`; stored,
 // or (a reduction) pushed in column order into the returned partial (empty without reduction).
+// The statistics are the tile kernel's for the model: fp32-accurate (kExact) for float32, eager
+// bf16's where a 16-bit call asks.
 template <class Epi, int kGs>
-__device__ __forceinline__ RowAcc finish_group(const GroupWords<kGs>& g, int row, int col,
-                                               int64_t at, const FusedArgs& args) {
+__device__ __forceinline__ RowAcc finish_group(const GroupWords<kGs, kGroupRowsPer<Epi>>& g,
+                                               int row, int col, int64_t at,
+                                               const FusedArgs& args) {
+  constexpr bool kExact = Epi::kModelDtype == kFloat32Model;
   const int model16 = model_dtype<Epi::kModelDtype>(args.params.model16);
   float y[kGs];
 #pragma unroll
-  for (int j = 0; j < kGs; ++j) {
-    const uint32_t word = (&g.w[j / 8].x)[(j % 8) / 2];
-    const float z = from_model16(static_cast<uint16_t>(word >> (16 * (j % 2))), model16);
-    y[j] = Epi::pre(z, row, col + j, args.params);
-  }
+  for (int j = 0; j < kGs; ++j)
+    y[j] = staged_input<Epi>(group_value<Epi, kGs>(g, j, model16), row, col + j, args);
   float rstd;
-  const SegmentMoments mom = group_statistics<Epi, false, true, kGs>(y, kGs, args, rstd);
+  const SegmentMoments mom = group_statistics<Epi, kExact, true, kGs>(y, kGs, args, rstd);
   const bool affine = args.gn_weight != nullptr;
 #pragma unroll
   for (int j = 0; j < kGs; j += 4) {
@@ -167,14 +215,20 @@ __device__ __forceinline__ void fold_rows(RowAcc* part, int row0, int rows_here,
   }
 }
 
+// Blocks an SM must hold (0: as many as the registers allow): float32 groups of 16 take 72
+// registers unbounded, three blocks an SM; bounded to 64 (four blocks), a few bytes spill.
+template <class Epi, int kGs>
+constexpr int kGroupRowsMinBlocksPerSm = Epi::kModelDtype == kFloat32Model && kGs == 16 ? 4 : 0;
+
 // A block takes group_rows_of_grid rows; each thread walks its (row, group) tasks with the next
 // task's loads issued before the current task's arithmetic (software pipelining: a thread
 // per task, its loads then its arithmetic, left ncu's warps 40% of their cycles waiting on
 // global loads at 50% occupancy, H100, 2026-11-27).
 template <class Epi, int kGs>
-__global__ void __launch_bounds__(kGroupRowsThreads) group_rows_kernel(FusedArgs args) {
-  static_assert(Epi::kModelDtype != kFloat32Model, "the 16-bit epilogue path");
+__global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Epi, kGs>)
+    group_rows_kernel(FusedArgs args) {
   extern __shared__ RowAcc group_part[];  // [rows, groups]: a reduction's partials
+  const void* in = group_rows_source<Epi>(args);
   const int groups = args.N / kGs, rows = group_rows_of_grid(args.M);
   const int row0 = blockIdx.x * rows, rows_here = min(rows, args.M - row0);
   const int tasks = rows_here * groups, tid = threadIdx.x;
@@ -184,12 +238,12 @@ __global__ void __launch_bounds__(kGroupRowsThreads) group_rows_kernel(FusedArgs
     return static_cast<int64_t>(row) * args.N + col;
   };
   int row, col;
-  GroupWords<kGs> current{};
-  if (tid < tasks) current = load_group<kGs>(args.epilogue_in16, place(tid, row, col));
+  GroupWords<kGs, kGroupRowsPer<Epi>> current{};
+  if (tid < tasks) current = load_group<Epi, kGs>(in, place(tid, row, col));
   for (int task = tid; task < tasks; task += kGroupRowsThreads) {
     const int next = task + kGroupRowsThreads;
-    GroupWords<kGs> ahead{};
-    if (next < tasks) ahead = load_group<kGs>(args.epilogue_in16, place(next, row, col));
+    GroupWords<kGs, kGroupRowsPer<Epi>> ahead{};
+    if (next < tasks) ahead = load_group<Epi, kGs>(in, place(next, row, col));
     const int64_t at = place(task, row, col);
     const RowAcc acc = finish_group<Epi, kGs>(current, row, col, at, args);
     if constexpr (Epi::kReduce != 0) group_part[task] = acc;

@@ -189,24 +189,6 @@ cudaError_t launch_norm_finalize(const FusedArgs& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The epilogue path's input: args.epilogue_in, or args.out itself (in place).
-__device__ __forceinline__ const float* epilogue_source(const FusedArgs& args) {
-  return args.epilogue_in != nullptr ? args.epilogue_in : args.out;
-}
-
-// The epilogue path's staged value: z through `pre`. gemm_value's unscaling, bias and rounding
-// are identities here (launch_tile_epilogue refuses scales and a bias, and a 16-bit model's z is
-// in its dtype already), so a 16-bit instance skips them: a conversion each value, at a quarter
-// of the FP32 rate. A float32 instance keeps gemm_value, whose rounding is also a barrier to
-// contraction (round_like_model).
-template <class Epi>
-__device__ __forceinline__ float staged_input(float z, int row, int col, const FusedArgs& args) {
-  if constexpr (Epi::kModelDtype == kFloat32Model)
-    return epilogue_input<Epi>(z, 1.f, row, col, args);
-  else
-    return Epi::pre(z, row, col, args.params);
-}
-
 // The epilogue path's input tile, `pre` applied, staged into shared memory 16 bytes a load:
 // kPer values (8 of a 16-bit model's, 4 of float32), rows of N values that keep 16-byte
 // alignment, up to 8 loads a thread in flight at once (a 16-bit tile in one batch). Loaded
@@ -475,6 +457,7 @@ cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
       pointwise_epilogue_kernel<Epi><<<blocks, kFinalizeThreads, 0, stream>>>(args);
       return cudaGetLastError();
     }
+    if (group_rows_serves<Epi>(args)) return launch_group_rows<Epi>(args, stream);
     if (args.norm_wide && args.N <= kShortRow) {
       const int n_tiles = (args.N + kTile - 1) / kTile;
       const int smem = n_tiles * args.stats_per_tile * static_cast<int>(sizeof(float4)) +

@@ -67,6 +67,24 @@ __device__ __forceinline__ float epilogue_input(float acc, float a_inv, int grow
   return epilogue_input<Epi>(acc, a_inv, column_terms(gcol, args), grow, gcol, args);
 }
 
+// The epilogue path's input: args.epilogue_in, or args.out itself (in place).
+__device__ __host__ __forceinline__ const float* epilogue_source(const FusedArgs& args) {
+  return args.epilogue_in != nullptr ? args.epilogue_in : args.out;
+}
+
+// The epilogue path's staged value: z through `pre`. gemm_value's unscaling, bias and rounding
+// are identities here (launch_tile_epilogue refuses scales and a bias, and a 16-bit model's z is
+// in its dtype already), so a 16-bit instance skips them: a conversion each value, at a quarter
+// of the FP32 rate. A float32 instance keeps gemm_value, whose rounding is also a barrier to
+// contraction (round_like_model).
+template <class Epi>
+__device__ __forceinline__ float staged_input(float z, int row, int col, const FusedArgs& args) {
+  if constexpr (Epi::kModelDtype == kFloat32Model)
+    return epilogue_input<Epi>(z, 1.f, row, col, args);
+  else
+    return Epi::pre(z, row, col, args.params);
+}
+
 // A GEMM kernel's accumulator at output place (row, col), which may be the tile's padding past
 // the output, as its epilogue input: z saved for the backward where the call asks (not past the
 // output), then `pre` at the place clamped into the output.

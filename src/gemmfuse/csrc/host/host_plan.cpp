@@ -85,6 +85,8 @@ bool TensorKey::matches(const at::Tensor& t) const {
 Plan::Plan(std::shared_ptr<SplitCache> cache, PlanSpec spec,
            const std::vector<at::Tensor>& tensors) {
   TORCH_CHECK(cache != nullptr && spec.table != 0, "gemmfuse: a plan needs a cache and a table");
+  TORCH_CHECK(!spec.chain_apart || (spec.plain_table != 0 && !spec.model16 && !spec.epilogue_path),
+              "gemmfuse: a float32 plan whose chain runs apart needs the plain GEMM's table");
   TORCH_CHECK(tensors.size() >= 5 && tensors[0].defined() && tensors[1].defined(),
               "gemmfuse: a plan takes x, weight, bias, gn_weight, gn_bias and the params");
   for (int64_t i : spec.channel_params)
@@ -199,6 +201,14 @@ Plan::Launched Plan::launch(const std::vector<at::Tensor>& t, bool save_z) const
     out = fused_forward_16bit(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),
                               vector32(2), gn_weight, gn_bias, vectors, spec.scalars,
                               spec.group_size, spec.eps, spec.norm_wide, maybe(z));
+  } else if (spec.chain_apart) {
+    const auto w = cache.rows(weight, split_padded(weight.size(1)));
+    const at::Tensor y = fused_forward(spec.plain_table, x, w[0], w[1], w[2], vector32(2),
+                                       std::nullopt, std::nullopt, {}, {}, 1, 0.0, spec.kernel,
+                                       spec.split, false, std::nullopt);
+    if (save_z) z = y;  // kept: the chain writes a new tensor
+    out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
+                           spec.group_size, spec.eps, spec.norm_wide, !save_z, 0);
   } else {
     if (save_z) z = x.new_empty({M, N});
     const int64_t k_padded = split_padded(weight.size(1));

@@ -91,6 +91,9 @@ struct PlanSpec {
   // epilogue_forward with this group_stats, in place of the fused kernel.
   bool epilogue_path = false;
   int64_t group_stats = 0;
+  // A float32 call whose chain runs apart (dispatch.chain_apart): the plain library's split GEMM
+  // stores z, then epilogue_forward runs the chain on it.
+  bool chain_apart = false;
 };
 
 // What a plan and the backward nodes it records share.
