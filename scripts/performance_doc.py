@@ -123,6 +123,7 @@ def main() -> None:
     modes = [ModeResult(**m) for m in data.get("modes", [])]
     sweep = data.get("sweep", [])
     chains = data.get("chains", [])
+    structures = len({row["chain"] for row in chains})  # the pool's chains
     harness = data.get("harness", [])
     trials = data.get("harness_trials", 0)
     floor = _floor_section(args, data)
@@ -226,25 +227,27 @@ in the same mode.
 
 ## Shape sweep
 
-#62's chain (GroupNorm, LeakyReLU, x + x) at M x N=K with the given group size, inputs
-`torch.rand`. "gemmfuse" is `kernel="auto"`, the shipped dispatch: the fused kernel where
-`dispatch.fused_pays` holds (M*N*K >= 1e8, M >= 16, K >= 1024), the epilogue path (PyTorch's fp32
-GEMM, then the whole chain in one tile kernel) elsewhere. The last two columns force each of the
-two on the same row, which is how the thresholds were chosen. Every timed window opens before
-the Python dispatch, so host cost counts. A row's four calls are timed interleaved (each
-iteration times eager, then each gemmfuse call, each after its own L2 flush), so a slow stretch
-of the machine weighs on all four alike; it also means a gemmfuse call runs right after eager's
-SIMT GEMM, at whatever clock that left (the main table times each model's calls in a block, as
-KernelBench does: interleaved there, #62 measured 0.786 ms against 0.651 ms, commit f761df4).
-Group size 512 straddles the 128-channel tiles: those rows take the cross-tile statistics (a
-second pass, except on the epilogue path's rows of up to 2048 channels: one launch).
+#62's chain (GroupNorm, LeakyReLU, x + x) at M x N=K with the given group size, inputs `torch.rand`.
+"gemmfuse" is `kernel="auto"`, the shipped dispatch: the fused kernel where `dispatch.fused_pays`
+holds (M*N*K >= 1e8, M >= 16, K >= 1024), the epilogue path (PyTorch's fp32 GEMM, then the whole
+chain in one tile kernel) elsewhere; from M*N = 2^23 with K >= 4096 (since fee5588,
+`dispatch.chain_apart`) the fused path runs the split GEMM, then the chain kernel on its result. The
+last two columns force the fused kernel (`kernel="hopper"`: the chain in its epilogue) and the
+epilogue path on the same row, which is how the thresholds were chosen. Every timed window opens
+before the Python dispatch, so host cost counts. A row's four calls are timed interleaved (each
+iteration times eager, then each gemmfuse call, each after its own L2 flush), so a slow stretch of
+the machine weighs on all four alike; it also means a gemmfuse call runs right after eager's SIMT
+GEMM, at whatever clock that left (the main table times each model's calls in a block, as
+KernelBench does: interleaved there, #62 measured 0.786 ms against 0.651 ms, commit f761df4). Group
+size 512 straddles the 128-channel tiles: those rows take the cross-tile statistics (a second pass,
+except on the epilogue path's rows of up to 2048 channels: one launch).
 
 {format_sweep(sweep) if sweep else "(not run)"}
 
 ## Random chains from the epilogue grammar
 
-Each chain of `gemmfuse.chains.chain_pool()` (7 structures covering every pointwise op and
-reduction), with argument values drawn once, at M=1024, K=N=8192, input `torch.randn`, with
+Each chain of `gemmfuse.chains.chain_pool()` ({structures} structures covering every pointwise op
+and reduction), with argument values drawn once, at M=1024, K=N=8192, input `torch.randn`, with
 {", ".join(str(g) for g in CHAIN_GROUPS)} GroupNorm groups (group sizes 8192 and 512 straddle the
 128-channel tiles and take the cross-tile statistics; 16 fits a tile). "fp32 ops alone" is the
 error of eager's fp32 ops run on the float64 GEMM result rounded to fp32: the part of any fp32

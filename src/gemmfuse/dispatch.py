@@ -54,7 +54,7 @@ MIN_FUSED_K = 1024
 # (chain_apart): the split GEMM storing z, then the chain kernel on z. The fused kernel's chain
 # runs after each tile's mainloop, on one block an SM, with the tensor cores idle; the chain
 # kernel runs at full occupancy, and z's extra store and read cost less from M * N = 2^23 with
-# K >= 4096 (docs/DESIGN.md section 3). The two kernels' time against the fused kernel's, H200,
+# K >= 4096 (docs/DESIGN.md section 4). The two kernels' time against the fused kernel's, H200,
 # 2026-11-27, median of 20: #62 1.00x, #75 0.94x, the pool's random chains 0.74-1.02x, 8192 x
 # 8192 0.87-0.90x; K = 1024 or M * N = 2^22: 0.97-1.18x; tf32's single product 1.12-1.14x (so
 # it keeps the fused kernel). KernelBench's method on an H100 that day: #62 0.655 and 0.695 ms
@@ -209,14 +209,16 @@ def _model16_problem(x, kernel: str) -> str:
     return ""
 
 
-def chain_apart(x, n: int, kernel: str, precision: str) -> bool:
-    """Whether a fused-path call on float32 x with n output channels runs as the split GEMM
-    storing z, then the chain kernel on z, rather than the chain in the GEMM's epilogue: under
-    kernel="auto", precision="fp32", on sm_90, from CHAIN_APART_MIN_OUTPUTS and
-    CHAIN_APART_MIN_K (kernel="hopper" keeps the chain in the fused kernel)."""
+def chain_apart(epilogue: Epilogue, x, n: int, kernel: str, precision: str) -> bool:
+    """Whether a fused-path call of a chain on float32 x with n output channels runs as the split
+    GEMM storing z, then the chain kernel on z, rather than the chain in the GEMM's epilogue:
+    under kernel="auto", precision="fp32", on sm_90, from CHAIN_APART_MIN_OUTPUTS and
+    CHAIN_APART_MIN_K, for a chain that does something (kernel="hopper" keeps the chain in the
+    fused kernel; a plain GEMM's z is its output)."""
     m, k = x.shape
     return (
         kernel == "auto" and precision == "fp32" and x.dtype == torch.float32
+        and epilogue.structure != Epilogue()
         and m * n >= CHAIN_APART_MIN_OUTPUTS and k >= CHAIN_APART_MIN_K
         and _capability(x.device.index) == (9, 0)
     )  # fmt: skip

@@ -17,7 +17,8 @@ Paths, in the order they are tried:
     one. ``tail`` ops (after a reduction) run in PyTorch on the reduced (M,) values.
 ``epilogue``
     PyTorch's own GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
-    that applies the whole chain tile by tile (csrc/epilogue/norm_finalize.cuh): two launches
+    that applies the whole chain (csrc/epilogue/norm_finalize.cuh: tile by tile, or a group a
+    thread for GroupNorm groups of 8 and 16, csrc/epilogue/group_rows.cuh): two launches
     where eager makes one per op. At up to ``GEMV_MAX_ROWS`` rows (K a multiple of 4, 16-byte
     aligned rows) one kernel does both (csrc/gemm/gemv_epilogue.cuh): a matrix-vector product
     with compensated sums, at least as accurate as PyTorch's, then the chain. Groups wider than
@@ -88,7 +89,7 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     chain = chain_arguments(epilogue, params, m, n)
     vectors, _, group_size, eps, norm_wide = chain
     model16 = x.dtype in MODEL16
-    apart = path == "fused" and not model16 and chain_apart(x, n, kernel, precision)
+    apart = path == "fused" and chain_apart(epilogue, x, n, kernel, precision)
     # the epilogue path's z is a copy of F.linear's, a chain apart's the split GEMM's output
     fused_z = save_z and path == "fused" and not apart
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
@@ -174,7 +175,9 @@ def fused_linear(
     kernel: str = "auto",
     precision: str = "fp32",
 ) -> torch.Tensor:
-    """``epilogue(x @ weight.T + bias)`` as PyTorch computes it, in one fused kernel where it can.
+    """``epilogue(x @ weight.T + bias)`` as PyTorch computes it, in one fused kernel where it can
+    (or, where that is faster, the fused path's GEMM and then the chain in a kernel of its own:
+    the module docstring).
 
     Args:
         x: (M, K) input.
@@ -187,7 +190,8 @@ def fused_linear(
         weight_cache: keeps the weight's fp16 split between calls; without one the weight is
             split on every call (correct, slower).
         kernel: "auto" (by problem size and GPU), "portable" (sm_80+ mma.sync), "hopper"
-            (sm_90 wgmma) or "epilogue" (PyTorch's GEMM, then the chain in one kernel).
+            (sm_90 wgmma, the chain in its epilogue) or "epilogue" (PyTorch's GEMM, then the
+            chain in one kernel).
         precision: "fp32" (default; PyTorch fp32's accuracy) or "tf32" (opt-in: one tensor-core
             product on 11-bit operands, about TF32's error, for speed; the backward's products
             too). Applies to float32 inputs; a bfloat16 or float16 model (sm_90) always runs

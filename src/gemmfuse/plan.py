@@ -105,7 +105,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
         return  # an (M, N) operand's gradient: PyTorch's backward of the chain gives it
     sparse, split_dx, split_dw = backward_products(path, x, weight, kernel, epilogue)
     model16 = x.dtype in MODEL16
-    apart = path == "fused" and not model16 and chain_apart(x, n, kernel, precision)
+    apart = path == "fused" and chain_apart(epilogue, x, n, kernel, precision)
     # The plain GEMM's library runs a chain apart's GEMM and the split products: loaded only
     # where the forward or a backward wants it
     plain = extension_for(Epilogue()).table if apart or (grad and (split_dx or split_dw)) else 0

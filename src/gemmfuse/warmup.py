@@ -5,7 +5,8 @@ run one at a time (build.py's lock). ``warmup`` finds every kernel structure a m
 builds them in parallel child processes into the disk cache that later processes load from (a
 cached one is found, not rebuilt): the structures of a shipped problem, or those ``optimize``
 swaps into a KernelBench problem file's Model (built on the meta device), and always the plain
-GEMM's, on which the backward's products run.
+GEMM's, on which the backward's products run (and the forward's GEMM of a chain run apart,
+dispatch.chain_apart).
 """
 
 import os

@@ -31,8 +31,8 @@ M, K, N = 1024, 4096, 8192  # M * N = 2^23, K = 4096: the smallest sizes that ru
 # the chain kernels of the epilogue path (csrc/epilogue/norm_finalize.cuh, group_rows.cuh)
 CHAIN_KERNELS = ("tile_epilogue_kernel", "group_rows_kernel", "row_epilogue_kernel",
                  "pointwise_epilogue_kernel")  # fmt: skip
-# groups of 8192, 512 (both wider than a tile) and 16 channels, where the chain norms
-CASES = [(i, g) for i, spec in enumerate(POOL) for g in ((1, 16, 512) if spec.norm else (1,))]
+# groups of 8192, 512 (both wider than a tile), 16 and 8 channels, where the chain norms
+CASES = [(i, g) for i, spec in enumerate(POOL) for g in ((1, 16, 512, 1024) if spec.norm else (1,))]
 
 
 def hopper() -> bool:
@@ -55,7 +55,7 @@ def test_pool_chain_apart_holds_the_float64_bar(index, groups):
     seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data every run; printed on failure
     epilogue, x, w, b, gn, params = case(index, groups, seed)
     label = f"{POOL[index].describe()} | groups {groups} | seed {seed}"
-    assert chain_apart(x, N, "auto", "fp32"), label
+    assert chain_apart(epilogue, x, N, "auto", "fp32"), label
     with torch.no_grad():
         eager, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
         poison_allocator(8 * M * N, CUDA)

@@ -23,7 +23,7 @@ import copy
 import pytest
 import torch
 
-from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction, fused_epilogue
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.reference import apply_epilogue
 from helpers import float64_bar, kernel_names, max_abs_err, poison_allocator
@@ -155,13 +155,15 @@ def _float64_and_ops_alone(epilogue, x, linear, norm, params):
 
 
 @NO_SM80
+@pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("reduce", REDUCES)
 @pytest.mark.parametrize("group_size", [4, 8, 16, 32, 64])
 @pytest.mark.parametrize("m,n", [(300, 256), (37, 8192), (2053, 1024)])
-def test_float32_chain_matches_eager(reduce, group_size, m, n):
+def test_float32_chain_matches_eager(reduce, group_size, m, n, affine):
+    """In place on F.linear's output (the epilogue path's launch, as the chain apart's)."""
     seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data every run; printed on failure
     epilogue, x, linear, norm, params = _case(torch.float32, m, 512, n, group_size, reduce,
-                                              seed=seed)  # fmt: skip
+                                              affine, seed=seed)  # fmt: skip
     with torch.no_grad():
         eager = _eager(epilogue, x, linear, norm, params)
         exact, ops_alone = _float64_and_ops_alone(epilogue, x, linear, norm, params)
@@ -196,3 +198,35 @@ def test_float32_register_groups_take_the_kernel(group_size, reduce):
     rows = group_size in FP32_REGISTER_GROUPS
     assert (ran_rows, ran_tiles) == (rows, not rows), sorted(names)
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+
+
+@NO_SM80
+@pytest.mark.parametrize("offset", [0, 1])  # z 16-byte aligned, and 4 bytes past
+@pytest.mark.parametrize("reduce", [None, "min", "sum"])
+@pytest.mark.parametrize("group_size", [8, 16])
+def test_float32_given_z_kept_and_alignment(group_size, reduce, offset):
+    """``fused_epilogue`` on a given float32 z: the kernel reads it (FusedArgs.epilogue_in) and
+    leaves it as it was; z 4 bytes off 16-byte alignment takes the tile kernel, on the same bar."""
+    m, n = 300, 1024
+    epilogue, x, linear, norm, params = _case(torch.float32, m, 512, n, group_size, reduce,
+                                              seed=group_size + offset)  # fmt: skip
+    with torch.no_grad():
+        buffer = torch.empty(m * n + offset, device=CUDA)
+        z = buffer[offset:].view(m, n)
+        z.copy_(linear(x))
+        before = z.clone()
+        eager = apply_epilogue(before, epilogue, norm.weight, norm.bias, params)
+        exact, ops_alone = _float64_and_ops_alone(epilogue, x, linear, norm, params)
+        out = []
+        names = kernel_names(
+            lambda: out.append(fused_epilogue(z, epilogue, norm.weight, norm.bias, params=params))
+        )
+    got = out[0]
+    label = f"{epilogue} offset {offset}"
+    assert torch.equal(z, before), f"{label}: z changed"
+    ran_rows = any("group_rows_kernel" in name for name in names)
+    assert ran_rows == (offset == 0), f"{label}: {sorted(names)}"
+    assert not got.isnan().any(), label
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4, msg=lambda s: f"{label}\n{s}")
+    err, eager_err = max_abs_err(got, exact), max_abs_err(eager, exact)
+    assert err <= float64_bar(eager_err, max_abs_err(ops_alone, exact), exact), label

@@ -28,7 +28,7 @@ from gemmfuse.jit import extension_for
 from gemmfuse.kernelbench.models import ModelNew62, ModelNew75
 from gemmfuse.reference import linear_epilogue
 from gemmfuse.weight_cache import SplitWeightCache
-from helpers import poison_allocator
+from helpers import kernel_names, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -160,9 +160,14 @@ def test_planned_chain_apart_is_the_python_path_bit_for_bit(name, monkeypatch):
     """kernel="auto" at sizes where the chain runs apart (dispatch.chain_apart: the plain GEMM's
     table, then the chain kernel), planned and in Python."""
     case = Case(name, m=1024, k=4096, n=8192, seed=hash(("apart", name)) % 1000)
-    assert case.cache.plans == [] and chain_apart(case.x, 8192, "auto", "fp32")
+    assert case.cache.plans == [] and chain_apart(case.epilogue, case.x, 8192, "auto", "fp32")
     check_planned_call(case, "fp32", "auto", counting_validate(monkeypatch))
     assert all(plan.path == "fused" for plan in case.cache.plans)
+    decided = counting_validate(monkeypatch)
+    with torch.no_grad():
+        names = kernel_names(functools.partial(case.call, case.cache, kernel="auto"))
+    assert not decided, "the plan did not run the call"
+    assert any("epilogue_kernel" in n or "group_rows_kernel" in n for n in names), names
 
 
 def check_planned_call(case, precision, kernel, decided):

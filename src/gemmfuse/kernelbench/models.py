@@ -1,13 +1,14 @@
 """ModelNew for KernelBench L2 #62 and #75, and for any problem file (``model_new_for``).
 
-Each class takes its problem Model's constructor arguments and creates the same parameters, in
-the same order, with the same initialisers and names, so seeded construction gives identical
-weights and state_dicts load either way. Forward runs ``fused_linear``: one fused kernel on a
-CUDA float32 input, the PyTorch reference elsewhere. ``last_path`` records the path an eager
-call took (a compiled graph's calls leave it as it was: they hold the ``gemmfuse::`` op, whose
-chain a ``traced_specs_*`` function gives as constants); setting ``kernel`` to "portable" or
-"hopper" forces that fused kernel, and ``precision`` to "tf32" opts into the speed mode, the
-hi*hi product alone (see ``fused_linear``).
+Each class takes its problem Model's constructor arguments and creates the same parameters, in the
+same order, with the same initialisers and names, so seeded construction gives identical weights and
+state_dicts load either way. Forward runs ``fused_linear``: its fused path on a CUDA float32 input
+(on an H100 or H200 at KernelBench's sizes the split GEMM, then the chain in a kernel of its own:
+``dispatch.chain_apart``), the PyTorch reference elsewhere. ``last_path`` records the path an eager
+call took (a compiled graph's calls leave it as it was: they hold the ``gemmfuse::`` op, whose chain
+a ``traced_specs_*`` function gives as constants); setting ``kernel`` to "portable" or "hopper"
+forces that fused kernel (the chain in its epilogue), and ``precision`` to "tf32" opts into the
+speed mode, the hi*hi product alone (see ``fused_linear``).
 
 ``gemmfuse export`` copies these classes (renamed ``ModelNew``) into standalone files, so they
 use only torch and names from the standalone-safe modules.

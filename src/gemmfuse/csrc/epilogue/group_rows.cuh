@@ -275,8 +275,10 @@ cudaError_t launch_group_rows(const FusedArgs& args, cudaStream_t stream) {
         return launch_group_rows_for<Epi, 8>(args, stream);
       case 16:
         return launch_group_rows_for<Epi, 16>(args, stream);
-      case 32:
-        return launch_group_rows_for<Epi, 32>(args, stream);
+      case 32:  // 16-bit only (group_rows_serves): not compiled for a float32 z
+        if constexpr (Epi::kModelDtype != kFloat32Model)
+          return launch_group_rows_for<Epi, 32>(args, stream);
+        return cudaErrorInvalidValue;
       default:
         return cudaErrorInvalidValue;
     }

@@ -10,9 +10,11 @@
 //   into args.row_out. Merges and reductions run in a fixed order. A block takes a
 //   kFinalizeChunk-column piece of a row, or (when the chain reduces) the whole row.
 // - The epilogue path: PyTorch's own GEMM left x @ W^T + b in args.out (or, a 16-bit model's,
-//   in args.epilogue_in16), and tile_epilogue_kernel applies the whole chain to it (float32
-//   problems too small for the fused GEMM to pay off: one or two launches after the GEMM
-//   instead of one per op; 16-bit chains that norm or reduce in tiles at every size above them).
+//   in args.epilogue_in16), or the split GEMM left it there for a chain run apart
+//   (dispatch.chain_apart: large float32 calls on sm_90), and tile_epilogue_kernel (or
+//   group_rows_kernel, group_rows.cuh) applies the whole chain to it (float32 problems too
+//   small for the fused GEMM to pay off: one or two launches after the GEMM instead of one per
+//   op; 16-bit chains that norm or reduce in tiles at every size above them).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -302,10 +304,10 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
 // these tiles. At 1024 x 8192 (torch.profiler, 20 calls, same
 // machine): bf16 #62 30.4 -> 24.5 us, fp16 #62 32.6 -> 24.5, bf16 #75 26.7 -> 21.0, fp16 #75
 // 33.6 -> 20.1. The float32 instance is as it was (minimum blocks 0: no bound; same SASS).
-// Since 2026-11-27 most 16-bit calls whose GroupNorm groups are 8, 16 or 32 channels take
-// group_rows_kernel (group_rows.cuh: no shared-memory tile; bf16 #62's chain 24.1-24.4 us here
-// against 16.3 there, #75's 21.0-21.2 against 15.6, timed in separate calls); this kernel
-// serves the rest: other group sizes, no norm, and what group_rows_serves refuses (unaligned z
+// Since 2026-11-27 most 16-bit calls whose GroupNorm groups are 8, 16 or 32 channels, and
+// float32 ones whose groups are 8 or 16, take group_rows_kernel (group_rows.cuh: no
+// shared-memory tile; bf16 #62's chain 24.1-24.4 us here against 16.3 there, #75's 21.0-21.2
+// against 15.6, timed in separate calls; float32 figures there); this kernel serves the rest: other group sizes, no norm, and what group_rows_serves refuses (unaligned z
 // or norm weights, a max pooling, a reduction over more than kGroupRowsMaxGroups groups).
 template <class Epi>
 constexpr int kEpilogueRows = Epi::kModelDtype == kFloat32Model ? kTile : kEpilogueRows16;
