@@ -119,16 +119,20 @@ def test_chain_matches_eager(dtype, reduce, group_size, m, n):
         )
 
 
-@NOT_HOPPER
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.bfloat16, marks=NOT_HOPPER), pytest.param(torch.float32, marks=NO_SM80)],
+)
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("reduce", [None, "min"])
 @pytest.mark.parametrize("group_size", [4, 8, 16, 32, 64])
-def test_register_groups_take_the_kernel(group_size, reduce, affine):
-    """Groups of 8, 16 and 32 run group_rows_kernel, other sizes the tile kernel, with or
-    without the norm's affine part, at KernelBench's width (N = 8192, 1024 rows); a bf16
-    chain's output is eager's to the bit either way."""
+def test_register_groups_take_the_kernel(group_size, reduce, affine, dtype):
+    """Groups of 8, 16 and 32 of a bf16 z, 8 and 16 of a float32 one, run group_rows_kernel,
+    other sizes the tile kernel, with or without the norm's affine part, at KernelBench's width
+    (N = 8192, 1024 rows); a bf16 chain's output is eager's to the bit either way, a float32
+    one's allclose(1e-4) to eager's."""
     epilogue, x, linear, norm, params = _case(
-        torch.bfloat16, 1024, 1024, 8192, group_size, reduce, affine, seed=group_size
+        dtype, 1024, 1024, 8192, group_size, reduce, affine, seed=group_size
     )
     with torch.no_grad():
         eager = _eager(epilogue, x, linear, norm, params)
@@ -139,9 +143,12 @@ def test_register_groups_take_the_kernel(group_size, reduce, affine):
     assert path == "epilogue"
     ran_rows = any("group_rows_kernel" in name for name in names)
     ran_tiles = any("tile_epilogue_kernel" in name for name in names)
-    assert (ran_rows, ran_tiles) == (group_size in REGISTER_GROUPS,
-                                     group_size not in REGISTER_GROUPS), sorted(names)  # fmt: skip
-    assert torch.equal(got, eager)
+    rows = group_size in (FP32_REGISTER_GROUPS if dtype == torch.float32 else REGISTER_GROUPS)
+    assert (ran_rows, ran_tiles) == (rows, not rows), sorted(names)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, eager)
+    else:
+        torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
 
 
 def _float64_and_ops_alone(epilogue, x, linear, norm, params):
@@ -176,28 +183,6 @@ def test_float32_chain_matches_eager(reduce, group_size, m, n, affine):
     assert not got.isnan().any(), label
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4, msg=lambda s: f"{label}\n{s}")
     assert err <= float64_bar(eager_err, max_abs_err(ops_alone, exact), exact), label
-
-
-@NO_SM80
-@pytest.mark.parametrize("reduce", [None, "min"])
-@pytest.mark.parametrize("group_size", [4, 8, 16, 32, 64])
-def test_float32_register_groups_take_the_kernel(group_size, reduce):
-    """A float32 z's groups of 8 and 16 run group_rows_kernel, other sizes the tile kernel, at
-    KernelBench's width (N = 8192, 1024 rows)."""
-    epilogue, x, linear, norm, params = _case(
-        torch.float32, 1024, 1024, 8192, group_size, reduce, seed=group_size
-    )
-    with torch.no_grad():
-        eager = _eager(epilogue, x, linear, norm, params)
-        out = []
-        names = kernel_names(lambda: out.append(_run(epilogue, x, linear, norm, params)))
-    got, path = out[0]
-    assert path == "epilogue"
-    ran_rows = any("group_rows_kernel" in name for name in names)
-    ran_tiles = any("tile_epilogue_kernel" in name for name in names)
-    rows = group_size in FP32_REGISTER_GROUPS
-    assert (ran_rows, ran_tiles) == (rows, not rows), sorted(names)
-    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
 
 
 @NO_SM80
