@@ -59,7 +59,9 @@ MIN_FUSED_K = 1024
 # 8192 0.87-0.90x; K = 1024 or M * N = 2^22: 0.97-1.18x; tf32's single product 1.12-1.14x (so
 # it keeps the fused kernel). KernelBench's method on an H100 that day: #62 0.655 and 0.695 ms
 # against 0.734 and 0.732, #75 0.671 and 0.691 against 0.715 and 0.720 (before the float32
-# group_rows_kernel took the chain kernel from 55 to 34 us).
+# group_rows_kernel took the chain kernel from 55 to 34 us). Under no_grad, where the fused
+# kernel stores no z, #62's light chain ran apart up to 4.7% slower on that H100 (the sweep of
+# docs/PERFORMANCE.md): the rule weighs neither autograd nor the chain's cost.
 CHAIN_APART_MIN_OUTPUTS = 2**23
 CHAIN_APART_MIN_K = 4096
 GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/abi/fused_args.h
