@@ -89,12 +89,14 @@ def test_a_plan_runs_the_chain_apart_where_dispatch_says(fake_ext, m, k, precisi
 def test_chain_apart_needs_sm90_float32_and_a_chain(monkeypatch):
     x, chain = torch.randn(1024, 8192), Epilogue(pre=(Pointwise("relu"),))
     monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
-    assert gemmfuse.dispatch.chain_apart(chain, x, 8192, "auto", "fp32")
-    assert not gemmfuse.dispatch.chain_apart(chain, x.double(), 8192, "auto", "fp32")
+    apart = gemmfuse.dispatch.chain_apart
+    assert apart("fused", chain, x, 8192, "auto", "fp32")
+    assert not apart("epilogue", chain, x, 8192, "auto", "fp32")
+    assert not apart("fused", chain, x.double(), 8192, "auto", "fp32")
     # a plain GEMM (a BatchNorm1d's head in training, say): its z is its output already
-    assert not gemmfuse.dispatch.chain_apart(Epilogue(), x, 8192, "auto", "fp32")
+    assert not apart("fused", Epilogue(), x, 8192, "auto", "fp32")
     monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (8, 0))
-    assert not gemmfuse.dispatch.chain_apart(chain, x, 8192, "auto", "fp32")
+    assert not apart("fused", chain, x, 8192, "auto", "fp32")
 
 
 def test_plans_are_kept_most_recent_first_and_bounded(fake_ext):

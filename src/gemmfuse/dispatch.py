@@ -211,18 +211,23 @@ def _model16_problem(x, kernel: str) -> str:
     return ""
 
 
-def chain_apart(epilogue: Epilogue, x, n: int, kernel: str, precision: str) -> bool:
-    """Whether a fused-path call of a chain on float32 x with n output channels runs as the split
-    GEMM storing z, then the chain kernel on z, rather than the chain in the GEMM's epilogue:
-    under kernel="auto", precision="fp32", on sm_90, from CHAIN_APART_MIN_OUTPUTS and
-    CHAIN_APART_MIN_K, for a chain that does something (kernel="hopper" keeps the chain in the
-    fused kernel; a plain GEMM's z is its output)."""
+_PLAIN_GEMM = Epilogue()  # no chain: its z is its output
+
+
+def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision: str) -> bool:
+    """Whether a call that took ``path`` runs a chain on float32 x with n output channels as the
+    split GEMM storing z, then the chain kernel on z, rather than the chain in the GEMM's
+    epilogue: the fused path under kernel="auto", precision="fp32", on sm_90, from
+    CHAIN_APART_MIN_OUTPUTS and CHAIN_APART_MIN_K, for a chain that does something
+    (kernel="hopper" keeps the chain in the fused kernel). ops.launch_path runs it, and
+    plan.keep_plan keeps it in the call's plan."""
     m, k = x.shape
     return (
-        kernel == "auto" and precision == "fp32" and x.dtype == torch.float32
-        and epilogue.structure != Epilogue()
+        path == "fused" and kernel == "auto" and precision == "fp32"
+        and x.dtype == torch.float32
         and m * n >= CHAIN_APART_MIN_OUTPUTS and k >= CHAIN_APART_MIN_K
         and _capability(x.device.index) == (9, 0)
+        and epilogue.structure != _PLAIN_GEMM
     )  # fmt: skip
 
 
@@ -276,7 +281,7 @@ def model16_in_tiles(epilogue: Epilogue, n: int) -> bool:
     overlapped with its mainloop: at #62's size (H100, 2026-11-26, torch.profiler, commit
     6d92f8d) the bf16 GEMM took 169 us and the chain kernel 36 us, 205 us in all against the
     fused kernel's 224 (231 saving z); fp16 216 against 228 (the bf16 chain kernel: 24.3 us since
-    edb0080, 16.3 us since 2d7d717, docs/DESIGN.md section 3). A bf16 chain there normalises with
+    edb0080, 16.3 us since 2d7d717, docs/DESIGN.md section 2). A bf16 chain there normalises with
     eager bf16's statistics and gives eager's output to the bit."""
     norm = epilogue.norm
     if norm is None and epilogue.reduce is None:

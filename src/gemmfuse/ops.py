@@ -90,7 +90,7 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     chain = chain_arguments(epilogue, params, m, n)
     vectors, _, group_size, eps, norm_wide = chain
     model16 = x.dtype in MODEL16
-    apart = path == "fused" and chain_apart(epilogue, x, n, kernel, precision)
+    apart = chain_apart(path, epilogue, x, n, kernel, precision)
     # the epilogue path's z is a copy of F.linear's, a chain apart's the split GEMM's output
     fused_z = save_z and path == "fused" and not apart
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
@@ -106,21 +106,21 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
         w = weight if weight.is_contiguous() else weight.contiguous()
         bias32 = cache.float32(bias, "bias")
         out = ext.fused_forward_16bit(x, w, bias32, gn_weight, gn_bias, *chain, z)
-    elif apart:  # the split GEMM stores z, then the chain kernel on it (in place unless kept)
+    else:  # the split GEMM
         splits = cache.get(ext, weight, split_padded(weight.shape[1]))
-        y = extension_for(Epilogue()).fused_forward(
-            x, *splits, cache.float32(bias, "bias"), None, None, [], [], 1, 0.0,
-            FUSED_KERNELS[kernel], PRECISIONS[precision], False, None,
-        )  # fmt: skip
-        z = y if save_z else None
-        out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z)
-    else:
-        w_hi, w_lo, w_inv = cache.get(ext, weight, split_padded(weight.shape[1]))
-        out = ext.fused_forward(
-            x, w_hi, w_lo, w_inv, cache.float32(bias, "bias"), gn_weight, gn_bias, vectors,
-            epilogue.scalars, group_size, eps, FUSED_KERNELS[kernel], PRECISIONS[precision],
-            norm_wide, z,
-        )  # fmt: skip
+        bias32 = cache.float32(bias, "bias")
+        kernel_code, split = FUSED_KERNELS[kernel], PRECISIONS[precision]
+        if apart:  # z stored by the plain GEMM, then the chain kernel on it (in place unless kept)
+            y = extension_for(Epilogue()).fused_forward(
+                x, *splits, bias32, None, None, [], [], 1, 0.0, kernel_code, split, False, None
+            )
+            z = y if save_z else None
+            out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z)
+        else:
+            out = ext.fused_forward(
+                x, *splits, bias32, gn_weight, gn_bias, vectors, epilogue.scalars, group_size,
+                eps, kernel_code, split, norm_wide, z,
+            )  # fmt: skip
     if epilogue.reduce is not None and epilogue.reduce.keepdim:
         out = out.view(m, 1)
     return out, z

@@ -104,8 +104,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     if grad and wants_operand_grad:
         return  # an (M, N) operand's gradient: PyTorch's backward of the chain gives it
     sparse, split_dx, split_dw = backward_products(path, x, weight, kernel, epilogue)
-    model16 = x.dtype in MODEL16
-    apart = path == "fused" and chain_apart(epilogue, x, n, kernel, precision)
+    apart = chain_apart(path, epilogue, x, n, kernel, precision)
     # The plain GEMM's library runs a chain apart's GEMM and the split products: loaded only
     # where the forward or a backward wants it
     plain = extension_for(Epilogue()).table if apart or (grad and (split_dx or split_dw)) else 0
@@ -113,7 +112,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     group_size, eps, norm_wide = norm_settings(epilogue, n)
     plan = ext.host.Plan(
         cache.native(ext), epilogue, kernel, precision, every,
-        table=ext.table, plain_table=plain, model16=model16,
+        table=ext.table, plain_table=plain, model16=x.dtype in MODEL16,
         kernel_code=FUSED_KERNELS.get(kernel, 0), split=PRECISIONS[precision],
         scalars=list(epilogue.scalars), group_size=group_size, eps=eps, norm_wide=norm_wide,
         keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,

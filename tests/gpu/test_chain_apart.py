@@ -55,7 +55,7 @@ def test_pool_chain_apart_holds_the_float64_bar(index, groups):
     seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data every run; printed on failure
     epilogue, x, w, b, gn, params = case(index, groups, seed)
     label = f"{POOL[index].describe()} | groups {groups} | seed {seed}"
-    assert chain_apart(epilogue, x, N, "auto", "fp32"), label
+    assert chain_apart("fused", epilogue, x, N, "auto", "fp32"), label
     with torch.no_grad():
         eager, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
         poison_allocator(8 * M * N, CUDA)

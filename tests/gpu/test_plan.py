@@ -160,7 +160,8 @@ def test_planned_chain_apart_is_the_python_path_bit_for_bit(name, monkeypatch):
     """kernel="auto" at sizes where the chain runs apart (dispatch.chain_apart: the plain GEMM's
     table, then the chain kernel), planned and in Python."""
     case = Case(name, m=1024, k=4096, n=8192, seed=hash(("apart", name)) % 1000)
-    assert case.cache.plans == [] and chain_apart(case.epilogue, case.x, 8192, "auto", "fp32")
+    assert not case.cache.plans
+    assert chain_apart("fused", case.epilogue, case.x, 8192, "auto", "fp32")
     check_planned_call(case, "fp32", "auto", counting_validate(monkeypatch))
     assert all(plan.path == "fused" for plan in case.cache.plans)
     decided = counting_validate(monkeypatch)

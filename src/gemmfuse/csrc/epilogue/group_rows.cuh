@@ -8,11 +8,12 @@
 // (dispatch.chain_apart: the split GEMM stores z, this kernel normalises it in place) and of the
 // float32 epilogue path. At 1024 x 8192 (torch.profiler, median of 10 launches on a given z in
 // place, L2 cleared before each, H100, two rounds alternating with the tile kernel's tree):
-// #62's chain 50.7-53.2 -> 26.4-26.7 us (groups of 8), 50.7-51.3 -> 34.2-34.5 (16); #75's
-// 41.0-41.1 -> 31.7-31.8 (8), 37.8-37.9 -> 29.6-30.0 (16). Groups of 32 take 160 registers
+// #62's chain 52.4-53.2 -> 26.4-26.7 us (groups of 8), 50.7-51.3 -> 34.2-34.3 (16); #75's
+// 41.0-41.1 -> 31.7-31.8 (8), 37.8-37.9 -> 29.6-29.7 (16). Groups of 32 take 160 registers
 // (one block an SM): 53.6-53.7 against 54.9-55.5 (#62), 39.9-40.3 against 36.2 (#75), so the
 // tile kernel keeps them. Groups of 16 are held to 64 registers (four blocks an SM; 72
-// unbounded, three): 34.2-34.5 against 37.9-38.0 (#62), 29.6-30.0 against 36.7-36.9 (#75).
+// unbounded, three): 34.2-34.3 against 37.9-38.0 (#62), 29.6-29.7 against 36.7-36.9 (#75), in
+// a call of their own (docs/DESIGN.md section 4).
 //
 // Why: after PyTorch's 16-bit GEMM (169-178 us at #62's 1024 x 8192 x 8192) the chain kernel is
 // all that stands between the model and its floor. At that size (torch.profiler, median of 10

@@ -307,8 +307,9 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
 // Since 2026-11-27 most 16-bit calls whose GroupNorm groups are 8, 16 or 32 channels, and
 // float32 ones whose groups are 8 or 16, take group_rows_kernel (group_rows.cuh: no
 // shared-memory tile; bf16 #62's chain 24.1-24.4 us here against 16.3 there, #75's 21.0-21.2
-// against 15.6, timed in separate calls; float32 figures there); this kernel serves the rest: other group sizes, no norm, and what group_rows_serves refuses (unaligned z
-// or norm weights, a max pooling, a reduction over more than kGroupRowsMaxGroups groups).
+// against 15.6, timed in separate calls; float32 figures there); this kernel serves the rest:
+// other group sizes, no norm, and what group_rows_serves refuses (unaligned z or norm weights,
+// a max pooling, a reduction over more than kGroupRowsMaxGroups groups).
 template <class Epi>
 constexpr int kEpilogueRows = Epi::kModelDtype == kFloat32Model ? kTile : kEpilogueRows16;
 
