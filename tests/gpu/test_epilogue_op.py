@@ -12,14 +12,15 @@ import torch.nn.functional as F
 from test_epilogue_op import CHAIN
 
 from gemmfuse import FallbackWarning, fused_epilogue_with_path, optimize
-from gemmfuse.chains import value_chains
+from gemmfuse.chains import layer_norm_chain, value_chains
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
 from gemmfuse.reference import apply_epilogue
-from helpers import max_abs_err, off_allclose, poison_allocator
+from helpers import kernel_names, max_abs_err, off_allclose, poison_allocator
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-CHAINS = [CHAIN, epilogue_62(8, 1e-5, True, 0.01), epilogue_75(8, 1e-5, True), *value_chains(8)]
+CHAINS = [CHAIN, epilogue_62(8, 1e-5, True, 0.01), epilogue_75(8, 1e-5, True), *value_chains(8),
+          layer_norm_chain(True, rms=True), layer_norm_chain(False)]  # fmt: skip
 
 
 def _tensors(epilogue, seed, m=300, n=512):
@@ -68,9 +69,13 @@ def test_kernel_matches_float64_as_eager_does(index):
 # (chain, M, N, z's offset in its storage): pointwise chains in fours, and one value at a time
 # (a width not a multiple of 4; rows off a 16-byte boundary); a GroupNorm within tiles, with
 # and without a reduction; groups wider than a tile in rows up to 2048 (one block a row) and
-# longer (tiles, then the finalize kernel).
+# longer (tiles, then the finalize kernel); groups of whole tiles in rows held in registers
+# (wide_rows_kernel: #62's chain, an RMSNorm and a LayerNorm over rows, CHAIN's logsumexp, a
+# chain reading values again), and off alignment (tiles and the finalize kernel again).
 LAYOUTS = [(4, 64, 512, 0), (3, 37, 301, 0), (4, 64, 512, 1), (1, 33, 1024, 0), (2, 64, 512, 1),
-           (0, 37, 302, 0), (0, 5, 4100, 2)]  # fmt: skip
+           (0, 37, 302, 0), (0, 5, 4100, 2), (2, 200, 4104, 1), (1, 300, 8192, 0),
+           (6, 300, 8192, 0), (7, 130, 2048, 0), (0, 128, 4096, 0), (5, 200, 4096, 0),
+           (1, 64, 4096, 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize("index, m, n, offset", LAYOUTS)
@@ -93,6 +98,31 @@ def test_kernel_leaves_its_input_as_it_was(index, m, n, offset):
     ulp = torch.finfo(torch.float32).eps * exact.abs().max().item()
     assert not got.isnan().any()
     assert max_abs_err(got, exact) <= 2 * max_abs_err(eager, exact) + ulp
+
+
+# (M, N, z's offset, the kernels the call launches) for #62's chain in 8 groups (wider than a
+# tile): groups of whole tiles in aligned rows of up to 8192 held in registers; groups that
+# straddle tiles in short rows one block a row; else tiles, then the finalize kernel.
+WIDE_KERNELS = [(5, 2048, 0, ["wide_rows_kernel"]), (300, 8192, 0, ["wide_rows_kernel"]),
+                (5, 2040, 0, ["row_epilogue_kernel"]),
+                (64, 4104, 0, ["tile_epilogue_kernel", "norm_finalize_kernel"]),
+                (64, 4096, 1, ["tile_epilogue_kernel", "norm_finalize_kernel"])]  # fmt: skip
+
+
+@pytest.mark.parametrize("m, n, offset, expected", WIDE_KERNELS)
+def test_wide_groups_kernels(m, n, offset, expected):
+    epilogue = CHAINS[1]
+    z, *rest = _tensors(epilogue, m, m, n)
+    storage = torch.empty(offset + m * n, device=CUDA)
+    z_view = storage[offset:].view(m, n)
+    z_view.copy_(z)
+
+    def call():
+        return fused_epilogue_with_path(z_view, epilogue, *rest[:2], params=rest[2:])
+
+    chain_kernels = [name for name in kernel_names(call) if "gemmfuse" in name]
+    launched = [next((k for k in expected if k in name), name) for name in chain_kernels]
+    assert launched == expected, chain_kernels
 
 
 class _Gemm41(nn.Module):

@@ -21,9 +21,11 @@
 
 #include "fused_args.h"
 #include "group_rows.cuh"
+#include "moments_merge.cuh"
 #include "row_reduce.cuh"
 #include "smem_limit.h"
 #include "tile_epilogue.cuh"
+#include "wide_rows.cuh"
 
 namespace gemmfuse {
 
@@ -31,71 +33,14 @@ constexpr int kFinalizeThreads = 256;
 constexpr int kFinalizeChunk = 1024;       // columns per step
 constexpr int kFinalizeGroups = kFinalizeChunk + 1;  // groups a chunk can meet (size 1 up)
 
-struct Moments {
-  float n, mean, mean_lo, m2;  // count, mean (mean + mean_lo), centred sum of squares
-};
-
-// Chan's merge, the mean kept as mean + mean_lo: the step d * wb is added with TwoSum, its
-// rounding (and that of d) go to mean_lo.
-__device__ __forceinline__ Moments merge_moments(Moments a, Moments b) {
-  if (b.n == 0.f) return a;
-  if (a.n == 0.f) return b;
-  const float n = a.n + b.n, wb = b.n / n;
-  float d_err, m_err;
-  const float d_hi = two_sum(b.mean, -a.mean, d_err);
-  const float d = d_hi + (d_err + (b.mean_lo - a.mean_lo));
-  const float step = d * wb;
-  const float mean = two_sum(a.mean, step, m_err);
-  const float step_err = isfinite(step) ? fmaf(d, wb, -step) : 0.f;
-  return {n, mean, a.mean_lo + (m_err + step_err), a.m2 + b.m2 + d * d * a.n * wb};
-}
-
-// Two runs' softmax statistics (segment_softmax's, in Moments' fields: mean the largest value,
-// m2 + mean_lo the sum of exp(v - max)) as one: each sum rescaled to the larger maximum, the
-// products' and the addition's rounding errors kept in mean_lo.
-__device__ __forceinline__ Moments merge_softmax(Moments a, Moments b) {
-  if (b.n == 0.f) return a;
-  if (a.n == 0.f) return b;
-  const float top = max_nan(a.mean, b.mean);
-  const float fa = expf(a.mean - top), fb = expf(b.mean - top);
-  const float pa = a.m2 * fa, pb = b.m2 * fb;
-  float err;
-  const float sum = two_sum(pa, pb, err);
-  const float lo = err + fmaf(a.m2, fa, -pa) + fmaf(b.m2, fb, -pb) +
-                   fmaf(a.mean_lo, fa, b.mean_lo * fb);
-  return {a.n + b.n, top, lo, sum};
-}
-
+// `src` holds pre(x @ W^T + b) for output row r (the row itself, or row_epilogue_kernel's copy
+// in shared memory) and `stats` its per-segment moments; columns [c_first, c_last) are finished
+// into `row` (or args.out16), or, when the chain reduces (then the whole row), reduced into
+// args.row_out.
 template <class Epi>
-__device__ __forceinline__ Moments merge_stats(Moments a, Moments b) {
-  if constexpr (Epi::kSoftmax)
-    return merge_softmax(a, b);
-  else
-    return merge_moments(a, b);
-}
-
-// The moments of group g from tiles t0, t0 + step, ... of its span (in tile order).
-template <class Epi>
-__device__ __forceinline__ Moments group_moments(const float4* stats, int g, int t0, int step,
-                                                 const FusedArgs& args) {
-  const int gs = args.group_size;
-  const int c_begin = g * gs, c_end = (g + 1) * gs;
-  Moments acc{0.f, 0.f, 0.f, 0.f};
-  for (int t = c_begin / kTile + t0; t <= (c_end - 1) / kTile; t += step) {
-    const int seg = g - (t * kTile) / gs;
-    const int n = min(c_end, (t + 1) * kTile) - max(c_begin, t * kTile);
-    const float4 s = stats[t * args.stats_per_tile + seg];
-    acc = merge_stats<Epi>(acc, {static_cast<float>(n), s.x, s.y, s.z});
-  }
-  return acc;
-}
-
-// `row` holds pre(x @ W^T + b) for output row r and `stats` its per-segment moments; columns
-// [c_first, c_last) are finished in place (or into args.out16), or, when the chain reduces
-// (then the whole row), reduced into args.row_out.
-template <class Epi>
-__device__ __forceinline__ void finish_row(const float4* stats, float* row, int r, int c_first,
-                                           int c_last, const FusedArgs& args) {
+__device__ __forceinline__ void finish_row(const float4* stats, const float* src, float* row,
+                                           int r, int c_first, int c_last,
+                                           const FusedArgs& args) {
   constexpr int kind = Epi::kReduce;
   constexpr int kGroupSlots = Epi::kNorm ? kFinalizeGroups : 1;
   __shared__ float s_mean[kGroupSlots], s_mean_lo[kGroupSlots], s_rstd[kGroupSlots];
@@ -112,16 +57,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
       const int groups = (c1 - 1) / gs - g0 + 1;
       if (warp_per_group) {
         for (int i = warp; i < groups; i += kFinalizeThreads / 32) {
-          Moments m = group_moments<Epi>(stats, g0 + i, lane, 32, args);
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) {
-            const Moments o{__shfl_xor_sync(0xffffffffu, m.n, off),
-                            __shfl_xor_sync(0xffffffffu, m.mean, off),
-                            __shfl_xor_sync(0xffffffffu, m.mean_lo, off),
-                            __shfl_xor_sync(0xffffffffu, m.m2, off)};
-            // Lower lanes' tiles come first: every lane merges in the same order.
-            m = (lane & off) ? merge_stats<Epi>(o, m) : merge_stats<Epi>(m, o);
-          }
+          const Moments m = group_moments_warp<Epi>(stats, g0 + i, lane, args);
           if (lane == 0) {
             s_mean[i] = m.mean;
             s_mean_lo[i] = m.mean_lo;
@@ -139,7 +75,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
       __syncthreads();
     }
     for (int c = c0 + tid; c < c1; c += kFinalizeThreads) {
-      float y = row[c];
+      float y = src[c];
       if constexpr (Epi::kNorm) {
         const int i = c / gs - g0;
         y = normalize<Epi>(y, s_mean[i], s_mean_lo[i], s_rstd[i], r, c, args);
@@ -157,17 +93,7 @@ __device__ __forceinline__ void finish_row(const float4* stats, float* row, int 
     if constexpr (Epi::kNorm) __syncthreads();  // the next chunk overwrites s_mean / s_rstd
   }
 
-  if constexpr (kind != 0) {
-    __shared__ RowAcc s_acc[kFinalizeThreads / 32];
-    acc = row_acc_warp<kind>(acc);
-    if (lane == 0) s_acc[warp] = acc;
-    __syncthreads();
-    if (tid == 0) {
-      RowAcc total = s_acc[0];
-      for (int w = 1; w < kFinalizeThreads / 32; ++w) total = row_acc_merge<kind>(total, s_acc[w]);
-      args.row_out[r] = row_acc_finish<kind>(total, N);
-    }
-  }
+  if constexpr (kind != 0) row_acc_block_store<kind, kFinalizeThreads>(acc, args.row_out + r, N);
 }
 
 template <class Epi>
@@ -178,8 +104,9 @@ __global__ void __launch_bounds__(kFinalizeThreads) norm_finalize_kernel(FusedAr
   // otherwise leave one latency-bound block per row).
   const int c_first = Epi::kReduce == 0 ? blockIdx.y * kFinalizeChunk : 0;
   const int c_last = Epi::kReduce == 0 ? min(args.N, c_first + kFinalizeChunk) : args.N;
-  finish_row<Epi>(args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile,
-                  args.out + static_cast<int64_t>(r) * args.N, r, c_first, c_last, args);
+  float* row = args.out + static_cast<int64_t>(r) * args.N;
+  finish_row<Epi>(args.norm_stats + static_cast<int64_t>(r) * n_tiles * args.stats_per_tile, row,
+                  row, r, c_first, c_last, args);
 }
 
 template <class Epi>
@@ -345,13 +272,48 @@ __global__ void __launch_bounds__(kFinalizeThreads, Epi::kModelDtype == kFloat32
 
 // Rows of at most kShortRow channels with groups wider than (or straddling) a tile are finished
 // in one launch: the epilogue path's row_epilogue_kernel, and the few-rows kernel's last block.
+// (Longer rows of groups in whole tiles take wide_rows_kernel; row_epilogue_kernel on rows of
+// 8192 was slower than the tile kernel and norm_finalize_kernel from 1024 rows up: #62's chain
+// 124 us against 90 at 1024 x 8192, H100, 2026-11-27.)
 constexpr int kShortRow = 2048;
 
-// The epilogue path for such rows: a block per row stages the whole row, computes the moments
-// of each (tile, group segment) of it as tile_epilogue's wide mode does, into shared memory in
-// norm_stats' layout, and finishes the row (finish_row). Where tile_epilogue_kernel and
+// The row's values, `pre` applied, into shared memory: four a 16-byte load (up to kBatch loads
+// in flight a thread) where the rows keep 16-byte alignment, else one at a time. Plain loads:
+// `in` may be args.out, which the block writes after staging.
+template <class Epi>
+__device__ __forceinline__ void stage_row(float* values, const float* in, int r,
+                                          const FusedArgs& args) {
+  constexpr int kBatch = 8;
+  const int N = args.N, tid = threadIdx.x;
+  auto value = [&](float z, int c) { return epilogue_input<Epi>(z, 1.f, r, c, args); };
+  if (N % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0) {
+    const float4* quads = reinterpret_cast<const float4*>(in);
+    for (int first = tid; first < N / 4; first += kFinalizeThreads * kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int q = first + b * kFinalizeThreads;
+        v[b] = q < N / 4 ? quads[q] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int c = (first + b * kFinalizeThreads) * 4;
+        if (c < N)
+          reinterpret_cast<float4*>(values)[c / 4] = make_float4(
+              value(v[b].x, c), value(v[b].y, c + 1), value(v[b].z, c + 2), value(v[b].w, c + 3));
+      }
+    }
+  } else {
+    for (int c = tid; c < N; c += kFinalizeThreads) values[c] = value(in[c], c);
+  }
+}
+
+// The epilogue path for such rows: a block per row stages the whole row in shared memory,
+// computes the moments of each (tile, group segment) of it as tile_epilogue's wide mode does,
+// into shared memory in norm_stats' layout, and finishes the row from shared memory
+// (finish_row): one read of z and one write of the result. Where tile_epilogue_kernel and
 // norm_finalize_kernel take two launches, each with its latency (M = 16, N = 1024 measured 5.8
-// and 5.0 us).
+// and 5.0 us), and move the pre-norm row through global memory twice more.
 template <class Epi>
 __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArgs args) {
   extern __shared__ float4 row_smem[];
@@ -359,14 +321,9 @@ __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArg
   const int tid = threadIdx.x, lane = tid % 32;
   const int n_tiles = (N + kTile - 1) / kTile;
   float4* stats = row_smem;                                            // [n_tiles, spt]
-  float* values = reinterpret_cast<float*>(row_smem + n_tiles * spt);  // [N]
-  float* row = args.out + static_cast<int64_t>(blockIdx.x) * N;
-  const float* in = epilogue_source(args) + static_cast<int64_t>(blockIdx.x) * N;
-  for (int c = tid; c < N; c += kFinalizeThreads) {
-    const float v = epilogue_input<Epi>(in[c], 1.f, static_cast<int>(blockIdx.x), c, args);
-    values[c] = v;
-    row[c] = v;  // finish_row reads the pre-norm values from the row (this block's own writes)
-  }
+  float* values = reinterpret_cast<float*>(row_smem + n_tiles * spt);  // [N], 16-byte aligned
+  const int64_t offset = static_cast<int64_t>(blockIdx.x) * N;
+  stage_row<Epi>(values, epilogue_source(args) + offset, blockIdx.x, args);
   __syncthreads();
   // Task: segment `seg` of tile t, a warp or a thread each (warp_per_task).
   const bool by_warp = warp_per_task(gs, n_tiles * spt, kFinalizeThreads);
@@ -381,7 +338,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) row_epilogue_kernel(FusedArg
     if (!by_warp || lane == 0) stats[task] = make_float4(m.mean, m.mean_lo, m.m2, 0.f);
   }
   __syncthreads();
-  finish_row<Epi>(stats, row, blockIdx.x, 0, N, args);
+  finish_row<Epi>(stats, values, args.out + offset, blockIdx.x, 0, N, args);
 }
 
 // The epilogue path of a chain with no norm and no reduction: each value on its own (`pre`, as
@@ -461,6 +418,7 @@ cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
       return cudaGetLastError();
     }
     if (group_rows_serves<Epi>(args)) return launch_group_rows<Epi>(args, stream);
+    if (wide_rows_serves<Epi>(args)) return launch_wide_rows<Epi>(args, stream);
     if (args.norm_wide && args.N <= kShortRow) {
       const int n_tiles = (args.N + kTile - 1) / kTile;
       const int smem = n_tiles * args.stats_per_tile * static_cast<int>(sizeof(float4)) +

@@ -90,4 +90,20 @@ __device__ __forceinline__ RowAcc row_acc_warp(RowAcc a) {
   return a;
 }
 
+// A block's accumulators as one (each warp by row_acc_warp, then the warps in order by thread
+// 0), the row's result stored at *out by thread 0.
+template <int kKind, int kThreads>
+__device__ __forceinline__ void row_acc_block_store(RowAcc acc, float* out, int n) {
+  __shared__ RowAcc s_acc[kThreads / 32];
+  const int tid = threadIdx.x;
+  acc = row_acc_warp<kKind>(acc);
+  if (tid % 32 == 0) s_acc[tid / 32] = acc;
+  __syncthreads();
+  if (tid == 0) {
+    RowAcc total = s_acc[0];
+    for (int w = 1; w < kThreads / 32; ++w) total = row_acc_merge<kKind>(total, s_acc[w]);
+    *out = row_acc_finish<kKind>(total, n);
+  }
+}
+
 }  // namespace gemmfuse

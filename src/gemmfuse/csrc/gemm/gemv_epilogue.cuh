@@ -182,9 +182,11 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   __syncthreads();
   if (!rows_last) return;
   __threadfence();
-  for (int m = 0; m < M; ++m)
+  for (int m = 0; m < M; ++m) {
+    float* row = args.out + static_cast<int64_t>(m) * N;
     finish_row<Epi>(args.norm_stats + static_cast<int64_t>(m) * gridDim.x * args.stats_per_tile,
-                    args.out + static_cast<int64_t>(m) * N, m, 0, N, args);
+                    row, row, m, 0, N, args);
+  }
   if (tid == 0) g.counter[gridDim.x] = 0;  // ready for the next launch
 }
 

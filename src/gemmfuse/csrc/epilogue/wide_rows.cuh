@@ -1,0 +1,162 @@
+// The epilogue path's kernel for a float32 GroupNorm (or LayerNorm, RMSNorm) whose groups are
+// whole 128-channel tiles, on rows of up to kWideRowMaxN channels: a block per row holds the
+// row in registers, four values a 16-byte load.
+//
+// Quad q of the row (channels 4q..4q+3) is thread q % 256's j-th, j = q / 256, so the 32 quads
+// of tile t are warp t % 8's j = t / 8: a warp holds whole tiles, a lane four channels of each.
+// A warp computes its tiles' moments as segment_moments_warp does (the tile's first value as
+// shift, compensated sums, merged by the same xor tree), its up to kWideRowQuads tiles side by
+// side; the block merges each group's tiles with Chan's formula in tile order
+// (group_moments_warp, as norm_finalize_kernel does), then normalises, applies the chain's
+// `post` ops and stores the row, or reduces it, from the registers. One read of z and one write:
+// the tile kernel and norm_finalize_kernel move the pre-norm row through global memory twice
+// more, and row_epilogue_kernel's row in shared memory left one row's work latency-bound.
+// At 1024 x 8192 (torch.profiler, median of 10, L2 cleared, H100, 2026-11-27): #62's chain in
+// one group 46 us against 90 for the tile and finalize kernels (124 for row_epilogue_kernel),
+// #75's 44 against 96; in 16 groups 48 against 87 and 48 against 97. At 16 rows #62's chain
+// takes 11.5 us against 10.2 (one block's latency a row); #75's 11.8 against 27.8.
+#pragma once
+#include <cstdint>
+
+#include "fused_args.h"
+#include "moments_merge.cuh"
+#include "row_reduce.cuh"
+#include "tile_epilogue.cuh"
+
+namespace gemmfuse {
+
+constexpr int kWideRowThreads = 256;
+constexpr int kWideRowQuads = 8;  // float4s a thread holds
+constexpr int kWideRowMaxN = kWideRowThreads * kWideRowQuads * 4;  // 8192 channels
+constexpr int kWideRowMaxTiles = kWideRowMaxN / kTile;
+constexpr int kWideRowWarps = kWideRowThreads / 32;
+static_assert(kTile == 128 && kTile / 4 == 32, "a warp's 32 quads are one tile");
+
+// Groups of whole tiles (so wider than or as wide as a tile) on a row that fits the registers,
+// the row's input and output and the GroupNorm's weight and bias 16-byte aligned (the channel
+// count, a multiple of the group size, keeps every row so); moments, not a softmax's statistics.
+template <class Epi>
+inline bool wide_rows_serves(const FusedArgs& args) {
+  if constexpr (Epi::kModelDtype != kFloat32Model || !Epi::kNorm || Epi::kSoftmax) {
+    return false;
+  } else {
+    const int gs = args.group_size;
+    return args.norm_wide && gs > 0 && gs % kTile == 0 && args.N % gs == 0 &&
+           args.N <= kWideRowMaxN && args.stats_per_tile <= 2 &&
+           reinterpret_cast<uintptr_t>(epilogue_source(args)) % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(args.out) % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(args.gn_weight) % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(args.gn_bias) % 16 == 0;
+  }
+}
+
+// The moments of the 128 values a warp holds (four a lane), as segment_moments_warp computes
+// them for a run of shared memory: shifted by the tile's first value, compensated sums merged
+// by warp_sum's xor tree.
+__device__ __forceinline__ SegmentMoments tile_moments_warp(const float4& v) {
+  const float shift = __shfl_sync(0xffffffffu, v.x, 0);
+  const float x[4] = {v.x, v.y, v.z, v.w};
+  float sum = 0.f, comp = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float err;
+    sum = two_sum(sum, x[i] - shift, err);
+    comp += err;
+  }
+  warp_sum(sum, comp);
+  float mean_lo;
+  const float mean = shifted_mean(shift, sum, comp, kTile, mean_lo);
+  float sq = 0.f;
+  comp = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float dj = (x[i] - mean) - mean_lo, p = dj * dj;
+    float err;
+    sq = two_sum(sq, p, err);
+    comp += err + fmaf(dj, dj, -p);
+  }
+  warp_sum(sq, comp);
+  return {mean, mean_lo, sq + comp};
+}
+
+template <class Epi>
+__global__ void __launch_bounds__(kWideRowThreads) wide_rows_kernel(FusedArgs args) {
+  __shared__ float4 stats[kWideRowMaxTiles * 2];  // [tile, segment] as norm_stats' layout
+  __shared__ float s_mean[kWideRowMaxTiles], s_mean_lo[kWideRowMaxTiles],
+      s_rstd[kWideRowMaxTiles];
+  const int N = args.N, gs = args.group_size, r = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int quads = N / 4, n_tiles = N / kTile;
+  const int64_t offset = static_cast<int64_t>(r) * N;
+  const float4* in = reinterpret_cast<const float4*>(epilogue_source(args) + offset);
+
+  float4 v[kWideRowQuads];
+#pragma unroll
+  for (int j = 0; j < kWideRowQuads; ++j) {
+    const int q = tid + j * kWideRowThreads;
+    v[j] = q < quads ? in[q] : make_float4(0.f, 0.f, 0.f, 0.f);  // plain: in may be args.out
+  }
+  auto pre = [&](float z, int c) { return epilogue_input<Epi>(z, 1.f, r, c, args); };
+#pragma unroll
+  for (int j = 0; j < kWideRowQuads; ++j) {
+    const int c = (tid + j * kWideRowThreads) * 4;
+    if (c < N)
+      v[j] = make_float4(pre(v[j].x, c), pre(v[j].y, c + 1), pre(v[j].z, c + 2),
+                         pre(v[j].w, c + 3));
+  }
+#pragma unroll
+  for (int j = 0; j < kWideRowQuads; ++j) {
+    const int t = warp + j * kWideRowWarps;  // the warp's j-th tile
+    if (t < n_tiles) {                       // uniform across the warp
+      const SegmentMoments m = tile_moments_warp(v[j]);
+      if (lane == 0) stats[t * args.stats_per_tile] = make_float4(m.mean, m.mean_lo, m.m2, 0.f);
+    }
+  }
+  __syncthreads();
+  for (int g = warp; g < N / gs; g += kWideRowWarps) {
+    const Moments m = group_moments_warp<Epi>(stats, g, lane, args);
+    if (lane == 0) {
+      s_mean[g] = m.mean;
+      s_mean_lo[g] = m.mean_lo;
+      s_rstd[g] = norm_rstd<Epi, true>(m.m2, m.mean, m.mean_lo, gs, args.eps);
+    }
+  }
+  __syncthreads();
+
+  constexpr int kind = Epi::kReduce;
+  RowAcc acc = row_acc_empty<kind == 0 ? 3 : kind>();
+  const bool affine = args.gn_weight != nullptr;
+  float4* out = reinterpret_cast<float4*>(args.out + offset);
+#pragma unroll
+  for (int j = 0; j < kWideRowQuads; ++j) {
+    const int q = tid + j * kWideRowThreads, c = q * 4;
+    if (q >= quads) continue;
+    const int g = c / gs;  // the quad's four channels share a group (gs % 4 == 0)
+    const float4 w = affine ? __ldg(reinterpret_cast<const float4*>(args.gn_weight) + q)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 b = affine ? __ldg(reinterpret_cast<const float4*>(args.gn_bias) + q)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+    auto norm = [&](float x, float wc, float bc, int col) {
+      return normalize<Epi>(x, s_mean[g], s_mean_lo[g], s_rstd[g], wc, bc, r, col, args);
+    };
+    const float4 y = make_float4(norm(v[j].x, w.x, b.x, c), norm(v[j].y, w.y, b.y, c + 1),
+                                 norm(v[j].z, w.z, b.z, c + 2), norm(v[j].w, w.w, b.w, c + 3));
+    if constexpr (kind == 0) {
+      out[q] = y;
+    } else {
+      row_acc_push<kind>(acc, y.x);
+      row_acc_push<kind>(acc, y.y);
+      row_acc_push<kind>(acc, y.z);
+      row_acc_push<kind>(acc, y.w);
+    }
+  }
+  if constexpr (kind != 0) row_acc_block_store<kind, kWideRowThreads>(acc, args.row_out + r, N);
+}
+
+template <class Epi>
+cudaError_t launch_wide_rows(const FusedArgs& args, cudaStream_t stream) {
+  wide_rows_kernel<Epi><<<args.M, kWideRowThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace gemmfuse
