@@ -97,6 +97,12 @@ def float64_bar(err_eager: float, op_floor: float, exact: torch.Tensor) -> float
     return err_eager + op_floor + ulp
 
 
+# The epilogue path's chain kernels (csrc/epilogue/: norm_finalize.cuh, group_rows.cuh,
+# wide_rows.cuh), as torch.profiler names them.
+CHAIN_KERNELS = ("tile_epilogue_kernel", "group_rows_kernel", "row_epilogue_kernel",
+                 "wide_rows_kernel", "pointwise_epilogue_kernel")  # fmt: skip
+
+
 def kernel_names(fn, *args) -> list[str]:
     """The names of the CUDA kernels ``fn(*args)`` launches (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -15,7 +15,7 @@ from gemmfuse import FallbackWarning, fused_epilogue_with_path, optimize
 from gemmfuse.chains import layer_norm_chain, value_chains
 from gemmfuse.kernelbench.models import epilogue_62, epilogue_75
 from gemmfuse.reference import apply_epilogue
-from helpers import kernel_names, max_abs_err, off_allclose, poison_allocator
+from helpers import CHAIN_KERNELS, kernel_names, max_abs_err, off_allclose, poison_allocator
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -100,18 +100,21 @@ def test_kernel_leaves_its_input_as_it_was(index, m, n, offset):
     assert max_abs_err(got, exact) <= 2 * max_abs_err(eager, exact) + ulp
 
 
-# (M, N, z's offset, the kernels the call launches) for #62's chain in 8 groups (wider than a
-# tile): groups of whole tiles in aligned rows of up to 8192 held in registers; groups that
+# (chain, M, N, z's offset, the kernels the call launches): groups of whole tiles in aligned rows
+# of up to 8192 held in registers (#62's and #75's chains in 8 groups, an RMSNorm, a LayerNorm
+# without affine, CHAIN's logsumexp in 2 groups, a chain reading values again); groups that
 # straddle tiles in short rows one block a row; else tiles, then the finalize kernel.
-WIDE_KERNELS = [(5, 2048, 0, ["wide_rows_kernel"]), (300, 8192, 0, ["wide_rows_kernel"]),
-                (5, 2040, 0, ["row_epilogue_kernel"]),
-                (64, 4104, 0, ["tile_epilogue_kernel", "norm_finalize_kernel"]),
-                (64, 4096, 1, ["tile_epilogue_kernel", "norm_finalize_kernel"])]  # fmt: skip
+WIDE_KERNELS = [(1, 5, 2048, 0, ["wide_rows_kernel"]), (1, 300, 8192, 0, ["wide_rows_kernel"]),
+                (2, 64, 4096, 0, ["wide_rows_kernel"]), (6, 64, 4096, 0, ["wide_rows_kernel"]),
+                (7, 64, 4096, 0, ["wide_rows_kernel"]), (0, 64, 4096, 0, ["wide_rows_kernel"]),
+                (5, 64, 4096, 0, ["wide_rows_kernel"]), (1, 5, 2040, 0, ["row_epilogue_kernel"]),
+                (1, 64, 4104, 0, ["tile_epilogue_kernel", "norm_finalize_kernel"]),
+                (1, 64, 4096, 1, ["tile_epilogue_kernel", "norm_finalize_kernel"])]  # fmt: skip
 
 
-@pytest.mark.parametrize("m, n, offset, expected", WIDE_KERNELS)
-def test_wide_groups_kernels(m, n, offset, expected):
-    epilogue = CHAINS[1]
+@pytest.mark.parametrize("index, m, n, offset, expected", WIDE_KERNELS)
+def test_wide_groups_kernels(index, m, n, offset, expected):
+    epilogue = CHAINS[index]
     z, *rest = _tensors(epilogue, m, m, n)
     storage = torch.empty(offset + m * n, device=CUDA)
     z_view = storage[offset:].view(m, n)
@@ -120,9 +123,26 @@ def test_wide_groups_kernels(m, n, offset, expected):
     def call():
         return fused_epilogue_with_path(z_view, epilogue, *rest[:2], params=rest[2:])
 
-    chain_kernels = [name for name in kernel_names(call) if "gemmfuse" in name]
-    launched = [next((k for k in expected if k in name), name) for name in chain_kernels]
-    assert launched == expected, chain_kernels
+    names = kernel_names(call)
+    kinds = (*CHAIN_KERNELS, "norm_finalize_kernel")
+    assert [k for name in names for k in kinds if k in name] == expected, names
+
+
+@pytest.mark.parametrize("index", [1, 6])
+def test_wide_groups_of_values_far_from_zero(index):
+    """Rows of 1000 + noise in groups of whole tiles (wide_rows_kernel): the moments' shift and
+    compensated sums keep the float64 bar where a plain E[x^2] - E[x]^2 would not."""
+    epilogue = CHAINS[index]
+    z, *rest = _tensors(epilogue, 7, 64, 4096)
+    z = z + 1000.0
+    got, path = fused_epilogue_with_path(z, epilogue, *rest[:2], params=rest[2:])
+    assert path == "epilogue"
+    eager = apply_epilogue(z, epilogue, *rest[:2], rest[2:])
+    doubles = [None if t is None else t.double() for t in rest]
+    exact = apply_epilogue(z.double(), epilogue, *doubles[:2], doubles[2:])
+    ulp = torch.finfo(torch.float32).eps * exact.abs().max().item()
+    assert not got.isnan().any()
+    assert max_abs_err(got, exact) <= 2 * max_abs_err(eager, exact) + ulp
 
 
 class _Gemm41(nn.Module):
