@@ -2,8 +2,12 @@
 
 Usage: python scripts/performance_doc.py BENCH_JSON [--date YYYY-MM-DD] [--stale TEXT]
 [--kernelbench KB_JSON --kernelbench-commit C ...] [--mlp-block JSON --mlp-block-commit C]
-[--floors JSON [--roofline PNG]]
+[--floors JSON [--roofline PNG]] [--sweep-json JSON] [--chains-json JSON] [--later-date YYYY-MM-DD]
 (--stale: what has changed since the measured commit that these figures do not show;
+--sweep-json / --chains-json: the shape sweep's or the random chains' table from a later run of
+its own (.devwork-style scripts calling bench.run_sweep / bench.run_chains and writing the bench
+JSON's meta with "sweep" or "chains"), shown under that run's GPU, commit and --later-date in
+place of BENCH_JSON's;
 --kernelbench, repeatable: scripts/kernelbench_files.py's --json, a table of exported problem
 files judged in KernelBench's method, each with the commit it measured; --mlp-block:
 scripts/mlp_block.py's --json; --floors: scripts/problem_floors.py's --json, for the section
@@ -43,6 +47,18 @@ def _problem_table(kb: dict, commit: str) -> str:
     source = f" {kb['source']}" if kb.get("source") else ""
     return (f"GPU: {kb['gpu']}; torch {kb['torch']}; commit {commit}; method: {kb['method']}."
             f"{source}\n\n{format_problem_rows(kb['rows'])}")  # fmt: skip
+
+
+def _table(path: str | None, date: str | None, data: dict, key: str) -> tuple[list, str]:
+    """A table's rows, from the later run at ``path`` (with a line naming that run) or from the
+    main benchmark's JSON (no line: the page's header names its run)."""
+    if not path:
+        return data.get(key, []), ""
+    later = json.loads(Path(path).read_text())
+    line = (f"Measured in a later run than the tables above: GPU {later['gpu']}; torch "
+            f"{later['torch']} (CUDA {later['cuda']}); commit {later['commit']}; {date}; "
+            f"method: {later['method']}.\n\n")  # fmt: skip
+    return later[key], line
 
 
 def _floor_section(args, data: dict) -> str:
@@ -99,7 +115,12 @@ def main() -> None:
     parser.add_argument("--mlp-block-commit", default="", help="the commit it measured")
     parser.add_argument("--floors", help="scripts/problem_floors.py --json output")
     parser.add_argument("--roofline", type=Path, help="where to draw the roofline plot (PNG)")
+    parser.add_argument("--sweep-json", help="the shape sweep from a later run")
+    parser.add_argument("--chains-json", help="the random-chain table from a later run")
+    parser.add_argument("--later-date", help="when the --sweep-json / --chains-json run ran")
     args = parser.parse_args()
+    if (args.sweep_json or args.chains_json) and not args.later_date:
+        parser.error("--sweep-json and --chains-json need --later-date")
     if args.roofline and not args.floors:
         parser.error("--roofline draws the floors: give --floors too")
     if len(args.kernelbench_commit) != len(args.kernelbench):
@@ -121,8 +142,8 @@ def main() -> None:
     data = json.loads(Path(args.bench_json).read_text())
     results = [Result(**r) for r in data["results"]]
     modes = [ModeResult(**m) for m in data.get("modes", [])]
-    sweep = data.get("sweep", [])
-    chains = data.get("chains", [])
+    sweep, sweep_run = _table(args.sweep_json, args.later_date, data, "sweep")
+    chains, chains_run = _table(args.chains_json, args.later_date, data, "chains")
     structures = len({row["chain"] for row in chains})  # the pool's chains
     harness = data.get("harness", [])
     trials = data.get("harness_trials", 0)
@@ -239,21 +260,26 @@ iteration times eager, then each gemmfuse call, each after its own L2 flush), so
 the machine weighs on all four alike; it also means a gemmfuse call runs right after eager's SIMT
 GEMM, at whatever clock that left (the main table times each model's calls in a block, as
 KernelBench does: interleaved there, #62 measured 0.786 ms against 0.651 ms, commit f761df4). Group
-size 512 straddles the 128-channel tiles: those rows take the cross-tile statistics (a second pass,
-except on the epilogue path's rows of up to 2048 channels: one launch).
+size 512 spans several 128-channel tiles: those rows take the cross-tile statistics, a second pass
+after the fused kernel, one launch on the epilogue path and after the split GEMM of a chain run
+apart (since 8263735 `wide_rows_kernel`: a float32 row of up to 8192 channels held in registers by
+one block).
 
-{format_sweep(sweep) if sweep else "(not run)"}
+{sweep_run}{format_sweep(sweep) if sweep else "(not run)"}
 
 ## Random chains from the epilogue grammar
 
 Each chain of `gemmfuse.chains.chain_pool()` ({structures} structures covering every pointwise op
 and reduction), with argument values drawn once, at M=1024, K=N=8192, input `torch.randn`, with
-{", ".join(str(g) for g in CHAIN_GROUPS)} GroupNorm groups (group sizes 8192 and 512 straddle the
-128-channel tiles and take the cross-tile statistics; 16 fits a tile). "fp32 ops alone" is the
+{", ".join(str(g) for g in CHAIN_GROUPS)} GroupNorm groups (group sizes 8192 and 512 span several
+128-channel tiles and take the cross-tile statistics, since 8263735 on `wide_rows_kernel` after the
+split GEMM; 16 fits a tile). Eager's (and the references') `minimum` and `maximum` of a float take
+it as a 0-dim tensor made by a fill kernel since 8263735 (before, a copy from host memory that
+waited for the stream to drain). "fp32 ops alone" is the
 error of eager's fp32 ops run on the float64 GEMM result rounded to fp32: the part of any fp32
 evaluation's error that does not come from the GEMM.
 
-{format_chains(chains) if chains else "(not run)"}
+{chains_run}{format_chains(chains) if chains else "(not run)"}
 """
     )
     print(f"wrote {DOC}")

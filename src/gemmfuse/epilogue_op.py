@@ -1,9 +1,9 @@
 """``fused_epilogue``: a chain on an (M, N) tensor computed elsewhere, in one CUDA kernel.
 
 The kernel is the one ``fused_linear``'s epilogue path runs after PyTorch's GEMM
-(csrc/epilogue/norm_finalize.cuh; a GroupNorm wider than a 128-channel tile adds its second
-sweep), here
-on a tensor the caller gives: a chain after an op that is not a Linear, or the rest of a chain
+(csrc/epilogue/norm_finalize.cuh says which; a GroupNorm wider than a 128-channel tile on a
+row the one-launch kernels do not hold adds a second sweep), here on a tensor the caller gives:
+a chain after an op that is not a Linear, or the rest of a chain
 that needs the whole (M, N) value first (a BatchNorm1d in training mode: its batch statistics,
 then the normalisation and what follows, modules.py). Paths:
 

@@ -23,7 +23,9 @@ Paths, in the order they are tried:
     where eager makes one per op. At up to ``GEMV_MAX_ROWS`` rows (K a multiple of 4, 16-byte
     aligned rows) one kernel does both (csrc/gemm/gemv_epilogue.cuh): a matrix-vector product
     with compensated sums, at least as accurate as PyTorch's, then the chain. Groups wider than
-    a 128-channel tile add the second kernel. ``kernel="auto"`` takes this path for float32
+    a 128-channel tile take one kernel a row where it holds the row (float32 groups of whole
+    tiles on aligned rows of up to 8192 channels, csrc/epilogue/wide_rows.cuh; other groups on
+    rows of up to 2048), else add a second kernel. ``kernel="auto"`` takes this path for float32
     problems below the fused kernel's size thresholds (``fused_pays``: small or few-row
     problems, where the fused kernel's fixed cost and idle tile rows cost more than its tensor
     cores save, and K < 1024, where the split GEMM's error is not reliably below eager's);

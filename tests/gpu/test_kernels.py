@@ -259,7 +259,9 @@ def test_epilogue_path_few_rows(number, m, k, n, groups):
     GEMM and the tile kernel. Either way: allclose to eager and within the float64 bar. Groups
     of 16 fit a tile (normalised in registers), groups of 64 too (a warp per group); groups of
     320 straddle tiles on a short row (finished in the same launch: the row kernel, or the
-    matrix-vector kernel's last block); groups of 2048 on rows of 4096 take the second pass."""
+    matrix-vector kernel's last block); groups of 2048 on rows of 4096 take the second pass
+    after the matrix-vector kernel, and one block a row in registers otherwise
+    (wide_rows_kernel)."""
     init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
     ref, new = small_pair(number, seed=m * k, init=init)
     ref, new = ref.to(CUDA), new.to(CUDA)

@@ -143,7 +143,8 @@ struct FusedArgs {
   // GroupNorm groups straddle tiles: the GEMM kernel stores pre-norm fp32 values in `out` and
   // per (row, tile, group segment) moments in norm_stats [M, N tiles, stats_per_tile]
   // (mean, mean_lo, centred sum of squares, unused: tile_epilogue.cuh's SegmentMoments);
-  // norm_finalize.cuh does the rest.
+  // norm_finalize.cuh does the rest. (The epilogue path's one-launch row kernels,
+  // row_epilogue_kernel and wide_rows_kernel, keep a row's moments in shared memory instead.)
   int norm_wide;
   int stats_per_tile;
   float4* norm_stats;

@@ -1,6 +1,7 @@
 // Merging a GroupNorm group's statistics from the moments of its pieces (per tile segment):
 // Chan's formula for the mean and centred sum of squares, a softmax's maxima and sums. Shared by
-// norm_finalize_kernel's second pass, row_epilogue_kernel and wide_rows_kernel.
+// norm_finalize_kernel's second pass, row_epilogue_kernel, the few-rows kernel's last block
+// (gemv_epilogue.cuh) and wide_rows_kernel.
 #pragma once
 #include "fused_args.h"
 #include "tile_epilogue.cuh"

@@ -11,10 +11,12 @@
 //   kFinalizeChunk-column piece of a row, or (when the chain reduces) the whole row.
 // - The epilogue path: PyTorch's own GEMM left x @ W^T + b in args.out (or, a 16-bit model's,
 //   in args.epilogue_in16), or the split GEMM left it there for a chain run apart
-//   (dispatch.chain_apart: large float32 calls on sm_90), and tile_epilogue_kernel (or
-//   group_rows_kernel, group_rows.cuh) applies the whole chain to it (float32 problems too
-//   small for the fused GEMM to pay off: one or two launches after the GEMM instead of one per
-//   op; 16-bit chains that norm or reduce in tiles at every size above them).
+//   (dispatch.chain_apart: large float32 calls on sm_90), and one kernel applies the whole
+//   chain to it (float32 problems too small for the fused GEMM to pay off; 16-bit chains that
+//   norm or reduce in tiles at every size above them): launch_tile_epilogue says which
+//   (pointwise_epilogue_kernel, group_rows_kernel, wide_rows_kernel, row_epilogue_kernel,
+//   tile_epilogue_kernel, the last followed by norm_finalize_kernel for groups wider than a
+//   tile that no other serves).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -234,9 +236,11 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
 // Since 2026-11-27 most 16-bit calls whose GroupNorm groups are 8, 16 or 32 channels, and
 // float32 ones whose groups are 8 or 16, take group_rows_kernel (group_rows.cuh: no
 // shared-memory tile; bf16 #62's chain 24.1-24.4 us here against 16.3 there, #75's 21.0-21.2
-// against 15.6, timed in separate calls; float32 figures there); this kernel serves the rest:
-// other group sizes, no norm, and what group_rows_serves refuses (unaligned z or norm weights,
-// a max pooling, a reduction over more than kGroupRowsMaxGroups groups).
+// against 15.6, timed in separate calls; float32 figures there), and float32 groups of whole
+// 128-channel tiles on rows of up to 8192 take wide_rows_kernel (wide_rows.cuh); this kernel
+// serves the rest: other group sizes, no norm, and what group_rows_serves and
+// wide_rows_serves refuse (unaligned z or norm weights, a max pooling, a reduction over more
+// than kGroupRowsMaxGroups groups, longer rows).
 template <class Epi>
 constexpr int kEpilogueRows = Epi::kModelDtype == kFloat32Model ? kTile : kEpilogueRows16;
 
@@ -271,10 +275,11 @@ __global__ void __launch_bounds__(kFinalizeThreads, Epi::kModelDtype == kFloat32
 }
 
 // Rows of at most kShortRow channels with groups wider than (or straddling) a tile are finished
-// in one launch: the epilogue path's row_epilogue_kernel, and the few-rows kernel's last block.
-// (Longer rows of groups in whole tiles take wide_rows_kernel; row_epilogue_kernel on rows of
-// 8192 was slower than the tile kernel and norm_finalize_kernel from 1024 rows up: #62's chain
-// 124 us against 90 at 1024 x 8192, H100, 2026-11-27.)
+// in one launch: the epilogue path's row_epilogue_kernel (float32 groups of whole tiles in
+// aligned rows take wide_rows_kernel first, at any row length up to 8192), and the few-rows
+// kernel's last block. row_epilogue_kernel on longer rows was slower than the tile kernel and
+// norm_finalize_kernel from 1024 rows up: #62's chain 124 us against 90 at 1024 x 8192, H100,
+// 2026-11-27.
 constexpr int kShortRow = 2048;
 
 // The row's values, `pre` applied, into shared memory: four a 16-byte load (up to kBatch loads
@@ -391,7 +396,10 @@ cudaError_t launch_tile_kernel(const FusedArgs& args, cudaStream_t stream) {
 // The epilogue path's launch for an instance of one model dtype: a float32 one takes a float32
 // z; a 16-bit one (bf16 or fp16) takes that model's z (args.epilogue_in16), for chains that
 // norm or reduce in tiles, into one kernel: group_rows_kernel where group_rows_serves says so,
-// else tile_epilogue_kernel.
+// else tile_epilogue_kernel. A float32 z, in order: a chain with no norm and no reduction
+// pointwise_epilogue_kernel; group_rows_kernel; wide_rows_kernel (wide_rows_serves); groups
+// wider than a tile on rows of up to kShortRow row_epilogue_kernel; else tile_epilogue_kernel,
+// then norm_finalize_kernel for groups wider than a tile.
 template <class Epi>
 cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
   static_assert(Epi::kModelDtype != kAnyModel, "an instance of one model dtype");

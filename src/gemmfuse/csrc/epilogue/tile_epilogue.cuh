@@ -263,7 +263,7 @@ __device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, i
 
 // A run's softmax statistics (Epi::kSoftmax) in SegmentMoments' fields: `mean` its largest value
 // (NaN where it holds one, as torch.amax gives it), `m2` + `mean_lo` the sum of exp(v - max),
-// compensated (TwoSum). Runs of one row merge with merge_softmax (norm_finalize.cuh).
+// compensated (TwoSum). Runs of one row merge with merge_softmax (moments_merge.cuh).
 template <int kN = 0, class Values>
 __device__ __forceinline__ SegmentMoments segment_softmax(const Values& v, int n_run_time) {
   constexpr int kUnroll = kN > 0 ? kN : 1;

@@ -6,15 +6,17 @@
 // of tile t are warp t % 8's j = t / 8: a warp holds whole tiles, a lane four channels of each.
 // A warp computes its tiles' moments as segment_moments_warp does (the tile's first value as
 // shift, compensated sums, merged by the same xor tree), its up to kWideRowQuads tiles side by
-// side; the block merges each group's tiles with Chan's formula in tile order
-// (group_moments_warp, as norm_finalize_kernel does), then normalises, applies the chain's
-// `post` ops and stores the row, or reduces it, from the registers. One read of z and one write:
-// the tile kernel and norm_finalize_kernel move the pre-norm row through global memory twice
-// more, and row_epilogue_kernel's row in shared memory left one row's work latency-bound.
-// At 1024 x 8192 (torch.profiler, median of 10, L2 cleared, H100, 2026-11-27): #62's chain in
-// one group 46 us against 90 for the tile and finalize kernels (124 for row_epilogue_kernel),
-// #75's 44 against 96; in 16 groups 48 against 87 and 48 against 97. At 16 rows #62's chain
-// takes 11.5 us against 10.2 (one block's latency a row); #75's 11.8 against 27.8.
+// side; a warp a group merges the group's tiles with Chan's formula (group_moments_warp: each
+// lane its tiles in order, then a fixed xor tree, as norm_finalize_kernel does for groups of
+// more than four tiles), then the block normalises, applies the chain's `post` ops and stores
+// the row, or reduces it, from the registers. One read of z and one write: the tile kernel and
+// norm_finalize_kernel move the pre-norm row through global memory twice more, and
+// row_epilogue_kernel's row in shared memory left one row's work latency-bound (124 us for
+// #62's chain at 1024 x 8192, H100, the hour before). At 1024 x 8192 (torch.profiler, median
+// of 10, L2 cleared, H100, 2026-11-28): #62's chain in one group 46 us against 90 for the tile
+// and finalize kernels, #75's 44 against 96; in 16 groups 48 against 87 and 48 against 97. At
+// 16 rows #62's chain takes 11.5 us against 10.2 (one block's latency a row); #75's 11.8
+// against 27.8.
 #pragma once
 #include <cstdint>
 
