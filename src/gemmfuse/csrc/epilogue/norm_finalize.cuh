@@ -277,9 +277,9 @@ __global__ void __launch_bounds__(kFinalizeThreads, Epi::kModelDtype == kFloat32
 // Rows of at most kShortRow channels with groups wider than (or straddling) a tile are finished
 // in one launch: the epilogue path's row_epilogue_kernel (float32 groups of whole tiles in
 // aligned rows take wide_rows_kernel first, at any row length up to 8192), and the few-rows
-// kernel's last block. row_epilogue_kernel on longer rows was slower than the tile kernel and
-// norm_finalize_kernel from 1024 rows up: #62's chain 124 us against 90 at 1024 x 8192, H100,
-// 2026-11-27.
+// kernel's last block. row_epilogue_kernel on longer rows (a trial, not kept) was slower than
+// the tile kernel and norm_finalize_kernel from 1024 rows up: #62's chain 124 us against 90 at
+// 1024 x 8192 (H100, 2026-11-27, torch.profiler, median of 10, L2 cleared).
 constexpr int kShortRow = 2048;
 
 // The row's values, `pre` applied, into shared memory: four a 16-byte load (up to kBatch loads

@@ -12,7 +12,7 @@
 // the row, or reduces it, from the registers. One read of z and one write: the tile kernel and
 // norm_finalize_kernel move the pre-norm row through global memory twice more, and
 // row_epilogue_kernel's row in shared memory left one row's work latency-bound (124 us for
-// #62's chain at 1024 x 8192, H100, the hour before). At 1024 x 8192 (torch.profiler, median
+// #62's chain at 1024 x 8192 in a trial on such rows, H100, 2026-11-27). At 1024 x 8192 (torch.profiler, median
 // of 10, L2 cleared, H100, 2026-11-28): #62's chain in one group 46 us against 90 for the tile
 // and finalize kernels, #75's 44 against 96; in 16 groups 48 against 87 and 48 against 97. At
 // 16 rows #62's chain takes 11.5 us against 10.2 (one block's latency a row); #75's 11.8
