@@ -65,7 +65,7 @@ def test_a_plan_holds_the_calls_decisions(fake_ext):
         table=1234, plain_table=0, model16=False, kernel_code=0, split=False,
         scalars=[0.2], group_size=512, eps=1e-3, norm_wide=True, keepdim=True,
         channel_params=[0, 1], first_slot=3, backward=False, split_dx=True, split_dw=True,
-        sparse=False, epilogue_path=False, group_stats=0, chain_apart=False,
+        sparse=False, epilogue_path=False, group_stats=0, gemv=False, chain_apart=False,
     )  # fmt: skip
 
 
@@ -187,7 +187,7 @@ def test_a_bf16_reduction_on_the_epilogue_path_is_planned_with_eager_statistics(
     epilogue = Epilogue(norm=GroupNormSpec(16), reduce=Reduction("min"))
     cache = SplitWeightCache()
     args = [t.bfloat16() if isinstance(t, torch.Tensor) else t for t in tensors(n=256)]
-    assert plannable("epilogue", args[0]) and not plannable("epilogue", args[0].float())
+    assert plannable("epilogue") and plannable("fused") and not plannable("torch")
     keep_plan(cache, epilogue, "auto", "fp32", args, grad=False, path="epilogue")
     (plan,) = cache.plans
     assert plan.spec["epilogue_path"] and plan.spec["group_stats"] == 2 and plan.spec["model16"]
@@ -196,6 +196,50 @@ def test_a_bf16_reduction_on_the_epilogue_path_is_planned_with_eager_statistics(
     # kernel="epilogue" (which these chains take whatever kernel says) has no fused-kernel code
     keep_plan(cache, epilogue, "epilogue", "fp32", args, grad=False, path="epilogue")
     assert cache.plans[0].spec["kernel_code"] == 0 and cache.plans[0].kernel == "epilogue"
+
+
+@pytest.mark.parametrize(
+    "m, aligned, gemv",
+    [(1, True, True), (2, True, True), (3, True, False), (1, False, False), (16, True, False)],
+)
+def test_a_float32_epilogue_path_plan_says_where_the_few_rows_kernel_runs(fake_ext, m, aligned,
+                                                                          gemv):  # fmt: skip
+    """A float32 call below the fused kernel's sizes takes the epilogue path, and is planned:
+    at one or two 16-byte-aligned rows its plan runs the few-rows kernel (dispatch.gemv_fits;
+    host_plan.cpp takes it where no z is saved), else PyTorch's GEMM and the chain kernel."""
+    epilogue = Epilogue(norm=GroupNormSpec(16), post=(Pointwise("relu"),))
+    x, w, b, gw, gb, params = tensors(m=m, k=1028, n=256)
+    if not aligned:
+        x = torch.randn(m, 1029)[:, 1:]  # rows 4 bytes off 16-byte alignment
+    cache = SplitWeightCache()
+    keep_plan(cache, epilogue, "auto", "fp32", (x, w, b, gw, gb, params), grad=False,
+              path="epilogue")  # fmt: skip
+    (plan,) = cache.plans
+    assert plan.spec["epilogue_path"] and not plan.spec["model16"]
+    assert plan.spec["gemv"] is gemv and plan.spec["group_stats"] == 0
+    assert not plan.spec["chain_apart"] and plan.spec["plain_table"] == 0
+    assert not plan.spec["split_dx"] and not plan.spec["split_dw"]
+
+
+def test_a_float32_call_below_the_fused_sizes_leaves_an_epilogue_path_plan(monkeypatch):
+    """fused_linear keeps a plan for the float32 epilogue path (host time is most of such a
+    call's time): the path's kernels stand in here; the second call is the plan's."""
+    monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gemmfuse.ops, "take_path", lambda *args: "epilogue")
+    launched = []
+
+    def launch(path, epilogue, cache, kernel, precision, x, *rest):
+        launched.append(path)
+        return torch.zeros(x.shape[0], 256), None
+
+    monkeypatch.setattr(gemmfuse.ops, "launch_path", launch)
+    kept = []
+    monkeypatch.setattr(gemmfuse.ops, "keep_plan", lambda *args, **kw: kept.append(args[-1]))
+    x, w, b, gw, gb, params = tensors(m=16, k=1024, n=256)
+    epilogue = Epilogue(norm=GroupNormSpec(16))
+    with torch.no_grad():
+        _, path = fused_linear_with_path(x, w, b, epilogue, gw, gb, weight_cache=SplitWeightCache())
+    assert path == "epilogue" and launched == ["epilogue"] and kept == ["epilogue"]
 
 
 def test_a_cleared_or_copied_cache_has_no_plans(fake_ext):

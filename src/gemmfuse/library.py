@@ -147,7 +147,7 @@ def _saving_z(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precis
         else:
             launch_cache = cache_for_call(weight_cache)
             out, z = launch_path(path, epilogue, launch_cache, kernel, precision, *tensors, True)
-            if plannable(path, x) and launch_cache is weight_cache:
+            if plannable(path) and launch_cache is weight_cache:
                 keep_plan(weight_cache, epilogue, kernel, precision, tensors, False, path)
     return _forward_output(out, z, x, weight, bias, gn_weight, gn_bias, *params), z
 

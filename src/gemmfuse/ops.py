@@ -243,7 +243,7 @@ def fused_linear_with_path(
         out = FusedLinearFunction.apply(call, x, weight, bias, gn_weight, gn_bias, *params)
     else:
         out = launch(x, weight, bias, gn_weight, gn_bias, params, False)[0]
-    if plannable(path, x) and cache is weight_cache:
+    if plannable(path) and cache is weight_cache:
         tensors = (x, weight, bias, gn_weight, gn_bias, params)
         keep_plan(weight_cache, epilogue, kernel, precision, tensors, grad, path)
     return apply_tail(out, epilogue, params), path

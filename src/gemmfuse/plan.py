@@ -6,9 +6,9 @@ KernelBench's #62 some 0.2 ms before the first launch (docs/DESIGN.md, "Host tim
 time wherever a caller's timing starts on an idle GPU, as KernelBench's does, and the whole
 step's time where host work outlasts GPU work (a bfloat16 training step).
 
-So a call that took the fused path with a weight cache (or a 16-bit model's epilogue path:
-PyTorch's GEMM, then the chain kernel, for chains that norm or reduce in tiles) leaves a plan in
-it: the host
+So a call that took the fused or the epilogue path with a weight cache (PyTorch's GEMM, then the
+chain kernel: a float32 call below the fused kernel's sizes, or a 16-bit model's chain that norms
+or reduces in tiles) leaves a plan in it: the host
 extension's ``Plan`` (csrc/host/host_plan.h), holding every decision the Python made (the chain's
 table, the launch's arguments, which backward products run split) with the kinds of tensors it
 made them for (dtype, device, shape, strides, 16-byte alignment of each). A later call of the
@@ -35,6 +35,7 @@ from gemmfuse.dispatch import (
     PRECISIONS,
     backward_products,
     chain_apart,
+    gemv_fits,
     group_stats_mode,
     norm_settings,
 )
@@ -70,11 +71,10 @@ def planned_saving_z(cache, epilogue, kernel, precision, x, weight, bias, gn_wei
     return None
 
 
-def plannable(path: str, x) -> bool:
-    """Whether a call that took ``path`` leaves a plan: the fused path, and a 16-bit model's
-    epilogue path (dispatch.model16_in_tiles; the float32 one serves small problems, where its
-    own few-rows kernel and in-place launch are not planned)."""
-    return path == "fused" or (path == "epilogue" and x.dtype in MODEL16)
+def plannable(path: str) -> bool:
+    """Whether a call that took ``path`` leaves a plan: the fused and the epilogue paths (not
+    PyTorch's)."""
+    return path in ("fused", "epilogue")
 
 
 def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, grad: bool,
@@ -120,6 +120,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
         backward=serves_backward, split_dx=split_dx, split_dw=split_dw, sparse=sparse,
         epilogue_path=path == "epilogue",
         group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
+        gemv=path == "epilogue" and x.dtype == torch.float32 and gemv_fits(x, weight),
         chain_apart=apart,
     )  # fmt: skip
     cache.plans = [plan, *cache.plans[: MAX_PLANS - 1]]

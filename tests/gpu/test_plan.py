@@ -171,6 +171,25 @@ def test_planned_chain_apart_is_the_python_path_bit_for_bit(name, monkeypatch):
     assert any(k in n for k in CHAIN_KERNELS for n in names), names
 
 
+@pytest.mark.parametrize("name", list(CHAINS))
+@pytest.mark.parametrize("m,kernel", [(1, "epilogue"), (2, "auto"), (16, "auto"),
+                                      (300, "epilogue")])  # fmt: skip
+def test_planned_float32_epilogue_path_is_the_python_path_bit_for_bit(name, m, kernel,
+                                                                       monkeypatch):  # fmt: skip
+    """The float32 epilogue path (PyTorch's GEMM, then the chain kernel; at one or two rows
+    without autograd the few-rows kernel) planned and in Python: kernel="auto" below the fused
+    kernel's sizes, and the path forced."""
+    case = Case(name, m=m, seed=hash(("epilogue", name, m)) % 1000)
+    check_planned_call(case, "fp32", kernel, counting_validate(monkeypatch))
+    assert all(plan.path == "epilogue" for plan in case.cache.plans)
+    decided = counting_validate(monkeypatch)
+    with torch.no_grad():
+        names = kernel_names(functools.partial(case.call, case.cache, kernel=kernel))
+    assert not decided, "the plan did not run the call"
+    few_rows = any("gemv_epilogue_kernel" in n for n in names)
+    assert few_rows == (m <= 2), names
+
+
 def check_planned_call(case, precision, kernel, decided):
     """The planned call's output (no_grad, and with autograd) and every gradient equal the
     Python path's; ``decided`` counts the calls the Python rules decide."""

@@ -122,12 +122,12 @@ void bind_plan(pybind11::module_& m) {
                        bool split, std::vector<double> scalars, int64_t group_size, double eps,
                        bool norm_wide, bool keepdim, std::vector<int64_t> channel_params,
                        int64_t first_slot, bool backward, bool split_dx, bool split_dw,
-                       bool sparse, bool epilogue_path, int64_t group_stats,
+                       bool sparse, bool epilogue_path, int64_t group_stats, bool gemv,
                        bool chain_apart) {
              PlanSpec spec{table,          plain_table,   model16,     kernel_code, split,
                            scalars,        group_size,    eps,         norm_wide,   keepdim,
                            channel_params, first_slot,    backward,    split_dx,    split_dw,
-                           sparse,         epilogue_path, group_stats, chain_apart};
+                           sparse,         epilogue_path, group_stats, gemv,        chain_apart};
              return PlanCall(std::move(cache), std::move(epilogue), std::move(kernel),
                              std::move(precision), tensors, std::move(spec));
            }),
@@ -138,7 +138,7 @@ void bind_plan(pybind11::module_& m) {
            py::arg("channel_params"), py::arg("first_slot"), py::arg("backward"),
            py::arg("split_dx"), py::arg("split_dw"), py::arg("sparse") = false,
            py::arg("epilogue_path") = false,
-           py::arg("group_stats") = 0, py::arg("chain_apart") = false)
+           py::arg("group_stats") = 0, py::arg("gemv") = false, py::arg("chain_apart") = false)
       .def_property_readonly("path", &PlanCall::path)
       .def("__call__", &PlanCall::operator(), py::arg("epilogue"), py::arg("kernel"),
            py::arg("precision"), py::arg("x"), py::arg("weight"), py::arg("bias"),

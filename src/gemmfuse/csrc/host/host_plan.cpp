@@ -87,6 +87,8 @@ Plan::Plan(std::shared_ptr<SplitCache> cache, PlanSpec spec,
   TORCH_CHECK(cache != nullptr && spec.table != 0, "gemmfuse: a plan needs a cache and a table");
   TORCH_CHECK(!spec.chain_apart || (spec.plain_table != 0 && !spec.model16 && !spec.epilogue_path),
               "gemmfuse: a float32 plan whose chain runs apart needs the plain GEMM's table");
+  TORCH_CHECK(!spec.gemv || (spec.epilogue_path && !spec.model16),
+              "gemmfuse: the few-rows kernel serves a float32 epilogue-path plan");
   TORCH_CHECK(tensors.size() >= 5 && tensors[0].defined() && tensors[1].defined(),
               "gemmfuse: a plan takes x, weight, bias, gn_weight, gn_bias and the params");
   for (int64_t i : spec.channel_params)
@@ -188,14 +190,18 @@ Plan::Launched Plan::launch(const std::vector<at::Tensor>& t, bool save_z) const
   }
   at::Tensor z;
   at::Tensor out;
-  if (spec.epilogue_path) {
+  if (spec.gemv && !save_z) {
+    out = gemv_forward(spec.table, x, weight, vector32(2), gn_weight, gn_bias, vectors,
+                       spec.scalars, spec.group_size, spec.eps, spec.norm_wide);
+  } else if (spec.epilogue_path) {
     // PyTorch's GEMM with the model's own bias (eager's bits; no float32 copy of it is made),
-    // its result saved as z.
+    // its result saved as z, else overwritten by the chain (a 16-bit y never is: its kernel
+    // writes a tensor of its own whatever in_place says).
     const at::Tensor y = at::linear(x, weight, t[2].defined() ? std::optional<at::Tensor>(t[2])
                                                              : std::nullopt);
     if (save_z) z = y;
     out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
-                           spec.group_size, spec.eps, spec.norm_wide, false, spec.group_stats);
+                           spec.group_size, spec.eps, spec.norm_wide, !save_z, spec.group_stats);
   } else if (spec.model16) {
     if (save_z) z = x.new_empty({M, N});
     out = fused_forward_16bit(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),

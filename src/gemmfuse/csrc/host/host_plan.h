@@ -87,10 +87,14 @@ struct PlanSpec {
   bool backward = false;                // the chain backward kernel serves this call's backward
   bool split_dx = false, split_dw = false;  // the backward products on the split kernel
   bool sparse = false;  // dz is zero but for a few groups a row: the sparse products (before split)
-  // The epilogue path (a 16-bit model's chain that norms or reduces in tiles): PyTorch's GEMM, then
-  // epilogue_forward with this group_stats, in place of the fused kernel.
+  // The epilogue path (a float32 call below the fused kernel's sizes, a 16-bit model's chain that
+  // norms or reduces in tiles): PyTorch's GEMM, then epilogue_forward with this group_stats, in
+  // place of the fused kernel.
   bool epilogue_path = false;
   int64_t group_stats = 0;
+  // A float32 epilogue-path call of one or two aligned rows (dispatch.gemv_fits): where it saves
+  // no z, the few-rows kernel (gemv_forward) does the product and the chain in one launch.
+  bool gemv = false;
   // A float32 call whose chain runs apart (dispatch.chain_apart): the plain library's split GEMM
   // stores z, then epilogue_forward runs the chain on it.
   bool chain_apart = false;
