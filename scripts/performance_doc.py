@@ -256,10 +256,12 @@ chain in one tile kernel) elsewhere; from M*N = 2^23 with K >= 4096 (since fee55
 last two columns force the fused kernel (`kernel="hopper"`: the chain in its epilogue) and the
 epilogue path on the same row, which is how the thresholds were chosen. Every timed window opens
 before the Python dispatch, so host cost counts. A row's four calls are timed interleaved (each
-iteration times eager, then each gemmfuse call, each after its own L2 flush), so a slow stretch of
-the machine weighs on all four alike; it also means a gemmfuse call runs right after eager's SIMT
-GEMM, at whatever clock that left (the main table times each model's calls in a block, as
-KernelBench does: interleaved there, #62 measured 0.786 ms against 0.651 ms, commit f761df4). Group
+iteration times each call once, each after its own L2 flush), so a slow stretch of the machine
+weighs on all four alike. Runs up to 89fea0e timed eager first and `kernel="auto"` right after
+it, at whatever clock and host state eager's SIMT GEMM left: at the smallest sizes that call
+paid some 20-30 us (DESIGN section 9); later runs draw the order afresh each iteration
+(`bench.time_interleaved`). The main table times each model's calls in a block, as KernelBench
+does (interleaved there, #62 measured 0.786 ms against 0.651 ms, commit f761df4). Group
 size 512 spans several 128-channel tiles: those rows take the cross-tile statistics, a second pass
 after the fused kernel, one launch on the epilogue path and after the split GEMM of a chain run
 apart (since 8263735 `wide_rows_kernel`: a float32 row of up to 8192 channels held in registers by

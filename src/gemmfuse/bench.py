@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import random
 import statistics
 import subprocess
 from dataclasses import dataclass, field
@@ -111,7 +112,11 @@ def time_ms(fn, x, iters: int, warmup: int = 5, before=None) -> float:
 
 def time_interleaved(calls, x, iters: int, warmup: int = 5) -> list[float]:
     """:func:`time_ms` of each ``(fn, before)`` in ``calls``, interleaved: every iteration times
-    each call in turn, so a slow stretch of the machine (host or GPU) weighs on all alike."""
+    each call once, so a slow stretch of the machine (host or GPU) weighs on all alike, in an
+    order drawn afresh each iteration (seeded): at the shape sweep's smallest sizes the call
+    timed right after eager's took 20-30 us more than the same call timed after another
+    gemmfuse call (M = 1, N = K = 1024: 0.063 against 0.033 ms, H100, 2026-11-28), so no call
+    may always follow the same one."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=x[0].device)
     with torch.no_grad():
         for fn, before in calls:
@@ -120,8 +125,11 @@ def time_interleaved(calls, x, iters: int, warmup: int = 5) -> list[float]:
                     before()
                 fn(*x)
         times = [[] for _ in calls]
+        order, draw = list(range(len(calls))), random.Random(0)
         for _ in range(iters):
-            for (fn, before), record in zip(calls, times, strict=True):
+            draw.shuffle(order)
+            for k in order:
+                fn, before = calls[k]
                 if before is not None:
                     before()
                 flush.zero_()
@@ -131,7 +139,7 @@ def time_interleaved(calls, x, iters: int, warmup: int = 5) -> list[float]:
                 fn(*x)
                 end.record()
                 end.synchronize()
-                record.append(start.elapsed_time(end))
+                times[k].append(start.elapsed_time(end))
     return [statistics.median(record) for record in times]
 
 
