@@ -258,9 +258,10 @@ epilogue path on the same row, which is how the thresholds were chosen. Every ti
 before the Python dispatch, so host cost counts. A row's four calls are timed interleaved (each
 iteration times each call once, each after its own L2 flush), so a slow stretch of the machine
 weighs on all four alike. Runs up to 89fea0e timed eager first and `kernel="auto"` right after
-it, at whatever clock and host state eager's SIMT GEMM left: at the smallest sizes that call
-paid some 20-30 us (DESIGN section 9); later runs draw the order afresh each iteration
-(`bench.time_interleaved`). The main table times each model's calls in a block, as KernelBench
+it, at whatever clock and host state eager's SIMT GEMM left (a probe on one machine measured
+20-30 us for that place at the smallest sizes; 89fea0e's sweep shows it on one row: DESIGN
+section 9); later runs cycle through orders in which each call follows each other equally
+often (`bench.time_interleaved`). The main table times each model's calls in a block, as KernelBench
 does (interleaved there, #62 measured 0.786 ms against 0.651 ms, commit f761df4). Group
 size 512 spans several 128-channel tiles: those rows take the cross-tile statistics, a second pass
 after the fused kernel, one launch on the epilogue path and after the split GEMM of a chain run

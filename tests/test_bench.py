@@ -1,9 +1,14 @@
-"""gemmfuse.bench's tables (the timing itself needs a GPU: scripts/gpu_check.py runs it)."""
+"""gemmfuse.bench's tables and its timing order, on fake CUDA events (the timing itself needs a
+GPU: scripts/gpu_check.py runs it)."""
 
+import itertools
+from collections import Counter
+
+import pytest
 import torch
 
 import gemmfuse.bench
-from gemmfuse.bench import Result, format_table, time_interleaved
+from gemmfuse.bench import Result, balanced_orders, format_table, time_interleaved
 
 
 def result(**ms) -> Result:
@@ -62,6 +67,21 @@ def test_interleaved_timing_gives_each_call_its_own_times(monkeypatch):
     calls = [(clock.call(name, ms), None) for name, ms in (("a", 1.0), ("b", 2.0), ("c", 3.0))]
     assert time_interleaved(calls, [torch.zeros(2)], iters=9, warmup=1) == [1.0, 2.0, 3.0]
     assert sorted(clock.order[3:]) == sorted(["a", "b", "c"] * 9)
+    clock.order.clear()
+    assert time_interleaved(calls, [torch.zeros(2)], iters=2, warmup=0, orders=[[2, 0, 1]]) == [
+        1.0, 2.0, 3.0,
+    ]  # fmt: skip
+    assert clock.order == ["c", "a", "b"] * 2
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_orders_put_each_call_after_each_other_equally_often(n):
+    orders = balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    pairs = Counter((a, b) for order in orders for a, b in itertools.pairwise(order))
+    assert set(pairs) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(pairs.values())) <= 1
+    assert len(set(Counter(order[0] for order in orders).values())) == 1
 
 
 def test_no_call_always_follows_the_same_one(monkeypatch):

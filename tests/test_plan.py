@@ -209,8 +209,9 @@ def test_a_float32_epilogue_path_plan_says_where_the_few_rows_kernel_runs(fake_e
     host_plan.cpp takes it where no z is saved), else PyTorch's GEMM and the chain kernel."""
     epilogue = Epilogue(norm=GroupNormSpec(16), post=(Pointwise("relu"),))
     x, w, b, gw, gb, params = tensors(m=m, k=1028, n=256)
-    if not aligned:
-        x = torch.randn(m, 1029)[:, 1:]  # rows 4 bytes off 16-byte alignment
+    if not aligned:  # the same sizes and strides, 4 bytes off 16-byte alignment
+        x = torch.randn(m * 1028 + 1)[1:].view(m, 1028)
+        assert x.stride() == (1028, 1) and x.data_ptr() % 16 == 4
     cache = SplitWeightCache()
     keep_plan(cache, epilogue, "auto", "fp32", (x, w, b, gw, gb, params), grad=False,
               path="epilogue")  # fmt: skip

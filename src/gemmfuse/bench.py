@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import random
 import statistics
 import subprocess
 from dataclasses import dataclass, field
@@ -110,13 +109,14 @@ def time_ms(fn, x, iters: int, warmup: int = 5, before=None) -> float:
     return time_interleaved([(fn, before)], x, iters, warmup)[0]
 
 
-def time_interleaved(calls, x, iters: int, warmup: int = 5) -> list[float]:
+def time_interleaved(calls, x, iters: int, warmup: int = 5, orders=None) -> list[float]:
     """:func:`time_ms` of each ``(fn, before)`` in ``calls``, interleaved: every iteration times
-    each call once, so a slow stretch of the machine (host or GPU) weighs on all alike, in an
-    order drawn afresh each iteration (seeded): at the shape sweep's smallest sizes the call
-    timed right after eager's took 20-30 us more than the same call timed after another
-    gemmfuse call (M = 1, N = K = 1024: 0.063 against 0.033 ms, H100, 2026-11-28), so no call
-    may always follow the same one."""
+    each call once, so a slow stretch of the machine (host or GPU) weighs on all alike, in the
+    orders of :func:`balanced_orders`, so that no call always follows the same one: in a probe of
+    the shape sweep's smallest sizes (scripts/small_rows_probe.py, H100, 2026-11-28) a call
+    timed right after eager's took 20-30 us more than the same call timed after another gemmfuse
+    call (M = 1, N = K = 1024: 0.063 against 0.033 ms). ``orders``: the orders to cycle through
+    instead (lists of indices into ``calls``; that probe's fixed orders)."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=x[0].device)
     with torch.no_grad():
         for fn, before in calls:
@@ -125,10 +125,9 @@ def time_interleaved(calls, x, iters: int, warmup: int = 5) -> list[float]:
                     before()
                 fn(*x)
         times = [[] for _ in calls]
-        order, draw = list(range(len(calls))), random.Random(0)
-        for _ in range(iters):
-            draw.shuffle(order)
-            for k in order:
+        orders = orders or balanced_orders(len(calls))
+        for i in range(iters):
+            for k in orders[i % len(orders)]:
                 fn, before = calls[k]
                 if before is not None:
                     before()
@@ -141,6 +140,19 @@ def time_interleaved(calls, x, iters: int, warmup: int = 5) -> list[float]:
                 end.synchronize()
                 times[k].append(start.elapsed_time(end))
     return [statistics.median(record) for record in times]
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n calls in which each call comes right after each other call equally often (a
+    Williams design: n orders for an even n, 2n for an odd one), and first equally often."""
+    first, low, high = [0], 1, n - 1
+    while low <= high:
+        first.append(low)
+        if low != high:
+            first.append(high)
+        low, high = low + 1, high - 1
+    orders = [[(k + shift) % n for k in first] for shift in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
 
 
 def git_commit() -> str:

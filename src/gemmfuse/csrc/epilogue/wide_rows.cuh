@@ -21,10 +21,13 @@
 // Tried and not landed (2026-11-28, commit 0dd7aa2): 512 threads of four float4s, 60 registers
 // for the random pool's chain 7 where 74, 32 warps an SM where 24. On a given z at 1024 x 8192
 // (same method, the two trees in turn, H100) the heavy chains' kernel ran much faster (chain 7,
-// silu -> softplus -> mish -> hardswish -> norm -> sigmoid -> tanh -> exp: 173 -> 105 us; chain
-// 2 109 -> 85; #62's 46.4 -> 45.0), the errors against float64 unchanged, but the GPU suite at
-// that commit did not finish twice (a few tests outstanding at the time limit where 89fea0e's
-// whole suite took 454 s), not diagnosed: docs/DESIGN.md section 2.
+// silu -> softplus -> mish -> hardswish -> norm -> sigmoid -> tanh -> exp -> sub -> minimum:
+// 173 -> 105 us; chain 2 109 -> 85; #62's 46.4 -> 45.0), the errors against float64 unchanged.
+// Not landed because two GPU test runs at that commit did not finish within their limits: the
+// suite (less test_optimize.py) had some 45 of 1815 tests outstanding at 480 s, where 89fea0e's
+// had finished in 454 s on another machine, and seven of its files had a few outstanding at
+// 540 s with the builds cached; a hang or a slow machine, not diagnosed (docs/DESIGN.md
+// section 2).
 #pragma once
 #include <cstdint>
 
