@@ -218,6 +218,9 @@ def test_a_float32_epilogue_path_plan_says_where_the_few_rows_kernel_runs(fake_e
     (plan,) = cache.plans
     assert plan.spec["epilogue_path"] and not plan.spec["model16"]
     assert plan.spec["gemv"] is gemv and plan.spec["group_stats"] == 0
+    # the fused path, and a 16-bit model's epilogue path, never take the few-rows kernel
+    assert not gemmfuse.dispatch.gemv_fits("fused", x, w)
+    assert not gemmfuse.dispatch.gemv_fits("epilogue", x.bfloat16(), w.bfloat16())
     assert not plan.spec["chain_apart"] and plan.spec["plain_table"] == 0
     assert not plan.spec["split_dx"] and not plan.spec["split_dw"]
 

@@ -329,11 +329,15 @@ def norm_settings(epilogue: Epilogue, n: int) -> tuple[int, float, bool]:
     return group_size, norm.eps, TILE % group_size != 0
 
 
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the epilogue path's one-or-two-rows kernel takes this float32 problem."""
+def gemv_fits(path: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a call that took ``path`` runs the epilogue path's one-or-two-rows kernel where it
+    saves no z (ops.launch_path; a plan keeps the answer: plan.keep_plan): a float32 call on the
+    epilogue path with K a multiple of 4 and 16-byte aligned rows."""
     m, k = x.shape
     return (
-        m <= GEMV_MAX_ROWS
+        path == "epilogue"
+        and x.dtype == torch.float32
+        and m <= GEMV_MAX_ROWS
         and k % 4 == 0
         and x.stride(1) == 1
         and x.stride(0) % 4 == 0

@@ -97,7 +97,7 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     # the epilogue path's z is a copy of F.linear's, a chain apart's the split GEMM's output
     fused_z = save_z and path == "fused" and not apart
     z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
-    if path == "epilogue" and not save_z and not model16 and gemv_fits(x, weight):
+    if not save_z and gemv_fits(path, x, weight):
         bias32 = cache.float32(bias, "bias")
         out = ext.gemv_forward(x, weight, bias32, gn_weight, gn_bias, *chain)
     elif path == "epilogue":  # in place on F.linear's y, unless y is z, kept for the backward

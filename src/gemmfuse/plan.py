@@ -120,7 +120,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
         backward=serves_backward, split_dx=split_dx, split_dw=split_dw, sparse=sparse,
         epilogue_path=path == "epilogue",
         group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
-        gemv=path == "epilogue" and x.dtype == torch.float32 and gemv_fits(x, weight),
+        gemv=gemv_fits(path, x, weight),
         chain_apart=apart,
     )  # fmt: skip
     cache.plans = [plan, *cache.plans[: MAX_PLANS - 1]]
