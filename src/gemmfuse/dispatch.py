@@ -4,11 +4,12 @@
 docstring says what each runs) from its tensors, the GPU and ``kernel=``, and
 ``select_epilogue_path`` that of a ``fused_epilogue`` call (the chain on a given tensor);
 ``fused_pays`` holds the size thresholds of ``kernel="auto"``, ``chain_apart`` whether a fused
-call's chain runs in the GEMM's epilogue or in the chain kernel after it; ``backward_products``
-says which backward products run on the sparse kernels (a dz zero but for a few groups a row) or
-the split tensor-core kernel. Not yet here: the launch's own choices
-(a wide GroupNorm's second sweep and the one-or-two-rows kernel in ops.launch_path, whether the
-chain backward kernel fits in autograd.py, tiles and grids in csrc/). The constants that the
+call's chain runs in the GEMM's epilogue or in the chain kernel after it, ``gemv_fits`` whether
+an epilogue-path call runs the one-or-two-rows kernel; ``backward_products`` says which backward
+products run on the sparse kernels (a dz zero but for a few groups a row) or the split
+tensor-core kernel. Not yet here: the launch's own choices (which chain kernel and second sweep
+a wide GroupNorm takes, in csrc/epilogue/norm_finalize.cuh; whether the chain backward kernel
+fits, in autograd.py; tiles and grids in csrc/). The constants that the
 CUDA sources share are checked against them by tests/test_sources.py, and against the compiled
 extension's when it is loaded (sources.check_constants).
 
