@@ -238,12 +238,15 @@ __device__ __forceinline__ void warp_sum(float& sum, float& comp) {
   comp = __shfl_sync(0xffffffffu, comp, 0);
 }
 
-__device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, int n, int lane) {
-  const float shift = v[0];
+// The compensated moments of n values a warp holds, shifted by `shift`: a lane sums get(j) for
+// j = first, first + step, ... below end, TwoSum sums merged by warp_sum's xor tree.
+template <class Get>
+__device__ __forceinline__ SegmentMoments strided_moments_warp(const Get& get, int first, int end,
+                                                               int step, float shift, int n) {
   float sum = 0.f, comp = 0.f;
-  for (int j = lane; j < n; j += 32) {
+  for (int j = first; j < end; j += step) {
     float err;
-    sum = two_sum(sum, v[j] - shift, err);
+    sum = two_sum(sum, get(j) - shift, err);
     comp += err;
   }
   warp_sum(sum, comp);
@@ -251,14 +254,20 @@ __device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, i
   const float mean = shifted_mean(shift, sum, comp, n, mean_lo);
   float sq = 0.f;
   comp = 0.f;
-  for (int j = lane; j < n; j += 32) {
-    const float dj = (v[j] - mean) - mean_lo, p = dj * dj;
+  for (int j = first; j < end; j += step) {
+    const float dj = (get(j) - mean) - mean_lo, p = dj * dj;
     float err;
     sq = two_sum(sq, p, err);
     comp += err + fmaf(dj, dj, -p);
   }
   warp_sum(sq, comp);
   return {mean, mean_lo, sq + comp};
+}
+
+// A run of n values in shared memory, lane l summing v[l], v[l + 32], ... (its first value the
+// shift).
+__device__ __forceinline__ SegmentMoments segment_moments_warp(const float* v, int n, int lane) {
+  return strided_moments_warp([&](int j) { return v[j]; }, lane, n, 32, v[0], n);
 }
 
 // A run's softmax statistics (Epi::kSoftmax) in SegmentMoments' fields: `mean` its largest value

@@ -2,8 +2,8 @@
 // whole 128-channel tiles, on rows of up to kWideRowMaxN channels: a block per row holds the
 // row in registers, four values a 16-byte load.
 //
-// Quad q of the row (channels 4q..4q+3) is thread q % 256's j-th, j = q / 256, so the 32 quads
-// of tile t are warp t % 8's j = t / 8: a warp holds whole tiles, a lane four channels of each.
+// Quad q of the row (channels 4q..4q+3) is thread q % 512's j-th, j = q / 512, so the 32 quads
+// of tile t are warp t % 16's j = t / 16: a warp holds whole tiles, a lane four channels of each.
 // A warp computes its tiles' moments as segment_moments_warp does (the tile's first value as
 // shift, compensated sums, merged by the same xor tree), its up to kWideRowQuads tiles side by
 // side; a warp a group merges the group's tiles with Chan's formula (group_moments_warp: each
@@ -12,22 +12,23 @@
 // the row, or reduces it, from the registers. One read of z and one write: the tile kernel and
 // norm_finalize_kernel move the pre-norm row through global memory twice more, and
 // row_epilogue_kernel's row in shared memory left one row's work latency-bound (124 us for
-// #62's chain at 1024 x 8192 in a trial on such rows, H100, 2026-11-27). At 1024 x 8192 (torch.profiler, median
-// of 10, L2 cleared, H100, 2026-11-28): #62's chain in one group 46 us against 90 for the tile
-// and finalize kernels, #75's 44 against 96; in 16 groups 48 against 87 and 48 against 97. At
-// 16 rows #62's chain takes 11.5 us against 10.2 (one block's latency a row); #75's 11.8
-// against 27.8.
+// #62's chain at 1024 x 8192 in a trial on such rows, H100, 2026-11-27). At 1024 x 8192
+// (torch.profiler, median of 10, L2 cleared, H100, 2026-11-28, with 256 threads of 8 float4s):
+// #62's chain in one group 46 us against 90 for the tile and finalize kernels, #75's 44 against
+// 96; in 16 groups 48 against 87 and 48 against 97. At 16 rows #62's chain took 11.5 us against
+// 10.2 (one block's latency a row); #75's 11.8 against 27.8.
 //
-// Tried and not landed (2026-11-28, commit 0dd7aa2): 512 threads of four float4s, 60 registers
-// for the random pool's chain 7 where 74, 32 warps an SM where 24. On a given z at 1024 x 8192
-// (same method, the two trees in turn, H100) the heavy chains' kernel ran much faster (chain 7,
-// silu -> softplus -> mish -> hardswish -> norm -> sigmoid -> tanh -> exp -> sub -> minimum:
-// 173 -> 105 us; chain 2 109 -> 85; #62's 46.4 -> 45.0), the errors against float64 unchanged.
-// Not landed because two GPU test runs at that commit did not finish within their limits: the
-// suite (less test_optimize.py) had some 45 of 1815 tests outstanding at 480 s, where 89fea0e's
-// had finished in 454 s on another machine, and seven of its files had a few outstanding at
-// 540 s with the builds cached; a hang or a slow machine, not diagnosed (docs/DESIGN.md
-// section 2).
+// 512 threads of 4 float4s (first tried in 0dd7aa2, 2026-11-28): the heavy chains' pre and post
+// ops (the random pool's chain 7: silu, softplus, mish, hardswish, then sigmoid, tanh, exp) are
+// bound by instruction latency; with half as many values a thread the registers drop from 74 to
+// 60, so an SM runs 32 warps (two blocks) where it ran 24 (three blocks of 256). On a given z at
+// 1024 x 8192 (same method, the two trees in turn, two runs each, H100): chain 7 173 -> 105 us in
+// one group and 177 -> 110 in 16, the pool's chain 2 (a mean) 109 -> 85, chain 1 89 -> 78;
+// #62's chain 46.4 -> 45.0, #75's 43.6 -> 44.5, #62's at 4096 rows 159 -> 160 and at 16 rows
+// 11.5 -> 8.7; the outputs' errors against float64 unchanged to the digits shown. Also tried
+// there: the 256 threads capped at 64 registers (spills; chain 7 154 us) and 1024 threads of 2
+// float4s (48 registers, one block an SM: chain 7 125 us, #62's 59). DESIGN section 2 has the
+// table and why 0dd7aa2 was first taken back.
 #pragma once
 #include <cstdint>
 
@@ -38,8 +39,8 @@
 
 namespace gemmfuse {
 
-constexpr int kWideRowThreads = 256;
-constexpr int kWideRowQuads = 8;  // float4s a thread holds
+constexpr int kWideRowThreads = 512;
+constexpr int kWideRowQuads = 4;  // float4s a thread holds
 constexpr int kWideRowMaxN = kWideRowThreads * kWideRowQuads * 4;  // 8192 channels
 constexpr int kWideRowMaxTiles = kWideRowMaxN / kTile;
 constexpr int kWideRowWarps = kWideRowThreads / 32;
@@ -64,32 +65,11 @@ inline bool wide_rows_serves(const FusedArgs& args) {
 }
 
 // The moments of the 128 values a warp holds (four a lane), as segment_moments_warp computes
-// them for a run of shared memory: shifted by the tile's first value, compensated sums merged
-// by warp_sum's xor tree.
+// them for a run of shared memory: shifted by the tile's first value (lane 0's first).
 __device__ __forceinline__ SegmentMoments tile_moments_warp(const float4& v) {
-  const float shift = __shfl_sync(0xffffffffu, v.x, 0);
   const float x[4] = {v.x, v.y, v.z, v.w};
-  float sum = 0.f, comp = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float err;
-    sum = two_sum(sum, x[i] - shift, err);
-    comp += err;
-  }
-  warp_sum(sum, comp);
-  float mean_lo;
-  const float mean = shifted_mean(shift, sum, comp, kTile, mean_lo);
-  float sq = 0.f;
-  comp = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float dj = (x[i] - mean) - mean_lo, p = dj * dj;
-    float err;
-    sq = two_sum(sq, p, err);
-    comp += err + fmaf(dj, dj, -p);
-  }
-  warp_sum(sq, comp);
-  return {mean, mean_lo, sq + comp};
+  return strided_moments_warp([&](int i) { return x[i]; }, 0, 4, 1,
+                              __shfl_sync(0xffffffffu, v.x, 0), kTile);
 }
 
 template <class Epi>

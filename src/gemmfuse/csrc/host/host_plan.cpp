@@ -207,21 +207,21 @@ Plan::Launched Plan::launch(const std::vector<at::Tensor>& t, bool save_z) const
     out = fused_forward_16bit(spec.table, x, weight.is_contiguous() ? weight : weight.contiguous(),
                               vector32(2), gn_weight, gn_bias, vectors, spec.scalars,
                               spec.group_size, spec.eps, spec.norm_wide, maybe(z));
-  } else if (spec.chain_apart) {
-    const auto w = cache.rows(weight, split_padded(weight.size(1)));
-    const at::Tensor y = fused_forward(spec.plain_table, x, w[0], w[1], w[2], vector32(2),
-                                       std::nullopt, std::nullopt, {}, {}, 1, 0.0, spec.kernel,
-                                       spec.split, false, std::nullopt);
-    if (save_z) z = y;  // kept: the chain writes a new tensor
-    out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
-                           spec.group_size, spec.eps, spec.norm_wide, !save_z, 0);
   } else {
-    if (save_z) z = x.new_empty({M, N});
-    const int64_t k_padded = split_padded(weight.size(1));
-    const auto w = cache.rows(weight, k_padded);
-    out = fused_forward(spec.table, x, w[0], w[1], w[2], vector32(2), gn_weight, gn_bias, vectors,
-                        spec.scalars, spec.group_size, spec.eps, spec.kernel, spec.split,
-                        spec.norm_wide, maybe(z));
+    const auto w = cache.rows(weight, split_padded(weight.size(1)));
+    if (spec.chain_apart) {
+      const at::Tensor y = fused_forward(spec.plain_table, x, w[0], w[1], w[2], vector32(2),
+                                         std::nullopt, std::nullopt, {}, {}, 1, 0.0, spec.kernel,
+                                         spec.split, false, std::nullopt);
+      if (save_z) z = y;  // kept: the chain writes a new tensor
+      out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
+                             spec.group_size, spec.eps, spec.norm_wide, !save_z, 0);
+    } else {
+      if (save_z) z = x.new_empty({M, N});
+      out = fused_forward(spec.table, x, w[0], w[1], w[2], vector32(2), gn_weight, gn_bias,
+                          vectors, spec.scalars, spec.group_size, spec.eps, spec.kernel,
+                          spec.split, spec.norm_wide, maybe(z));
+    }
   }
   // The kernels' fresh [M] result, as the reduction's [M, 1] (not a view: autograd's node
   // goes on this tensor itself)
