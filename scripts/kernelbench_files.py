@@ -11,8 +11,8 @@ each row also keeps the medians and ModelNew's slowest call). A markdown table l
 writes the rows. First the files' standalone libraries are built --jobs at a time (default: one
 per core; 0: each at its file's first call, one after another) into the cache the exports then
 load from: $GEMMFUSE_CACHE_DIR if set, else the run's build directory. 36 cold builds at 16 at
-once took over 330 s on the 16-core H100 machine (2026-11-28); a call of 10 minutes fits about
-18 files' builds and timing.
+once took over 330 s on the 16-core H100 machine (2026-11-28), 18-20 some 160-190 s (1ff650a's
+run): a call of 10 minutes should fit about 18 files' builds and timing (an estimate).
 Usage: python scripts/kernelbench_files.py FILE.py [FILE.py ...] [--trials N] [--json PATH]
 [--jobs N]
 """

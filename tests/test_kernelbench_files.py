@@ -44,3 +44,32 @@ def test_a_failed_build_raises_with_its_message(monkeypatch, tmp_path):
                         lambda *a, **k: ["BUILD FAILED Epilogue()\nnvcc: error"])  # fmt: skip
     with pytest.raises(RuntimeError, match="nvcc: error"):
         kernelbench_files.build_ahead(FILES[:1], 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("jobs", [0, 5])
+def test_main_builds_ahead_into_the_directory_it_judges_in(monkeypatch, tmp_path, jobs):
+    """--jobs 0 builds nothing ahead; else the build directory the files are judged in."""
+    built, judged = [], []
+    monkeypatch.setattr(kernelbench_files, "build_ahead", lambda p, j, d: built.append((p, j, d)))
+    monkeypatch.setattr(kernelbench_files, "judge",
+                        lambda path, trials, d: judged.append(d) or {"correct": True})  # fmt: skip
+    monkeypatch.setattr(kernelbench_files, "format_problem_rows", lambda rows: "")
+    monkeypatch.setattr(kernelbench_files.torch.cuda, "get_device_name", lambda: "stand-in")
+    files = [str(path_of("mixed_blocks"))]
+    monkeypatch.setattr(sys, "argv", ["kernelbench_files.py", *files, "--jobs", str(jobs)])
+    assert kernelbench_files.main() == 0
+    assert len(judged) == 1
+    if jobs:
+        assert built == [([Path(files[0])], jobs, judged[0])]
+    else:
+        assert built == []
+
+
+def test_build_ahead_keeps_the_rest_of_the_environment(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setenv("GEMMFUSE_TEST_MARKER", "kept")
+    monkeypatch.setattr(kernelbench_files, "build_in_processes",
+                        lambda names, jobs=None, env=None, standalone=False: seen.update(env=env)
+                        or [])  # fmt: skip
+    kernelbench_files.build_ahead(FILES[:1], 1, str(tmp_path))
+    assert seen["env"]["GEMMFUSE_TEST_MARKER"] == "kept"

@@ -21,7 +21,8 @@
 // 512 threads of 4 float4s (first tried in 0dd7aa2, 2026-11-28): the heavy chains' pre and post
 // ops (the random pool's chain 7: silu, softplus, mish, hardswish, then sigmoid, tanh, exp) are
 // bound by instruction latency; with half as many values a thread the registers drop from 74 to
-// 60, so an SM runs 32 warps (two blocks) where it ran 24 (three blocks of 256). On a given z at
+// 60 (58 since the moments share strided_moments_warp), so an SM runs 32 warps (two blocks)
+// where it ran 24 (three blocks of 256). On a given z at
 // 1024 x 8192 (same method, the two trees in turn, two runs each, H100): chain 7 173 -> 105 us in
 // one group and 177 -> 110 in 16, the pool's chain 2 (a mean) 109 -> 85, chain 1 89 -> 78;
 // #62's chain 46.4 -> 45.0, #75's 43.6 -> 44.5, #62's at 4096 rows 159 -> 160 and at 16 rows
