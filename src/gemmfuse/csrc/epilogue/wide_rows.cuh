@@ -49,10 +49,13 @@ static_assert(kTile == 128 && kTile / 4 == 32, "a warp's 32 quads are one tile")
 
 // Groups of whole tiles (so wider than or as wide as a tile) on a row that fits the registers,
 // the row's input and output and the GroupNorm's weight and bias 16-byte aligned (the channel
-// count, a multiple of the group size, keeps every row so); moments, not a softmax's statistics.
+// count, a multiple of the group size, keeps every row so); moments, not a softmax's statistics;
+// no max pooling (Epi::kPool 1: epilogue.py never pairs one with a norm, as group_rows_serves
+// checks too).
 template <class Epi>
 inline bool wide_rows_serves(const FusedArgs& args) {
-  if constexpr (Epi::kModelDtype != kFloat32Model || !Epi::kNorm || Epi::kSoftmax) {
+  if constexpr (Epi::kModelDtype != kFloat32Model || !Epi::kNorm || Epi::kSoftmax ||
+                Epi::kPool != 1) {
     return false;
   } else {
     const int gs = args.group_size;
