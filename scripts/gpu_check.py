@@ -13,7 +13,9 @@ tests/gpu and --skip-files all but those, so that the suite can be split over ca
 the device's 10 minutes; --workers runs N pytest-xdist processes sharing the GPU, where xdist
 is installed (1117 tests in 196 s with 8 on the H100 machine; not for test_optimize.py, whose
 module fixture then builds every export in parallel processes in each worker at once, which
-ran past 510 s); --test-timeout bounds pytest's seconds (540); --no-cold skips the cold builds,
+ran past 510 s); --test-timeout bounds pytest's seconds (540), and a run it cuts short lists
+the tests still running in the summary (pytest -v names each as it finishes; a test past 300 s
+dumps its threads' stacks into the log); --no-cold skips the cold builds,
 for a second call on a machine that already ran them. Where the tree travels
 without its own .git (the device tool's copy carries a stale one), set GEMMFUSE_COMMIT to the
 commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
@@ -173,6 +175,27 @@ def test_selection() -> tuple[list[str], list[str]]:
     return paths, args
 
 
+# A result pytest -v writes for a test: on the test's own line, or (pytest-xdist) on a line of
+# its own after the worker and progress, the test's id then following.
+_RESULT = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_TEST_ID = re.compile(r"(tests/\S+\.py::\S+)")
+
+
+def unfinished_tests(log: str) -> list[str]:
+    """The tests a pytest -v log shows started and never finished, in the order they started:
+    where a run killed at its time limit stood (a hang, or only a slow machine)."""
+    started, finished = {}, set()
+    for line in log.splitlines():
+        found = _TEST_ID.search(line)
+        if found is None or line.startswith(("FAILED ", "ERROR ", "SKIPPED ")):
+            continue  # no test, or the short summary's lines
+        if _RESULT.search(line):
+            finished.add(found.group(1))
+        else:
+            started.setdefault(found.group(1))
+    return [name for name in started if name not in finished]
+
+
 def note(summary: list[str], line: str) -> None:
     """Adds a summary line and prints it at once: a run cut short keeps what it measured."""
     summary.append(line)
@@ -205,8 +228,10 @@ def main() -> int:
     note(summary, f"second-process load from cache: {load.strip().splitlines()[-1]}")
 
     paths, selection = test_selection()
-    pytest = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-q", "-rs", "-p",
-              "no:cacheprovider", *selection]  # fmt: skip
+    # -v names each test as it finishes, so a run cut short by its time limit still says which
+    # ones were running; a test running past faulthandler's timeout dumps every thread's stack.
+    pytest = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-v", "-rs", "-p",
+              "no:cacheprovider", "-o", "faulthandler_timeout=300", *selection]  # fmt: skip
     expression = option("-k")
     if expression:
         pytest += ["-k", expression]
@@ -218,6 +243,9 @@ def main() -> int:
             r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
         )
         note(summary, f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
+        running = unfinished_tests(text)
+        if running:
+            note(summary, f"unfinished ({len(running)}): {', '.join(running[:10])}")
 
     if "--no-bench" in sys.argv:
         print("\n==== gpu-check summary ====\n" + "\n".join(summary))
