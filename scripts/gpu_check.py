@@ -14,8 +14,9 @@ the device's 10 minutes; --workers runs N pytest-xdist processes sharing the GPU
 is installed (1117 tests in 196 s with 8 on the H100 machine; not for test_optimize.py, whose
 module fixture then builds every export in parallel processes in each worker at once, which
 ran past 510 s); --test-timeout bounds pytest's seconds (540), and a run it cuts short lists
-the tests still running in the summary (pytest -v names each as it finishes; a test past 300 s
-dumps its threads' stacks into the log); --no-cold skips the cold builds,
+the tests still running in the summary (pytest -v names each as it finishes; a test past 300 s,
+or 80% of a shorter limit, dumps its threads' stacks into the log's stderr part); --no-cold
+skips the cold builds,
 for a second call on a machine that already ran them. Where the tree travels
 without its own .git (the device tool's copy carries a stale one), set GEMMFUSE_COMMIT to the
 commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
@@ -63,7 +64,14 @@ def run(cmd: list[str], log: str, timeout: float = 420) -> tuple[int, str]:
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc = 124
-        text = f"TIMEOUT after {timeout} s\n" + (exc.stdout or b"").decode(errors="replace")
+        # stderr apart: pytest's faulthandler dumps a stuck test's stacks there (kept apart, as
+        # merged they could split a test's -v line from its result)
+        text = (
+            f"TIMEOUT after {timeout} s\n"
+            + (exc.stdout or b"").decode(errors="replace")
+            + "\n---- stderr ----\n"
+            + (exc.stderr or b"").decode(errors="replace")
+        )
     (OUT / log).write_text(text)
     print(text[-6000:], flush=True)
     return rc, text
@@ -175,10 +183,15 @@ def test_selection() -> tuple[list[str], list[str]]:
     return paths, args
 
 
-# A result pytest -v writes for a test: on the test's own line, or (pytest-xdist) on a line of
-# its own after the worker and progress, the test's id then following.
-_RESULT = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
-_TEST_ID = re.compile(r"(tests/\S+\.py::\S+)")
+# pytest -v's lines for a test (its id may hold spaces: a parameter's words): with
+# pytest-xdist its start alone, then "[gwN] [ x%] RESULT id"; without, "id RESULT [ x%]" on the
+# line its start began ("SKIPPED (reason)" since pytest 9).
+_RESULTS = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+_XDIST_RESULT = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] (?:{_RESULTS}) (tests/\S*?\.py::.*?) ?$")
+_PLAIN_RESULT = re.compile(
+    rf"^(tests/\S*?\.py::.*?) (?:{_RESULTS})(?: \(.*\))?(?: +\[\s*\d+%\])?\s*$"
+)
+_START = re.compile(r"^(tests/\S*?\.py::.*?) ?$")
 
 
 def unfinished_tests(log: str) -> list[str]:
@@ -186,13 +199,11 @@ def unfinished_tests(log: str) -> list[str]:
     where a run killed at its time limit stood (a hang, or only a slow machine)."""
     started, finished = {}, set()
     for line in log.splitlines():
-        found = _TEST_ID.search(line)
-        if found is None or line.startswith(("FAILED ", "ERROR ", "SKIPPED ")):
-            continue  # no test, or the short summary's lines
-        if _RESULT.search(line):
-            finished.add(found.group(1))
-        else:
-            started.setdefault(found.group(1))
+        result = _XDIST_RESULT.match(line) or _PLAIN_RESULT.match(line)
+        if result:
+            finished.add(result.group(1))
+        elif start := _START.match(line):
+            started.setdefault(start.group(1))
     return [name for name in started if name not in finished]
 
 
@@ -228,16 +239,18 @@ def main() -> int:
     note(summary, f"second-process load from cache: {load.strip().splitlines()[-1]}")
 
     paths, selection = test_selection()
+    timeout = float(option("--test-timeout") or 540)
     # -v names each test as it finishes, so a run cut short by its time limit still says which
-    # ones were running; a test running past faulthandler's timeout dumps every thread's stack.
+    # ones were running; a test (setup included) running past faulthandler's timeout, set
+    # within the run's limit, dumps every thread's stack to stderr.
     pytest = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-v", "-rs", "-p",
-              "no:cacheprovider", "-o", "faulthandler_timeout=300", *selection]  # fmt: skip
+              "no:cacheprovider", "-o", f"faulthandler_timeout={min(300, 0.8 * timeout):.0f}",
+              *selection]  # fmt: skip
     expression = option("-k")
     if expression:
         pytest += ["-k", expression]
     rc_tests = 0
     if "--no-tests" not in sys.argv:
-        timeout = float(option("--test-timeout") or 540)
         rc_tests, text = run(pytest, "pytest.log", timeout=timeout)
         counts = re.findall(
             r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
