@@ -227,7 +227,8 @@ def test_a_float32_epilogue_path_plan_says_where_the_few_rows_kernel_runs(fake_e
 
 def test_a_float32_call_below_the_fused_sizes_leaves_an_epilogue_path_plan(monkeypatch):
     """fused_linear keeps a plan for the float32 epilogue path (host time is most of such a
-    call's time): the path's kernels stand in here; the second call is the plan's."""
+    call's time): the path's launch and keep_plan stand in here, and the call hands its path to
+    keep_plan."""
     monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(gemmfuse.ops, "take_path", lambda *args: "epilogue")
     launched = []

@@ -84,4 +84,15 @@ __device__ __forceinline__ Moments group_moments_warp(const float4* stats, int g
   return m;
 }
 
+// A group's normalisation parameters from its merged moments, into slot i of a block's arrays
+// (finish_row's, wide_rows_kernel's).
+template <class Epi>
+__device__ __forceinline__ void store_group_params(const Moments& m, int i, float* mean,
+                                                   float* mean_lo, float* rstd,
+                                                   const FusedArgs& args) {
+  mean[i] = m.mean;
+  mean_lo[i] = m.mean_lo;
+  rstd[i] = norm_rstd<Epi, true>(m.m2, m.mean, m.mean_lo, args.group_size, args.eps);
+}
+
 }  // namespace gemmfuse

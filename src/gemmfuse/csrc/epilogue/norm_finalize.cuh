@@ -60,18 +60,12 @@ __device__ __forceinline__ void finish_row(const float4* stats, const float* src
       if (warp_per_group) {
         for (int i = warp; i < groups; i += kFinalizeThreads / 32) {
           const Moments m = group_moments_warp<Epi>(stats, g0 + i, lane, args);
-          if (lane == 0) {
-            s_mean[i] = m.mean;
-            s_mean_lo[i] = m.mean_lo;
-            s_rstd[i] = norm_rstd<Epi, true>(m.m2, m.mean, m.mean_lo, gs, args.eps);
-          }
+          if (lane == 0) store_group_params<Epi>(m, i, s_mean, s_mean_lo, s_rstd, args);
         }
       } else {
         for (int i = tid; i < groups; i += kFinalizeThreads) {
           const Moments m = group_moments<Epi>(stats, g0 + i, 0, 1, args);
-          s_mean[i] = m.mean;
-          s_mean_lo[i] = m.mean_lo;
-          s_rstd[i] = norm_rstd<Epi, true>(m.m2, m.mean, m.mean_lo, gs, args.eps);
+          store_group_params<Epi>(m, i, s_mean, s_mean_lo, s_rstd, args);
         }
       }
       __syncthreads();

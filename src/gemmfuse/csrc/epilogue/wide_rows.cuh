@@ -112,11 +112,7 @@ __global__ void __launch_bounds__(kWideRowThreads) wide_rows_kernel(FusedArgs ar
   __syncthreads();
   for (int g = warp; g < N / gs; g += kWideRowWarps) {
     const Moments m = group_moments_warp<Epi>(stats, g, lane, args);
-    if (lane == 0) {
-      s_mean[g] = m.mean;
-      s_mean_lo[g] = m.mean_lo;
-      s_rstd[g] = norm_rstd<Epi, true>(m.m2, m.mean, m.mean_lo, gs, args.eps);
-    }
+    if (lane == 0) store_group_params<Epi>(m, g, s_mean, s_mean_lo, s_rstd, args);
   }
   __syncthreads();
 
