@@ -18,13 +18,14 @@ from gemmfuse.weight_cache import SplitWeightCache
 
 
 class FakePlan:
-    def __init__(self, cache, epilogue, kernel, precision, tensors, **spec):
+    def __init__(self, cache, epilogue, kernel, precision, tensors, spec):
         self.cache, self.epilogue, self.tensors, self.spec = cache, epilogue, tensors, spec
         self.kernel, self.precision = kernel, precision
 
 
 class FakeHost:
     Plan = FakePlan
+    PlanSpec = dict
 
     class SplitCache:
         pass
@@ -84,6 +85,49 @@ def test_a_plan_runs_the_chain_apart_where_dispatch_says(fake_ext, m, k, precisi
     (plan,) = cache.plans
     assert plan.spec["chain_apart"] is apart
     assert plan.spec["plain_table"] == (FakeExt.table if apart else 0)
+
+
+_BACKWARD_FIELDS = ("first_slot", "backward", "split_dx", "split_dw", "sparse")
+
+
+@pytest.mark.parametrize("path, m", [("fused", 1024), ("epilogue", 16), ("epilogue", 1)])
+def test_a_plan_runs_the_forward_spec_of_a_call_decided_afresh(fake_ext, path, m):
+    """One place decides a forward (plan.forward_spec): a plan's spec is its fields plus the
+    backward's, so a planned call and one decided afresh launch alike."""
+    epilogue = Epilogue(pre=(Pointwise("mul", (Param(0),)),), norm=GroupNormSpec(16),
+                        reduce=Reduction("min", keepdim=True))  # fmt: skip
+    args = tensors(m=m, k=4096, n=8192, params=(torch.randn(8192),))
+    cache = SplitWeightCache()
+    keep_plan(cache, epilogue, "auto", "fp32", args, grad=False, path=path)
+    (plan,) = cache.plans
+    forward = gemmfuse.plan.forward_spec(path, epilogue, args[0], args[1], "auto", "fp32")
+    assert {k: v for k, v in plan.spec.items() if k not in _BACKWARD_FIELDS} == forward
+    assert forward["epilogue_path"] is (path == "epilogue") and forward["keepdim"]
+    assert forward["gemv"] is (m == 1) and forward["chain_apart"] is (path == "fused")
+
+
+def test_launch_path_runs_the_host_executor_on_the_forward_spec(fake_ext, monkeypatch):
+    """ops.launch_path decides nothing itself: forward_spec's fields, the cache's SplitCache and
+    the call's tensors go to the host extension's launch (the executor a plan runs)."""
+    launched = []
+
+    def launch(spec, native, tensors, save_z):
+        launched.append((spec, native, tensors, save_z))
+        return "out", "z"
+
+    monkeypatch.setattr(FakeHost, "launch", staticmethod(launch), raising=False)
+    monkeypatch.setattr(gemmfuse.ops, "extension_for", lambda epilogue: FakeExt)
+    epilogue = Epilogue(pre=(Pointwise("relu"),), norm=GroupNormSpec(16))
+    x, w, b, gw, gb, params = tensors(m=1024, k=4096, n=8192)
+    cache = SplitWeightCache()
+    out = gemmfuse.ops.launch_path("fused", epilogue, cache, "hopper", "tf32", x, w, b, gw, gb,
+                                   params, True)  # fmt: skip
+    assert out == ("out", "z")
+    ((spec, native, passed, save_z),) = launched
+    assert spec == gemmfuse.plan.forward_spec("fused", epilogue, x, w, "hopper", "tf32")
+    assert spec["kernel_code"] == 2 and not spec["split"] and not spec["chain_apart"]
+    assert native is cache.native(FakeExt) and save_z is True
+    assert [id(t) for t in passed] == [id(t) for t in (x, w, b, gw, gb)]
 
 
 def test_chain_apart_needs_sm90_float32_and_a_chain(monkeypatch):

@@ -46,7 +46,7 @@ CHAIN_PARTS = ("chain_table.cu", "chain_sm90_split.cu", "chain_sm90_one_pass.cu"
                "chain_sm90_bf16.cu", "chain_sm80.cu", "chain_epilogue.cu", "chain_gemv.cu",
                "chain_backward.cu")  # fmt: skip
 HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_backward.cpp",
-                "host_plan.cpp", "host_autograd.cpp", "bind_splits.cpp", "bind_forward.cpp",
+                "host_plan.cpp", "host_autograd.cpp", "bind_splits.cpp",
                 "bind_epilogue.cpp", "bind_backward.cpp", "bind_plan.cpp", "host_module.cpp",
                 "host_tail.cpp", "split.cu", "sparse_products.cu", "column_sums.cu",
                 "outer_binary.cu")  # fmt: skip

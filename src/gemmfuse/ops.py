@@ -56,25 +56,19 @@ import functools
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
 from gemmfuse.dispatch import (
     FUSED_KERNELS,
     KERNELS,
-    MODEL16,
     PRECISIONS,
     backward_products,
-    chain_apart,
-    gemv_fits,
-    group_stats_mode,
     norm_settings,
-    split_padded,
     take_path,
 )
 from gemmfuse.epilogue import Epilogue, epilogue_spec
 from gemmfuse.jit import extension_for
-from gemmfuse.plan import keep_plan, plannable, planned_call
+from gemmfuse.plan import forward_spec, keep_plan, plannable, planned_call
 from gemmfuse.reference import apply_plain_ops, linear_epilogue, plain_ops
 from gemmfuse.tail import apply_tail
 from gemmfuse.validation import validate
@@ -84,49 +78,14 @@ from gemmfuse.weight_cache import SplitWeightCache, cache_for_call, fsdp_in_use
 def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_weight, gn_bias,
                 params, save_z):  # fmt: skip
     """(the chain's output up to its tail ops, z) for a ``fused`` or ``epilogue`` path call; z, the
-    GEMM result x @ W.T + b that the backward starts from, only when ``save_z`` (else None)."""
-    # Runs once per forward: keep it lean.
+    GEMM result x @ W.T + b that the backward starts from, only when ``save_z`` (else None). The
+    launch is decided by plan.forward_spec and run by the host extension's executor, the one a
+    plan runs (csrc/host/host_plan.cpp's ``launch_spec``)."""
+    # Runs once per forward decided afresh: keep it lean.
     ext = extension_for(epilogue)
-    (m, _), n = x.shape, weight.shape[0]
-    # The kernels read the channel vectors as dense float32 arrays (F.linear reads the bias).
-    gn_weight, gn_bias = cache.float32(gn_weight, "gn_weight"), cache.float32(gn_bias, "gn_bias")
-    chain = chain_arguments(epilogue, params, m, n)
-    vectors, _, group_size, eps, norm_wide = chain
-    model16 = x.dtype in MODEL16
-    apart = chain_apart(path, epilogue, x, n, kernel, precision)
-    # the epilogue path's z is a copy of F.linear's, a chain apart's the split GEMM's output
-    fused_z = save_z and path == "fused" and not apart
-    z = torch.empty((m, n), dtype=x.dtype, device=x.device) if fused_z else None
-    if not save_z and gemv_fits(path, x, weight):
-        bias32 = cache.float32(bias, "bias")
-        out = ext.gemv_forward(x, weight, bias32, gn_weight, gn_bias, *chain)
-    elif path == "epilogue":  # in place on F.linear's y, unless y is z, kept for the backward
-        y = F.linear(x, weight, bias)  # a bf16 model's: eager's own bits, which the chain reduces
-        z = y if save_z else None
-        stats = group_stats_mode(epilogue, x)
-        out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z, stats)
-    elif model16:  # a bf16 or fp16 model: its own operands, one tensor-core product
-        w = weight if weight.is_contiguous() else weight.contiguous()
-        bias32 = cache.float32(bias, "bias")
-        out = ext.fused_forward_16bit(x, w, bias32, gn_weight, gn_bias, *chain, z)
-    else:  # the split GEMM
-        splits = cache.get(ext, weight, split_padded(weight.shape[1]))
-        bias32 = cache.float32(bias, "bias")
-        kernel_code, split = FUSED_KERNELS[kernel], PRECISIONS[precision]
-        if apart:  # z stored by the plain GEMM, then the chain kernel on it (in place unless kept)
-            y = extension_for(Epilogue()).fused_forward(
-                x, *splits, bias32, None, None, [], [], 1, 0.0, kernel_code, split, False, None
-            )
-            z = y if save_z else None
-            out = ext.epilogue_forward(y, gn_weight, gn_bias, *chain, not save_z)
-        else:
-            out = ext.fused_forward(
-                x, *splits, bias32, gn_weight, gn_bias, vectors, epilogue.scalars, group_size,
-                eps, kernel_code, split, norm_wide, z,
-            )  # fmt: skip
-    if epilogue.reduce is not None and epilogue.reduce.keepdim:
-        out = out.view(m, 1)
-    return out, z
+    spec = ext.host.PlanSpec(**forward_spec(path, epilogue, x, weight, kernel, precision))
+    tensors = [x, weight, bias, gn_weight, gn_bias, *params]
+    return ext.host.launch(spec, cache.native(ext), tensors, save_z)
 
 
 def chain_arguments(epilogue: Epilogue, params, m: int, n: int) -> tuple:

@@ -77,6 +77,27 @@ def plannable(path: str) -> bool:
     return path in ("fused", "epilogue")
 
 
+def forward_spec(path: str, epilogue: Epilogue, x, weight, kernel: str, precision: str) -> dict:
+    """What the forward of a ``fused`` or ``epilogue`` path call runs (dispatch.py's rules, in
+    one place): the host extension's ``PlanSpec`` fields that its executor (csrc/host/
+    host_plan.cpp's ``launch_spec``) reads. A call decided afresh (ops.launch_path) and a plan
+    (keep_plan, which adds the backward's fields) run the same kernels from it."""
+    n = weight.shape[0]
+    group_size, eps, norm_wide = norm_settings(epilogue, n)
+    apart = chain_apart(path, epilogue, x, n, kernel, precision)
+    return dict(
+        table=extension_for(epilogue).table,
+        plain_table=extension_for(Epilogue()).table if apart else 0,  # a chain apart's GEMM
+        model16=x.dtype in MODEL16, kernel_code=FUSED_KERNELS.get(kernel, 0),
+        split=PRECISIONS[precision], scalars=list(epilogue.scalars), group_size=group_size,
+        eps=eps, norm_wide=norm_wide,
+        keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,
+        channel_params=list(epilogue.channel_params), epilogue_path=path == "epilogue",
+        group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
+        gemv=gemv_fits(path, x, weight), chain_apart=apart,
+    )  # fmt: skip
+
+
 def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, grad: bool,
               path: str = "fused"):  # fmt: skip
     """Puts the plan of a call that just took ``path`` (:func:`plannable`) with ``cache`` first
@@ -104,25 +125,14 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     if grad and wants_operand_grad:
         return  # an (M, N) operand's gradient: PyTorch's backward of the chain gives it
     sparse, split_dx, split_dw = backward_products(path, x, weight, kernel, epilogue)
-    apart = chain_apart(path, epilogue, x, n, kernel, precision)
-    # The plain GEMM's library runs a chain apart's GEMM and the split products: loaded only
-    # where the forward or a backward wants it
-    plain = extension_for(Epilogue()).table if apart or (grad and (split_dx or split_dw)) else 0
+    spec = forward_spec(path, epilogue, x, weight, kernel, precision)
+    if grad and (split_dx or split_dw):  # the backward's split products: the plain GEMM's library
+        spec["plain_table"] = extension_for(Epilogue()).table
+    spec.update(first_slot=column_sum_slots(chain)[1], backward=serves_backward,
+                split_dx=split_dx, split_dw=split_dw, sparse=sparse)  # fmt: skip
     ext = extension_for(epilogue)
-    group_size, eps, norm_wide = norm_settings(epilogue, n)
-    plan = ext.host.Plan(
-        cache.native(ext), epilogue, kernel, precision, every,
-        table=ext.table, plain_table=plain, model16=x.dtype in MODEL16,
-        kernel_code=FUSED_KERNELS.get(kernel, 0), split=PRECISIONS[precision],
-        scalars=list(epilogue.scalars), group_size=group_size, eps=eps, norm_wide=norm_wide,
-        keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,
-        channel_params=list(epilogue.channel_params), first_slot=column_sum_slots(chain)[1],
-        backward=serves_backward, split_dx=split_dx, split_dw=split_dw, sparse=sparse,
-        epilogue_path=path == "epilogue",
-        group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
-        gemv=gemv_fits(path, x, weight),
-        chain_apart=apart,
-    )  # fmt: skip
+    plan = ext.host.Plan(cache.native(ext), epilogue, kernel, precision, every,
+                         ext.host.PlanSpec(**spec))  # fmt: skip
     cache.plans = [plan, *cache.plans[: MAX_PLANS - 1]]
     cache.plan_kinds = [kind, *cache.plan_kinds[: MAX_PLANS - 1]]
 

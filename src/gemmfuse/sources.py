@@ -34,8 +34,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 # The host extension's entry points (csrc/host/host_module.cpp's PYBIND11_MODULE, which
 # csrc/export/binding.cpp includes for an export): those that launch a chain's kernels take its
 # table first; the splits serve every chain.
-CHAIN_FUNCTIONS = ("gemm_split", "fused_forward", "fused_forward_16bit", "epilogue_forward",
-                   "gemv_forward", "chain_backward", "chain_backward_plan")  # fmt: skip
+CHAIN_FUNCTIONS = ("gemm_split", "epilogue_forward", "chain_backward", "chain_backward_plan")
 SHARED_FUNCTIONS = ("split_rows", "split_cols", "sparse_products", "tail_outer")
 
 

@@ -8,7 +8,6 @@
 #include "host_autograd.cpp"
 #include "host_tail.cpp"
 #include "bind_splits.cpp"
-#include "bind_forward.cpp"
 #include "bind_epilogue.cpp"
 #include "bind_backward.cpp"
 #include "bind_plan.cpp"

@@ -8,9 +8,6 @@ void bind_epilogue(pybind11::module_& m) {
         py::arg("gn_weight"), py::arg("gn_bias"), py::arg("vec_params"), py::arg("scalar_params"),
         py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"), py::arg("in_place"),
         py::arg("group_stats") = 0);
-  m.def("gemv_forward", &gemv_forward, py::arg("table"), py::arg("x"), py::arg("w"),
-        py::arg("bias"), py::arg("gn_weight"), py::arg("gn_bias"), py::arg("vec_params"),
-        py::arg("scalar_params"), py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"));
   m.def("tail_outer", &tail_outer, py::arg("value"), py::arg("operand"), py::arg("op"),
         py::arg("value_inner"), py::arg("shape"));
 }

@@ -1,12 +1,18 @@
-// Binds the planned calls (host_plan.h): SplitCache, and Plan called with a fused_linear call's
-// own arguments. A call that is not the plan's kind returns None without raising: Python then
-// decides it afresh (and raises the readable error, where there is one).
+// Binds the planned calls (host_plan.h): SplitCache; PlanSpec, the decisions gemmfuse/plan.py
+// makes; launch, the forward's executor (ops.launch_path runs every call decided afresh through
+// it); and Plan called with a fused_linear call's own arguments. A call that is not the plan's
+// kind returns None without raising: Python then decides it afresh (and raises the readable
+// error, where there is one).
 #include "host_bindings.h"
 #include "host_plan.h"
+
+#include <optional>
+#include <tuple>
 
 namespace {
 
 namespace py = pybind11;
+using gemmfuse::host::Launched;
 using gemmfuse::host::Plan;
 using gemmfuse::host::PlanSpec;
 using gemmfuse::host::SplitCache;
@@ -35,14 +41,20 @@ bool same(py::handle a, const py::object& b) {
   return equal == 1;
 }
 
+std::vector<at::Tensor> defined_or_empty(const std::vector<std::optional<at::Tensor>>& tensors) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.value_or(at::Tensor()));
+  return out;
+}
+
 // A Plan with the Python-side part of its key: the epilogue (the same object, or an equal one),
 // kernel and precision.
 class PlanCall {
  public:
   PlanCall(std::shared_ptr<SplitCache> cache, py::object epilogue, py::object kernel,
            py::object precision, const std::vector<std::optional<at::Tensor>>& tensors,
-           PlanSpec spec)
-      : plan_(std::move(cache), std::move(spec), defined_or_empty(tensors)),
+           const PlanSpec& spec)
+      : plan_(std::move(cache), spec, defined_or_empty(tensors)),
         epilogue_(std::move(epilogue)),
         kernel_(std::move(kernel)),
         precision_(std::move(precision)),
@@ -95,13 +107,6 @@ class PlanCall {
     return true;
   }
 
-  static std::vector<at::Tensor> defined_or_empty(
-      const std::vector<std::optional<at::Tensor>>& tensors) {
-    std::vector<at::Tensor> out;
-    for (const auto& t : tensors) out.push_back(t.value_or(at::Tensor()));
-    return out;
-  }
-
   Plan plan_;
   py::object epilogue_, kernel_, precision_;
   size_t tensors_;
@@ -115,30 +120,41 @@ void bind_plan(pybind11::module_& m) {
       .def(py::init<>())
       .def("rows", &SplitCache::rows, py::arg("weight"), py::arg("k_padded"))
       .def("cols", &SplitCache::cols, py::arg("weight"), py::arg("n_padded"));
-  py::class_<PlanCall>(m, "Plan", py::module_local())
-      .def(py::init([](std::shared_ptr<SplitCache> cache, py::object epilogue, py::object kernel,
-                       py::object precision, std::vector<std::optional<at::Tensor>> tensors,
-                       int64_t table, int64_t plain_table, bool model16, int64_t kernel_code,
+  py::class_<PlanSpec>(m, "PlanSpec", py::module_local())
+      .def(py::init([](int64_t table, int64_t plain_table, bool model16, int64_t kernel_code,
                        bool split, std::vector<double> scalars, int64_t group_size, double eps,
                        bool norm_wide, bool keepdim, std::vector<int64_t> channel_params,
+                       bool epilogue_path, int64_t group_stats, bool gemv, bool chain_apart,
                        int64_t first_slot, bool backward, bool split_dx, bool split_dw,
-                       bool sparse, bool epilogue_path, int64_t group_stats, bool gemv,
-                       bool chain_apart) {
-             PlanSpec spec{table,          plain_table,   model16,     kernel_code, split,
-                           scalars,        group_size,    eps,         norm_wide,   keepdim,
-                           channel_params, first_slot,    backward,    split_dx,    split_dw,
-                           sparse,         epilogue_path, group_stats, gemv,        chain_apart};
-             return PlanCall(std::move(cache), std::move(epilogue), std::move(kernel),
-                             std::move(precision), tensors, std::move(spec));
+                       bool sparse) {
+             return PlanSpec{table,          plain_table,   model16,     kernel_code, split,
+                             scalars,        group_size,    eps,         norm_wide,   keepdim,
+                             channel_params, first_slot,    backward,    split_dx,    split_dw,
+                             sparse,         epilogue_path, group_stats, gemv,        chain_apart};
            }),
+           py::kw_only(), py::arg("table"), py::arg("plain_table"), py::arg("model16"),
+           py::arg("kernel_code"), py::arg("split"), py::arg("scalars"), py::arg("group_size"),
+           py::arg("eps"), py::arg("norm_wide"), py::arg("keepdim"), py::arg("channel_params"),
+           py::arg("epilogue_path"), py::arg("group_stats"), py::arg("gemv"),
+           py::arg("chain_apart"), py::arg("first_slot") = 1, py::arg("backward") = false,
+           py::arg("split_dx") = false, py::arg("split_dw") = false, py::arg("sparse") = false);
+  m.def(
+      "launch",
+      [](const PlanSpec& spec, const std::shared_ptr<SplitCache>& cache,
+         const std::vector<std::optional<at::Tensor>>& tensors, bool save_z) {
+        const std::vector<at::Tensor> t = defined_or_empty(tensors);
+        gemmfuse::host::check_launch(spec, cache.get(), t);
+        Launched call = gemmfuse::host::launch_spec(spec, *cache, t, save_z);
+        std::optional<at::Tensor> z;  // None where none was saved
+        if (call.z.defined()) z = std::move(call.z);
+        return std::make_tuple(std::move(call.out), std::move(z));
+      },
+      py::arg("spec"), py::arg("cache"), py::arg("tensors"), py::arg("save_z"));
+  py::class_<PlanCall>(m, "Plan", py::module_local())
+      .def(py::init<std::shared_ptr<SplitCache>, py::object, py::object, py::object,
+                    std::vector<std::optional<at::Tensor>>, const PlanSpec&>(),
            py::arg("cache"), py::arg("epilogue"), py::arg("kernel"), py::arg("precision"),
-           py::arg("tensors"), py::kw_only(), py::arg("table"), py::arg("plain_table"),
-           py::arg("model16"), py::arg("kernel_code"), py::arg("split"), py::arg("scalars"),
-           py::arg("group_size"), py::arg("eps"), py::arg("norm_wide"), py::arg("keepdim"),
-           py::arg("channel_params"), py::arg("first_slot"), py::arg("backward"),
-           py::arg("split_dx"), py::arg("split_dw"), py::arg("sparse") = false,
-           py::arg("epilogue_path") = false,
-           py::arg("group_stats") = 0, py::arg("gemv") = false, py::arg("chain_apart") = false)
+           py::arg("tensors"), py::arg("spec"))
       .def_property_readonly("path", &PlanCall::path)
       .def("__call__", &PlanCall::operator(), py::arg("epilogue"), py::arg("kernel"),
            py::arg("precision"), py::arg("x"), py::arg("weight"), py::arg("bias"),

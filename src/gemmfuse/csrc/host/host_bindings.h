@@ -6,7 +6,6 @@
 #include "host_entry.h"
 
 void bind_splits(pybind11::module_& m);
-void bind_forward(pybind11::module_& m);
 void bind_epilogue(pybind11::module_& m);
 void bind_backward(pybind11::module_& m);
 void bind_plan(pybind11::module_& m);

@@ -3,7 +3,6 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_splits(m);
-  bind_forward(m);
   bind_epilogue(m);
   bind_backward(m);
   bind_plan(m);

@@ -1,4 +1,5 @@
-// The host extension's planned calls (host_plan.h): the split cache and a plan's forward.
+// The host extension's planned calls (host_plan.h): the split cache, the forward's executor
+// (launch_spec, which every fused and epilogue-path forward runs) and a plan's checks around it.
 #include "host_plan.h"
 
 #include <ATen/SavedTensorHooks.h>
@@ -82,18 +83,23 @@ bool TensorKey::matches(const at::Tensor& t) const {
          (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) == aligned;
 }
 
-Plan::Plan(std::shared_ptr<SplitCache> cache, PlanSpec spec,
-           const std::vector<at::Tensor>& tensors) {
-  TORCH_CHECK(cache != nullptr && spec.table != 0, "gemmfuse: a plan needs a cache and a table");
+void check_launch(const PlanSpec& spec, const SplitCache* cache,
+                  const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(cache != nullptr && spec.table != 0, "gemmfuse: a launch needs a cache and a table");
   TORCH_CHECK(!spec.chain_apart || (spec.plain_table != 0 && !spec.model16 && !spec.epilogue_path),
-              "gemmfuse: a float32 plan whose chain runs apart needs the plain GEMM's table");
+              "gemmfuse: a float32 launch whose chain runs apart needs the plain GEMM's table");
   TORCH_CHECK(!spec.gemv || (spec.epilogue_path && !spec.model16),
-              "gemmfuse: the few-rows kernel serves a float32 epilogue-path plan");
+              "gemmfuse: the few-rows kernel serves a float32 epilogue-path launch");
   TORCH_CHECK(tensors.size() >= 5 && tensors[0].defined() && tensors[1].defined(),
-              "gemmfuse: a plan takes x, weight, bias, gn_weight, gn_bias and the params");
+              "gemmfuse: a launch takes x, weight, bias, gn_weight, gn_bias and the params");
   for (int64_t i : spec.channel_params)
     TORCH_CHECK(i >= 0 && 5 + i < static_cast<int64_t>(tensors.size()) && tensors[5 + i].defined(),
-                "gemmfuse: a plan's channel params index its tensors");
+                "gemmfuse: a launch's channel params index its tensors");
+}
+
+Plan::Plan(std::shared_ptr<SplitCache> cache, PlanSpec spec,
+           const std::vector<at::Tensor>& tensors) {
+  check_launch(spec, cache.get(), tensors);
   auto state = std::make_shared<PlanState>();
   state->spec = std::move(spec);
   state->cache = std::move(cache);
@@ -156,7 +162,7 @@ at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
   if (grad && (!spec.backward || per_element_grad(spec, t, M, N) ||
                ((spec.split_dx || spec.split_dw) && spec.plain_table == 0)))
     return {};
-  Launched call = launch(t, grad);
+  Launched call = launch_spec(spec, *state_->cache, t, grad);
   if (grad)
     record_backward(state_, call.out, t, call.z, call.gn_weight, call.gn_bias, call.vectors);
   return call.out;
@@ -164,18 +170,16 @@ at::Tensor Plan::run(const std::vector<at::Tensor>& t) const {
 
 std::pair<at::Tensor, at::Tensor> Plan::run_saving_z(const std::vector<at::Tensor>& t) const {
   if (!serves(t) || autograd_extras(t, false)) return {};
-  Launched call = launch(t, true);
+  Launched call = launch_spec(state_->spec, *state_->cache, t, true);
   return {call.out, call.z};
 }
 
-Plan::Launched Plan::launch(const std::vector<at::Tensor>& t, bool save_z) const {
-  const PlanState& state = *state_;
-  const PlanSpec& spec = state.spec;
+Launched launch_spec(const PlanSpec& spec, SplitCache& cache, const std::vector<at::Tensor>& t,
+                     bool save_z) {
   const at::Tensor &x = t[0], &weight = t[1];
   const int64_t M = x.size(0), N = weight.size(0);
   c10::cuda::CUDAGuard guard(x.device());
   at::AutoGradMode no_grad(false);
-  SplitCache& cache = *state.cache;
   const auto vector32 = [&](int64_t slot) -> std::optional<at::Tensor> {
     const at::Tensor& v = t[slot];
     if (!v.defined()) return std::nullopt;

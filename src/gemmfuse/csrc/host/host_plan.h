@@ -100,6 +100,26 @@ struct PlanSpec {
   bool chain_apart = false;
 };
 
+// A launch's results and the float32 vectors it read (a backward node keeps them); z undefined
+// where none was saved.
+struct Launched {
+  at::Tensor out, z, gn_weight, gn_bias;
+  std::vector<at::Tensor> vectors;
+};
+
+// The forward's one executor: the kernels that spec's decisions name (the Python rules make them
+// once, gemmfuse/plan.py's forward_spec) on tensors (x, weight, bias, gn_weight, gn_bias,
+// params...; undefined for None), z written where save_z. A planned call and a call decided
+// afresh (ops.launch_path) both run it; the weight's split and float32 vectors come from cache.
+Launched launch_spec(const PlanSpec& spec, SplitCache& cache, const std::vector<at::Tensor>& t,
+                     bool save_z);
+
+// Raises unless launch_spec can run spec with cache on tensors: a cache and a table, the plain
+// GEMM's table where the chain runs apart, the few-rows kernel only on the float32 epilogue
+// path, and tensors (x, weight, bias, gn_weight, gn_bias, params...) as spec reads them.
+void check_launch(const PlanSpec& spec, const SplitCache* cache,
+                  const std::vector<at::Tensor>& tensors);
+
 // What a plan and the backward nodes it records share.
 struct PlanState {
   PlanSpec spec;
@@ -122,15 +142,8 @@ class Plan {
   const PlanSpec& spec() const { return state_->spec; }
 
  private:
-  // A launch's results and the float32 vectors it read (a backward node keeps them).
-  struct Launched {
-    at::Tensor out, z, gn_weight, gn_bias;
-    std::vector<at::Tensor> vectors;
-  };
   // Whether the tensors are of the plan's kinds and no CUDA graph is being captured.
   bool serves(const std::vector<at::Tensor>& tensors) const;
-  // The kernels on tensors the plan serves, z written where save_z.
-  Launched launch(const std::vector<at::Tensor>& tensors, bool save_z) const;
 
   std::shared_ptr<const PlanState> state_;
 };
