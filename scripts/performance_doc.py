@@ -2,11 +2,12 @@
 
 Usage: python scripts/performance_doc.py BENCH_JSON [--date YYYY-MM-DD] [--stale TEXT]
 [--kernelbench KB_JSON --kernelbench-commit C ...] [--mlp-block JSON --mlp-block-commit C]
-[--floors JSON [--roofline PNG]] [--sweep-json JSON] [--chains-json JSON] [--later-date YYYY-MM-DD]
+[--floors JSON [--roofline PNG]] [--sweep-json JSON] [--chains-json JSON] [--other-date YYYY-MM-DD]
 (--stale: what has changed since the measured commit that these figures do not show;
---sweep-json / --chains-json: the shape sweep's or the random chains' table from a later run of
-its own (.devwork-style scripts calling bench.run_sweep / bench.run_chains and writing the bench
-JSON's meta with "sweep" or "chains"), shown under that run's GPU, commit and --later-date in
+--sweep-json / --chains-json: the shape sweep's or the random chains' table from another run (a
+later one of its own, .devwork-style scripts calling bench.run_sweep / bench.run_chains and
+writing the bench JSON's meta with "sweep" or "chains"; or an earlier benchmark JSON that holds
+the table BENCH_JSON's run left out), shown under that run's GPU, commit and --other-date in
 place of BENCH_JSON's;
 --kernelbench, repeatable: scripts/kernelbench_files.py's --json, a table of exported problem
 files judged in KernelBench's method, each with the commit it measured; --mlp-block:
@@ -50,15 +51,16 @@ def _problem_table(kb: dict, commit: str) -> str:
 
 
 def _table(path: str | None, date: str | None, data: dict, key: str) -> tuple[list, str]:
-    """A table's rows, from the later run at ``path`` (with a line naming that run) or from the
-    main benchmark's JSON (no line: the page's header names its run)."""
+    """A table's rows, from another run at ``path`` (with a line naming that run: a later one, or
+    an earlier one where the main benchmark left the table out) or from the main benchmark's
+    JSON (no line: the page's header names its run)."""
     if not path:
         return data.get(key, []), ""
-    later = json.loads(Path(path).read_text())
-    line = (f"Measured in a later run than the tables above: GPU {later['gpu']}; torch "
-            f"{later['torch']} (CUDA {later['cuda']}); commit {later['commit']}; {date}; "
-            f"method: {later['method']}.\n\n")  # fmt: skip
-    return later[key], line
+    other = json.loads(Path(path).read_text())
+    line = (f"Measured in another run than the tables above: GPU {other['gpu']}; torch "
+            f"{other['torch']} (CUDA {other['cuda']}); commit {other['commit']}; {date}; "
+            f"method: {other['method']}.\n\n")  # fmt: skip
+    return other[key], line
 
 
 def _floor_section(args, data: dict) -> str:
@@ -115,12 +117,12 @@ def main() -> None:
     parser.add_argument("--mlp-block-commit", default="", help="the commit it measured")
     parser.add_argument("--floors", help="scripts/problem_floors.py --json output")
     parser.add_argument("--roofline", type=Path, help="where to draw the roofline plot (PNG)")
-    parser.add_argument("--sweep-json", help="the shape sweep from a later run")
-    parser.add_argument("--chains-json", help="the random-chain table from a later run")
-    parser.add_argument("--later-date", help="when the --sweep-json / --chains-json run ran")
+    parser.add_argument("--sweep-json", help="the shape sweep from another run")
+    parser.add_argument("--chains-json", help="the random-chain table from another run")
+    parser.add_argument("--other-date", help="when the --sweep-json / --chains-json run ran")
     args = parser.parse_args()
-    if (args.sweep_json or args.chains_json) and not args.later_date:
-        parser.error("--sweep-json and --chains-json need --later-date")
+    if (args.sweep_json or args.chains_json) and not args.other_date:
+        parser.error("--sweep-json and --chains-json need --other-date")
     if args.roofline and not args.floors:
         parser.error("--roofline draws the floors: give --floors too")
     if len(args.kernelbench_commit) != len(args.kernelbench):
@@ -142,8 +144,8 @@ def main() -> None:
     data = json.loads(Path(args.bench_json).read_text())
     results = [Result(**r) for r in data["results"]]
     modes = [ModeResult(**m) for m in data.get("modes", [])]
-    sweep, sweep_run = _table(args.sweep_json, args.later_date, data, "sweep")
-    chains, chains_run = _table(args.chains_json, args.later_date, data, "chains")
+    sweep, sweep_run = _table(args.sweep_json, args.other_date, data, "sweep")
+    chains, chains_run = _table(args.chains_json, args.other_date, data, "chains")
     structures = len({row["chain"] for row in chains})  # the pool's chains
     harness = data.get("harness", [])
     trials = data.get("harness_trials", 0)
