@@ -4,6 +4,7 @@ plans' C++ side runs on the GPU (tests/gpu/test_plan.py); here a stand-in record
 gives it."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import gemmfuse.dispatch
 import gemmfuse.ops
 import gemmfuse.plan
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse.kernel_files import read_csrc
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.plan import MAX_PLANS, keep_plan, plannable
 from gemmfuse.weight_cache import SplitWeightCache
@@ -106,6 +108,21 @@ def test_a_plan_runs_the_forward_spec_of_a_call_decided_afresh(fake_ext, path, m
     assert forward["gemv"] is (m == 1) and forward["chain_apart"] is (path == "fused")
 
 
+def test_the_bound_plan_spec_takes_every_field_plan_py_gives(fake_ext):
+    """PlanSpec's keywords (bind_plan.cpp) are forward_spec's fields and the backward's, which
+    keep_plan adds: a field renamed on one side fails here, not on a GPU."""
+    binding = read_csrc()["bind_plan.cpp"]
+    bound = re.search(r'py::class_<PlanSpec>\(m, "PlanSpec".*?\);\n', binding, re.S)
+    assert bound is not None
+    keywords = set(re.findall(r'py::arg\("(\w+)"\)', bound.group()))
+    x, w, *_ = tensors(m=1024, k=4096, n=8192)
+    fields = gemmfuse.plan.forward_spec("fused", Epilogue(), x, w, "auto", "fp32")
+    assert keywords == set(fields) | set(_BACKWARD_FIELDS)
+    cache = SplitWeightCache()
+    keep_plan(cache, Epilogue(pre=(Pointwise("relu"),)), "auto", "fp32", tensors(), grad=False)
+    assert set(cache.plans[0].spec) == keywords
+
+
 def test_launch_path_runs_the_host_executor_on_the_forward_spec(fake_ext, monkeypatch):
     """ops.launch_path decides nothing itself: forward_spec's fields, the cache's SplitCache and
     the call's tensors go to the host extension's launch (the executor a plan runs)."""
@@ -117,8 +134,10 @@ def test_launch_path_runs_the_host_executor_on_the_forward_spec(fake_ext, monkey
 
     monkeypatch.setattr(FakeHost, "launch", staticmethod(launch), raising=False)
     monkeypatch.setattr(gemmfuse.ops, "extension_for", lambda epilogue: FakeExt)
-    epilogue = Epilogue(pre=(Pointwise("relu"),), norm=GroupNormSpec(16))
-    x, w, b, gw, gb, params = tensors(m=1024, k=4096, n=8192)
+    epilogue = Epilogue(pre=(Pointwise("mul", (Param(1),)),), norm=GroupNormSpec(16),
+                        reduce=Reduction("min"), tail=(Pointwise("add", (Param(0),)),))  # fmt: skip
+    x, w, b, gw, gb, params = tensors(m=1024, k=4096, n=8192,
+                                      params=(torch.randn(1024), torch.randn(8192)))  # fmt: skip
     cache = SplitWeightCache()
     out = gemmfuse.ops.launch_path("fused", epilogue, cache, "hopper", "tf32", x, w, b, gw, gb,
                                    params, True)  # fmt: skip
@@ -127,7 +146,9 @@ def test_launch_path_runs_the_host_executor_on_the_forward_spec(fake_ext, monkey
     assert spec == gemmfuse.plan.forward_spec("fused", epilogue, x, w, "hopper", "tf32")
     assert spec["kernel_code"] == 2 and not spec["split"] and not spec["chain_apart"]
     assert native is cache.native(FakeExt) and save_z is True
-    assert [id(t) for t in passed] == [id(t) for t in (x, w, b, gw, gb)]
+    # every params tensor, a tail op's too, in order (the spec's channel_params index them)
+    assert [id(t) for t in passed] == [id(t) for t in (x, w, b, gw, gb, *params)]
+    assert spec["channel_params"] == [1]
 
 
 def test_chain_apart_needs_sm90_float32_and_a_chain(monkeypatch):
@@ -299,3 +320,18 @@ def test_a_cleared_or_copied_cache_has_no_plans(fake_ext):
     native = cache.native(FakeExt)
     cache.clear()
     assert cache.plans == [] and cache.native(FakeExt) is not native
+
+
+def test_an_inference_tensor_is_derived_at_every_call():
+    """An inference tensor has no version counter (reading it raises): what the cache derives
+    from one is made at each call, never kept under a key it cannot check."""
+    cache, made = SplitWeightCache(), []
+    with torch.inference_mode():
+        t = torch.randn(8)
+        for _ in range(2):
+            assert torch.equal(cache.derived(t, "slot", lambda: made.append(1) or t * 2), t * 2)
+    assert len(made) == 2
+    plain = torch.randn(8)
+    for _ in range(2):
+        cache.derived(plain, "slot", lambda: made.append(1) or plain * 2)
+    assert len(made) == 3  # a plain tensor's: made once

@@ -122,3 +122,13 @@ def test_the_binding_defines_every_function_python_calls():
     assert set(CHAIN_FUNCTIONS) | set(SHARED_FUNCTIONS) <= set(defined)
     assert all(defined[name] for name in CHAIN_FUNCTIONS)
     assert not any(defined[name] for name in SHARED_FUNCTIONS)
+
+
+def test_the_binding_defines_the_executor():
+    """ops.launch_path calls ``launch(spec, cache, tensors, save_z)`` (bind_plan.cpp)."""
+    binding = read_csrc()["bind_plan.cpp"]
+    # from the def to the next binding (its lambda's body holds statements of its own)
+    launch = re.search(r'm\.def\(\s*"launch",.*?(?=\n  (?:py::class_|m\.def))', binding, re.S)
+    assert launch is not None
+    names = re.findall(r'py::arg\("(\w+)"\)', launch.group())
+    assert names == ["spec", "cache", "tensors", "save_z"]

@@ -220,8 +220,8 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
     split GEMM storing z, then the chain kernel on z, rather than the chain in the GEMM's
     epilogue: the fused path under kernel="auto", precision="fp32", on sm_90, from
     CHAIN_APART_MIN_OUTPUTS and CHAIN_APART_MIN_K, for a chain that does something
-    (kernel="hopper" keeps the chain in the fused kernel). ops.launch_path runs it, and
-    plan.keep_plan keeps it in the call's plan."""
+    (kernel="hopper" keeps the chain in the fused kernel). plan.forward_spec puts the answer in
+    the spec the host extension's executor runs."""
     m, k = x.shape
     return (
         path == "fused" and kernel == "auto" and precision == "fp32"
@@ -332,7 +332,7 @@ def norm_settings(epilogue: Epilogue, n: int) -> tuple[int, float, bool]:
 
 def gemv_fits(path: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a call that took ``path`` runs the epilogue path's one-or-two-rows kernel where it
-    saves no z (ops.launch_path; a plan keeps the answer: plan.keep_plan): a float32 call on the
+    saves no z (plan.forward_spec puts the answer in the executor's spec): a float32 call on the
     epilogue path with K a multiple of 4 and 16-byte aligned rows."""
     m, k = x.shape
     return (

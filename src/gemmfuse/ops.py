@@ -80,7 +80,9 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     """(the chain's output up to its tail ops, z) for a ``fused`` or ``epilogue`` path call; z, the
     GEMM result x @ W.T + b that the backward starts from, only when ``save_z`` (else None). The
     launch is decided by plan.forward_spec and run by the host extension's executor, the one a
-    plan runs (csrc/host/host_plan.cpp's ``launch_spec``)."""
+    plan runs (csrc/host/host_plan.cpp's ``launch_spec``). A tensor subclass's own torch
+    function is not consulted there: the epilogue path's GEMM is ``at::linear`` in C++ (before
+    2853e70 ``F.linear`` in Python), as the fused kernels never consulted it."""
     # Runs once per forward decided afresh: keep it lean.
     ext = extension_for(epilogue)
     spec = ext.host.PlanSpec(**forward_spec(path, epilogue, x, weight, kernel, precision))

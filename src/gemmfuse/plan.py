@@ -43,8 +43,9 @@ from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for
 
 MAX_PLANS = 4  # per weight cache: the kinds of call one module meets (a last, shorter batch...)
-# What a plan takes (csrc/host/bind_plan.cpp): a subclass with a torch function of its own takes the
-# Python path.
+# What a plan takes (csrc/host/bind_plan.cpp): a call with a tensor subclass is decided afresh
+# each time by the Python rules (its own torch function is seen there; the kernels, and the
+# executor's GEMM on the epilogue path, take it as the tensor it holds).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 

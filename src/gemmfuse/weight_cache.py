@@ -28,10 +28,11 @@ class SplitWeightCache:
     cache's plans share: ``fused_linear``'s calls of one kind decided once and run in C++
     (gemmfuse/plan.py; ``plans``, the most recent first).
 
-    It also keeps, by the same rules, dense float32 copies of the per-channel vectors the
-    kernels read (:meth:`float32`) where they are not already (a bfloat16 model's bias and
-    GroupNorm affine): 4 bytes per channel and vector, one copy per vector slot (a plan keeps
-    its own in the SplitCache).
+    The forward's dense float32 copies of the per-channel vectors its kernels read, where they
+    are not that already (a bfloat16 model's bias and GroupNorm affine), are kept in the
+    SplitCache too, by the same rules (4 bytes per channel and vector, one copy per vector
+    slot); the backward's chain kernel keeps its own copies of the GroupNorm affine here
+    (:meth:`float32`).
     """
 
     # Every live cache by its token: the torch.library ops (library.py) take a token, as a
@@ -85,7 +86,10 @@ class SplitWeightCache:
 
     def derived(self, t: torch.Tensor, slot, make):
         """``make()`` (a tensor computed from ``t``), made once per version of ``t`` for this
-        slot (a hashable naming its role)."""
+        slot (a hashable naming its role); at every call where ``t`` is an inference tensor,
+        which has no version to key on (the host extension's SplitCache does the same)."""
+        if t.is_inference():
+            return make()
         storage = t.untyped_storage()
         # data_ptr: a storage freed and re-allocated (resize_) keeps its object but may move.
         # FSDP2's refills keep address and version alike: cache_for_call keeps no cache then.
@@ -99,13 +103,14 @@ class SplitWeightCache:
 
     def float32(self, t: torch.Tensor | None, slot: str) -> torch.Tensor | None:
         """``t`` as a contiguous float32 tensor, converted once per version of ``t``; ``slot``
-        names its role ("bias", ...), so a new tensor in a slot replaces the old copy."""
+        names its role ("gn_weight", ...), so a new tensor in a slot replaces the old copy."""
         if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
             return t
         return self.derived(t, slot, lambda: t.detach().to(torch.float32).contiguous())
 
     def get(self, ext, weight: torch.Tensor, k_padded: int):
-        """The weight's rows split: (hi, lo) [N, k_padded] and scales [N] (the forward's B)."""
+        """The weight's rows split: (hi, lo) [N, k_padded] and scales [N] (the forward's B, which
+        the host extension's executor takes from the same SplitCache)."""
         return self.native(ext).rows(weight, k_padded)
 
     def transposed(self, ext, weight: torch.Tensor, n_padded: int):

@@ -17,7 +17,7 @@ using gemmfuse::host::Plan;
 using gemmfuse::host::PlanSpec;
 using gemmfuse::host::SplitCache;
 
-// A plain tensor or Parameter (a subclass with its own torch function takes the Python path).
+// A plain tensor or Parameter (a call with a subclass is decided afresh by the Python rules).
 bool unpack(py::handle h, at::Tensor& t) {
   // Held for the process's life (never released: no Python call at exit).
   static const py::handle tensor = py::object(py::module_::import("torch").attr("Tensor")).release();

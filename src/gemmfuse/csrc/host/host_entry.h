@@ -1,6 +1,8 @@
-// The host extension's entry points, as host_module.cpp binds them for Python (names and
-// arguments: gemmfuse/sources.py's CHAIN_FUNCTIONS and SHARED_FUNCTIONS). Those taking `table`
-// launch the kernels of the chain library whose ChainTable (chain_table.h) it addresses.
+// The host extension's entry points: most as host_module.cpp binds them for Python (names and
+// arguments: gemmfuse/sources.py's CHAIN_FUNCTIONS and SHARED_FUNCTIONS); fused_forward,
+// fused_forward_16bit and gemv_forward only through the forward's executor (host_plan.h's
+// launch_spec). Those taking `table` launch the kernels of the chain library whose ChainTable
+// (chain_table.h) it addresses.
 #pragma once
 #include <ATen/core/Tensor.h>
 

@@ -30,10 +30,12 @@ void Derived::keep(const at::Tensor& t, std::vector<at::Tensor> made) {
   value = std::move(made);
 }
 
-std::vector<at::Tensor> SplitCache::get(Kind kind, int64_t arg, const at::Tensor& t,
-                                        const Make& make) {
+std::vector<at::Tensor> SplitCache::get(Kind kind, int64_t arg, int64_t width,
+                                        const at::Tensor& t, const Make& make) {
+  // (reading its version would raise; and inside inference_mode it may change in place unseen)
+  if (t.is_inference()) return make(t);
   std::lock_guard<std::mutex> lock(mutex_);
-  Derived& entry = entries_[{kind, arg}];
+  Derived& entry = entries_[{kind, arg, width}];
   if (!entry.made_from(t)) {
     entry.value.clear();  // the old value's memory goes before the new one is made
     entry.keep(t, make(t));
@@ -42,14 +44,14 @@ std::vector<at::Tensor> SplitCache::get(Kind kind, int64_t arg, const at::Tensor
 }
 
 std::vector<at::Tensor> SplitCache::rows(const at::Tensor& weight, int64_t k_padded) {
-  return get(kRows, k_padded, weight, [k_padded](const at::Tensor& w) {
+  return get(kRows, k_padded, 0, weight, [k_padded](const at::Tensor& w) {
     at::AutoGradMode no_grad(false);
     return split_rows(unit_stride(w), k_padded);
   });
 }
 
 std::vector<at::Tensor> SplitCache::cols(const at::Tensor& weight, int64_t n_padded) {
-  return get(kCols, n_padded, weight, [n_padded](const at::Tensor& w) {
+  return get(kCols, n_padded, 0, weight, [n_padded](const at::Tensor& w) {
     at::AutoGradMode no_grad(false);
     return split_cols(unit_stride(w), n_padded);
   });
@@ -57,7 +59,7 @@ std::vector<at::Tensor> SplitCache::cols(const at::Tensor& weight, int64_t n_pad
 
 at::Tensor SplitCache::channel_vector(int64_t slot, const at::Tensor& t, int64_t n) {
   if (t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n) return t;
-  return get(kVector, slot, t, [n](const at::Tensor& v) {
+  return get(kVector, slot, n, t, [n](const at::Tensor& v) {
     at::AutoGradMode no_grad(false);
     return std::vector<at::Tensor>{v.reshape({-1}).expand({n}).to(at::kFloat).contiguous()};
   }).front();

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -43,19 +44,22 @@ class SplitCache {
  public:
   using Make = std::function<std::vector<at::Tensor>(const at::Tensor&)>;
   enum Kind { kRows, kCols, kVector };
-  // make(t) for this slot, kept until t changes (another tensor, storage or version).
-  std::vector<at::Tensor> get(Kind kind, int64_t arg, const at::Tensor& t, const Make& make);
+  // make(t) for the slot (kind, arg, width), kept until t changes (another tensor, storage or
+  // version); an inference tensor, which has no version counter, gets make(t) at every call.
+  std::vector<at::Tensor> get(Kind kind, int64_t arg, int64_t width, const at::Tensor& t,
+                              const Make& make);
   // The weight's rows split: fp16 hi, lo [N, k_padded] and scales [N] (the forward's B).
   std::vector<at::Tensor> rows(const at::Tensor& weight, int64_t k_padded);
   // The weight's columns split: hi, lo [K, n_padded] and scales [K] (the input gradient's B).
   std::vector<at::Tensor> cols(const at::Tensor& weight, int64_t n_padded);
   // A per-channel tensor as the kernels read it: n contiguous float32 values (t itself when it
-  // is that already); slot names its role.
+  // is that already); slot names its role (a copy per slot and n: one scalar tensor may serve
+  // weights of different widths).
   at::Tensor channel_vector(int64_t slot, const at::Tensor& t, int64_t n);
 
  private:
   std::mutex mutex_;
-  std::map<std::pair<int, int64_t>, Derived> entries_;
+  std::map<std::tuple<int, int64_t, int64_t>, Derived> entries_;
 };
 
 // What a plan's decisions read of one of its call's tensors, compared on every run.
