@@ -74,6 +74,40 @@ def test_pooled_weights_are_kept_per_version_of_the_weight():
     assert tracked.data_ptr() == after.data_ptr()
 
 
+def test_a_pooled_weight_kept_from_an_inference_mode_call_serves_training():
+    """A validation pass under inference_mode, then a training step: the pooled weight the cache
+    kept is an ordinary tensor (one made as an inference tensor cannot be saved for backward),
+    and the gradient reaches the weight as the mean's."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 8)
+    cache = SplitWeightCache()
+    x = torch.randn(3, 6, requires_grad=True)
+    with torch.inference_mode():
+        kept, _ = pooled_linear(lin.weight, lin.bias, 2, cache)
+    assert not kept.is_inference()
+    weight, bias = pooled_linear(lin.weight, lin.bias, 2, cache)
+    F.linear(x, weight, bias).sum().backward()
+    expect = torch.autograd.grad(F.linear(x, mean_rows(lin.weight, 2)).sum(), lin.weight)[0]
+    torch.testing.assert_close(lin.weight.grad, expect, rtol=0, atol=0)
+
+
+def test_an_inference_weight_is_pooled_at_every_call_and_its_slot_let_go():
+    """An inference tensor has no version to key on: pooled afresh at each call, and what the
+    slot kept for an earlier weight is dropped rather than held."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 8)
+    cache = SplitWeightCache()
+    with torch.no_grad():
+        pooled_linear(lin.weight, lin.bias, 2, cache)
+    assert cache._entries
+    with torch.inference_mode():
+        weight = torch.randn(8, 6)
+        first, _ = pooled_linear(weight, None, 2, cache)
+        second, _ = pooled_linear(weight, None, 2, cache)
+    assert first is not second and torch.equal(first, mean_rows(weight, 2))
+    assert ("pooled weight", 2) not in cache._entries
+
+
 def pooled(pool) -> Chain:
     """Linear(8, 24) -> pool(x.unsqueeze(1)).squeeze(1) -> tanh."""
     return Chain(lambda s, x: torch.tanh(s.pool(x.unsqueeze(1)).squeeze(1)), n=24, pool=pool)

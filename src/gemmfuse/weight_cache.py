@@ -31,8 +31,13 @@ class SplitWeightCache:
     The forward's dense float32 copies of the per-channel vectors its kernels read, where they
     are not that already (a bfloat16 model's bias and GroupNorm affine), are kept in the
     SplitCache too, by the same rules (4 bytes per channel and vector, one copy per vector
-    slot); the backward's chain kernel keeps its own copies of the GroupNorm affine here
-    (:meth:`float32`).
+    slot and width); the backward's chain kernel keeps its own copies of the GroupNorm affine
+    here (:meth:`float32`).
+
+    An inference tensor (made under ``torch.inference_mode``) has no version counter, so
+    nothing is kept for it: a weight created under inference_mode is split again at every call
+    (an allocation and a split kernel each time). Create the model outside inference_mode, or
+    call it inside, to keep its split.
     """
 
     # Every live cache by its token: the torch.library ops (library.py) take a token, as a
@@ -89,6 +94,7 @@ class SplitWeightCache:
         slot (a hashable naming its role); at every call where ``t`` is an inference tensor,
         which has no version to key on (the host extension's SplitCache does the same)."""
         if t.is_inference():
+            self._entries.pop(slot, None)  # what an earlier tensor left in the slot goes
             return make()
         storage = t.untyped_storage()
         # data_ptr: a storage freed and re-allocated (resize_) keeps its object but may move.
@@ -97,7 +103,10 @@ class SplitWeightCache:
                t.dtype, t.device)  # fmt: skip
         hit = self._entries.get(slot)
         if hit is None or hit[0] is not storage or hit[1] != key:
-            hit = (storage, key, make())
+            # kept past this call, it is an ordinary tensor even when made under inference_mode
+            # (a later training call may save it for backward, which an inference tensor refuses)
+            with torch.inference_mode(False), torch.no_grad():
+                hit = (storage, key, make())
             self._entries[slot] = hit
         return hit[2]
 
