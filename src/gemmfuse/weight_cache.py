@@ -92,7 +92,8 @@ class SplitWeightCache:
     def derived(self, t: torch.Tensor, slot, make):
         """``make()`` (a tensor computed from ``t``), made once per version of ``t`` for this
         slot (a hashable naming its role); at every call where ``t`` is an inference tensor,
-        which has no version to key on (the host extension's SplitCache does the same)."""
+        which has no version to key on (the host extension's SplitCache does the same, but keeps
+        what an earlier tensor left in the slot until that slot is made again or cleared)."""
         if t.is_inference():
             self._entries.pop(slot, None)  # what an earlier tensor left in the slot goes
             return make()
@@ -116,11 +117,6 @@ class SplitWeightCache:
         if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
             return t
         return self.derived(t, slot, lambda: t.detach().to(torch.float32).contiguous())
-
-    def get(self, ext, weight: torch.Tensor, k_padded: int):
-        """The weight's rows split: (hi, lo) [N, k_padded] and scales [N] (the forward's B, which
-        the host extension's executor takes from the same SplitCache)."""
-        return self.native(ext).rows(weight, k_padded)
 
     def transposed(self, ext, weight: torch.Tensor, n_padded: int):
         """The weight's columns split: (hi, lo) [K, n_padded] and scales [K] (dx's B)."""
