@@ -84,15 +84,16 @@ def test_opcheck(name, op):
 
 
 @pytest.mark.parametrize("name", sorted(CHAINS))
-def test_opcheck_inference(name):
-    """The op without a gradient: schema, fake and dispatch checks on tensors autograd does not
-    record, and its output fused_linear's."""
+@pytest.mark.parametrize("op", ["fused_linear_inference", "fused_linear_graph_safe"])
+def test_opcheck_inference(name, op):
+    """The ops without a gradient: schema, fake and dispatch checks on tensors autograd does not
+    record, and their output fused_linear's."""
     for bias in (True, False):
         tensors = _detached(inputs(name, bias=bias))
         args = op_args(name, tensors)
-        torch.library.opcheck(torch.ops.gemmfuse.fused_linear_inference.default, args)
+        torch.library.opcheck(getattr(torch.ops.gemmfuse, op).default, args)
         torch.testing.assert_close(
-            torch.ops.gemmfuse.fused_linear_inference(*args),
+            getattr(torch.ops.gemmfuse, op)(*args),
             torch.ops.gemmfuse.fused_linear(*args),
             rtol=0, atol=0,
         )  # fmt: skip
@@ -103,20 +104,22 @@ def _detached(tensors):
     return (*(None if t is None else t.detach() for t in head), [p.detach() for p in params])
 
 
-def test_inference_op_refuses_a_recorded_call():
-    """Where autograd would record it, the op without a gradient says so (its output would
+@pytest.mark.parametrize("op", ["fused_linear_inference", "fused_linear_graph_safe"])
+def test_inference_op_refuses_a_recorded_call(op):
+    """Where autograd would record it, an op without a gradient says so (its output would
     otherwise carry no gradient); under no_grad the same tensors are served."""
+    call = getattr(torch.ops.gemmfuse, op)
     args = op_args("groupnorm", inputs("groupnorm"))
-    with pytest.raises(RuntimeError, match="fused_linear_inference has no gradient"):
-        torch.ops.gemmfuse.fused_linear_inference(*args)
+    with pytest.raises(RuntimeError, match=f"{op} has no gradient"):
+        call(*args)
     with torch.no_grad():
-        out = torch.ops.gemmfuse.fused_linear_inference(*args)
+        out = call(*args)
     torch.testing.assert_close(out, torch.ops.gemmfuse.fused_linear(*args).detach())
     # only a tail op's tensor requires grad: the chain reads none, and it still refuses
     *head, params = _detached(inputs("min_keepdim_tail"))
     params[0].requires_grad_()
-    with pytest.raises(RuntimeError, match="fused_linear_inference has no gradient"):
-        torch.ops.gemmfuse.fused_linear_inference(*op_args("min_keepdim_tail", (*head, params)))
+    with pytest.raises(RuntimeError, match=f"{op} has no gradient"):
+        call(*op_args("min_keepdim_tail", (*head, params)))
 
 
 def test_compiled_call_with_grad_mode_on_keeps_the_formula():
@@ -203,6 +206,34 @@ def test_ops_stay_out_of_cuda_graphs(name):
     assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.gemmfuse, name).default.tags
 
 
+def test_the_graph_safe_op_goes_into_cuda_graphs():
+    """It keeps no tensor past a call (SplitWeightCache.graph_safe), so nothing marks it unsafe
+    for CUDA graphs (GPU: test_library.py records it in one)."""
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.gemmfuse.fused_linear_graph_safe.default.tags
+
+
+@pytest.mark.parametrize(
+    "m, k, dtype, kernel, graph_safe",
+    [
+        (16, 1024, torch.float32, "auto", True),  # below the fused kernel's thresholds
+        (2000, 1024, torch.float32, "auto", False),  # the fused kernel: the weight's split
+        (2000, 512, torch.float32, "auto", True),  # K below MIN_FUSED_K
+        (2000, 1024, torch.float32, "epilogue", True),
+        (16, 1024, torch.float32, "hopper", False),  # forced fused kernels split the weight
+        (16, 1024, torch.float32, "portable", False),
+        (2000, 1024, torch.bfloat16, "auto", True),  # a 16-bit model's kernels read W as it is
+        (2000, 1024, torch.float16, "hopper", True),
+    ],
+)
+def test_the_traced_op_by_weight_split(m, k, dtype, kernel, graph_safe):
+    """A traced call without autograd takes the graph-safe op exactly where no path splits the
+    weight (dispatch.splits_no_weight, from sizes alone: meta tensors)."""
+    x = torch.empty(m, k, dtype=dtype, device="meta")
+    weight = torch.empty(64, k, dtype=dtype, device="meta")
+    want = "fused_linear_graph_safe" if graph_safe else "fused_linear_inference"
+    assert gemmfuse.ops._inference_op(x, weight, kernel) is getattr(torch.ops.gemmfuse, want)
+
+
 class GraphRecorder:
     """A torch.compile backend that keeps each graph dynamo hands it and runs it as it is."""
 
@@ -252,9 +283,25 @@ def test_compile_fullgraph_holds_the_op(number):
     assert optimized.get_submodule(_fused_path(optimized)).last_path == "compiled"
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), expected)
-    assert recorder.gemmfuse_ops()[-1] == "gemmfuse.fused_linear_inference"
+    # M = 16, K = 96: below the fused kernel's thresholds, no weight split on any path
+    assert recorder.gemmfuse_ops()[-1] == "gemmfuse.fused_linear_graph_safe"
     for got, want in zip(grads(compiled, x), grads(model, x), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_sizes_past_the_fused_thresholds_keep_the_cached_op():
+    """Sizes the fused kernel takes (its weight split kept in the cache): the op CUDA graphs
+    leave out; a later call below the thresholds compiles again with the graph-safe op."""
+    torch.manual_seed(0)
+    model = get_problem(62).load().Model(1024, 64, 4)
+    optimized = optimize(model, (torch.randn(16, 1024),))[0]
+    recorder = GraphRecorder()
+    compiled = torch.compile(optimized, fullgraph=True, backend=recorder)
+    with torch.no_grad():
+        for m, op in ((2000, "fused_linear_inference"), (16, "fused_linear_graph_safe")):
+            x = torch.randn(m, 1024)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+            assert recorder.gemmfuse_ops()[-1] == f"gemmfuse.{op}"
 
 
 def _fused_path(model) -> str:

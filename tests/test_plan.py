@@ -30,7 +30,8 @@ class FakeHost:
     PlanSpec = dict
 
     class SplitCache:
-        pass
+        def __init__(self, keeps=True):
+            self.keeps = keeps
 
 
 class FakeExt:
@@ -335,3 +336,19 @@ def test_an_inference_tensor_is_derived_at_every_call():
     for _ in range(2):
         cache.derived(plain, "slot", lambda: made.append(1) or plain * 2)
     assert len(made) == 3  # a plain tensor's: made once
+
+
+def test_the_graph_safe_twin_keeps_no_tensor(fake_ext):
+    """The graph-safe op's cache (library.py): one twin per cache, whose SplitCache keeps
+    nothing and whose derived tensors are made at every call, none kept; it keeps plans (host
+    memory only), apart from its cache's."""
+    cache = SplitWeightCache()
+    twin = cache.graph_safe()
+    assert twin is cache.graph_safe() and twin is not cache
+    assert cache.native(FakeExt).keeps and not twin.native(FakeExt).keeps
+    t, made = torch.randn(8), []
+    for _ in range(2):
+        twin.derived(t, "slot", lambda: made.append(1) or t * 2)
+    assert len(made) == 2 and not twin._entries
+    keep_plan(twin, Epilogue(), "auto", "fp32", tensors(), grad=False)
+    assert len(twin.plans) == 1 and cache.plans == []

@@ -188,6 +188,18 @@ def fused_pays(m: int, n: int, k: int) -> bool:
     return m * n * k >= MIN_FUSED_WORK and m >= MIN_FUSED_ROWS and k >= MIN_FUSED_K
 
 
+def splits_no_weight(m: int, n: int, k: int, float32: bool, kernel: str) -> bool:
+    """Whether a call of these sizes takes no split of its weight on any path, from sizes alone
+    (what a traced call knows): a 16-bit model's (its kernels read the weight as it is; other
+    dtypes run PyTorch), or a float32 call on kernel="epilogue" or that kernel="auto" sends
+    below the fused kernel's thresholds (the epilogue path, its few-rows kernel, or PyTorch's
+    where no kernel runs). Such a call keeps no tensor between calls that a CUDA graph's replay
+    would need afresh, and ops.traced_chain_call gives it the graph-safe op (library.py)."""
+    if not float32:
+        return True
+    return kernel == "epilogue" or (kernel == "auto" and not fused_pays(m, n, k))
+
+
 def _device_problem(x) -> str:
     """Why no gemmfuse kernel runs on x's device ("" when one can)."""
     if x.device.type != "cuda":

@@ -17,6 +17,14 @@ cache) -> Tensor``
     straight to the weight cache's C++ plans (plan.py): the compiled call's host time is what
     issue 12's 5% bar measures. Called with grad mode on and an input requiring grad, it
     raises.
+``gemmfuse::fused_linear_graph_safe(...) -> Tensor``
+    fused_linear_inference for a call that takes no split of its weight on any path
+    (``dispatch.splits_no_weight``: a float32 call below the fused kernel's thresholds, or on
+    kernel="epilogue"; a 16-bit model's), which a CUDA graph may record: it keeps nothing
+    between calls but its plans (``SplitWeightCache.graph_safe``), so torch.compile's
+    ``mode="reduce-overhead"`` records it in its graph, and a replay reads the weight as it is
+    then. Its per-channel vectors that are not float32 already (a 16-bit model's bias and
+    GroupNorm affine) are converted at every call.
 ``gemmfuse::fused_linear_saving_z(...) -> (Tensor out, Tensor z)``
     The same, also returning the GEMM result ``z = x @ W.T + b`` that the backward starts from;
     its autograd formula is ``gemmfuse::fused_linear_backward``.
@@ -26,9 +34,10 @@ kernel, precision, cache, needs) -> Tensor[]``
     empty tensor for the others: ``autograd.fused_backward``, on the path the forward took.
 
 Each op runs on any device: its implementation is the eager call, which picks the path (the
-fused kernel, the epilogue path, PyTorch) from its inputs as it always does. The ops are tagged
-``cudagraph_unsafe``: torch.compile's CUDA graphs (``mode="reduce-overhead"``) leave them out of
-the recorded graph and run them as eager calls, with the weight-split cache. Where a CUDA graph
+fused kernel, the epilogue path, PyTorch) from its inputs as it always does. The ops but
+fused_linear_graph_safe are tagged ``cudagraph_unsafe``: torch.compile's CUDA graphs
+(``mode="reduce-overhead"``) leave them out of the recorded graph and run them as eager calls,
+with the weight-split cache. Where a CUDA graph
 is captured around them by hand (``torch.cuda.graph``), the weight's split is made inside the
 graph, not taken from the cache, so a replay after the weight changed splits the new weight
 (``weight_cache.cache_for_call``, as for eager calls).
@@ -99,10 +108,16 @@ def _forward_output(out: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Te
 
 
 def _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
-    with torch.no_grad():  # the op's own formula covers the call (the inference op's: none)
+    return _forward_in(_cache(cache), x, weight, bias, gn_weight, gn_bias, params, chain, kernel,
+                       precision)  # fmt: skip
+
+
+def _forward_in(weight_cache, x, weight, bias, gn_weight, gn_bias, params, chain, kernel,
+                precision):  # fmt: skip
+    with torch.no_grad():  # the op's own formula covers the call (the inference ops': none)
         out = fused_linear_with_path(
             x, weight, bias, epilogue_from_spec(chain), gn_weight, gn_bias, params=params,
-            weight_cache=_cache(cache), kernel=kernel, precision=precision,
+            weight_cache=weight_cache, kernel=kernel, precision=precision,
         )[0]  # fmt: skip
     return _forward_output(out, x, weight, bias, gn_weight, gn_bias, *params)
 
@@ -111,22 +126,36 @@ def _inference(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, preci
     """fused_linear_inference's implementation: a call of a kind seen before runs one C++
     plan with as little Python around it as the eager call has (this runs at every compiled
     call); the others take fused_linear's implementation."""
+    weight_cache = SplitWeightCache.for_token(cache) if cache >= 0 else None
+    return _inference_in("fused_linear_inference", weight_cache, x, weight, bias, gn_weight,
+                         gn_bias, params, chain, kernel, precision)  # fmt: skip
+
+
+def _graph_safe(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
+    """fused_linear_graph_safe's implementation: fused_linear_inference's, with the weight
+    cache's twin that keeps no tensor past the call (SplitWeightCache.graph_safe)."""
+    weight_cache = SplitWeightCache.for_token(cache).graph_safe()
+    return _inference_in("fused_linear_graph_safe", weight_cache, x, weight, bias, gn_weight,
+                         gn_bias, params, chain, kernel, precision)  # fmt: skip
+
+
+def _inference_in(name, weight_cache, x, weight, bias, gn_weight, gn_bias, params, chain, kernel,
+                  precision):  # fmt: skip
     # every params tensor, a tail op's too: PyTorch's fallback would record a node without a
     # gradient
     if records_grad(range(len(params)), params, x, weight, bias, gn_weight, gn_bias):
         raise RuntimeError(
-            "gemmfuse::fused_linear_inference has no gradient, and autograd records this call "
+            f"gemmfuse::{name} has no gradient, and autograd records this call "
             "(grad mode is on and an input requires grad): call gemmfuse::fused_linear or "
             "gemmfuse.fused_linear instead"
         )
-    epilogue = epilogue_from_spec(chain)
-    weight_cache = SplitWeightCache.for_token(cache) if cache >= 0 else None
     if weight_cache is not None and weight_cache.plans and plans_apply():
-        planned = planned_call(weight_cache, epilogue, kernel, precision, x, weight, bias,
-                               gn_weight, gn_bias, params)  # fmt: skip
+        planned = planned_call(weight_cache, epilogue_from_spec(chain), kernel, precision, x,
+                               weight, bias, gn_weight, gn_bias, params)  # fmt: skip
         if planned is not None:  # a tensor the plan allocated (host_plan.cpp): no alias
             return planned[0]
-    return _forward(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache)
+    return _forward_in(cache_for_call(weight_cache), x, weight, bias, gn_weight, gn_bias, params,
+                       chain, kernel, precision)  # fmt: skip
 
 
 def _saving_z(x, weight, bias, gn_weight, gn_bias, params, chain, kernel, precision, cache):
@@ -262,18 +291,21 @@ def _grads(ctx, grad, x, weight, z, gn_weight, gn_bias, params) -> tuple:
 
 # CUDA graphs (torch.compile's reduce-overhead mode) run these ops outside the recorded graph:
 # the weight-split cache allocates when a weight changes, and inductor's CUDA-graph warm-up would
-# put those lasting tensors in its private pool, which it refuses ("tensors in the cudagraph pool
-# not tracked as outputs"). Outside the graph the cache serves as in eager mode; the ops around
-# are still graphed (inductor partitions the graph at an op so tagged).
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# put those lasting tensors in its private pool, whose memory it hands out again ("tensors in the
+# cudagraph pool not tracked as outputs", its debug check says). Outside the graph the cache
+# serves as in eager mode; the ops around are still graphed (inductor partitions the graph at an
+# op so tagged). fused_linear_graph_safe keeps no tensor (SplitWeightCache.graph_safe) and is not
+# tagged: graphs record it.
+_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-def _define(name: str, schema: str, impl, fake, backward=None, setup_context=None) -> None:
+def _define(name: str, schema: str, impl, fake, backward=None, setup_context=None,
+            tags=_UNSAFE) -> None:  # fmt: skip
     """Defines ``gemmfuse::name`` unless this process has (an exported file executed again, or
     after the package: the first definition serves both)."""
     if hasattr(torch.ops.gemmfuse, name):
         return
-    torch.library.define(f"gemmfuse::{name}", schema, tags=_TAGS)
+    torch.library.define(f"gemmfuse::{name}", schema, tags=tags)
     torch.library.impl(f"gemmfuse::{name}", "default", impl)
     torch.library.register_fake(f"gemmfuse::{name}", fake)
     if backward is not None:
@@ -283,6 +315,7 @@ def _define(name: str, schema: str, impl, fake, backward=None, setup_context=Non
 _define("fused_linear", FORWARD_SCHEMA, _forward, _forward_fake, _autograd_backward_recompute,
         _setup_context_recompute)  # fmt: skip
 _define("fused_linear_inference", FORWARD_SCHEMA, _inference, _forward_fake)
+_define("fused_linear_graph_safe", FORWARD_SCHEMA, _graph_safe, _forward_fake, tags=())
 _define("fused_linear_saving_z", SAVING_Z_SCHEMA, _saving_z, _saving_z_fake, _autograd_backward,
         _setup_context)  # fmt: skip
 _define("fused_linear_backward", BACKWARD_SCHEMA, _backward, _backward_fake)

@@ -64,6 +64,7 @@ from gemmfuse.dispatch import (
     PRECISIONS,
     backward_products,
     norm_settings,
+    splits_no_weight,
     take_path,
 )
 from gemmfuse.epilogue import Epilogue, epilogue_spec
@@ -274,5 +275,18 @@ def traced_chain_call(specs, x, weight, bias, gn_weight, gn_bias, params, cache,
         # the formula. torch.compile guards grad mode, so a no_grad graph stays no_grad.
         out = torch.ops.gemmfuse.fused_linear(*args)
     else:
-        out = torch.ops.gemmfuse.fused_linear_inference(*args)
+        out = _inference_op(x, weight, kernel)(*args)
     return apply_plain_ops(out, tail, params)
+
+
+def _inference_op(x, weight, kernel: str):
+    """The op of a traced call that autograd does not record: ``gemmfuse::fused_linear_graph_safe``
+    where the call takes no weight split (dispatch.splits_no_weight), which torch.compile's CUDA
+    graphs record whole; else ``gemmfuse::fused_linear_inference``, which they leave out of the
+    graph and run with the weight cache. With dynamic sizes the choice guards the graph on the
+    side of the fused kernel's thresholds its sizes fall (Dynamo compiles again for a call on
+    the other side)."""
+    (m, k), n = x.shape, weight.shape[0]
+    if splits_no_weight(m, n, k, x.dtype == torch.float32, kernel):
+        return torch.ops.gemmfuse.fused_linear_graph_safe
+    return torch.ops.gemmfuse.fused_linear_inference

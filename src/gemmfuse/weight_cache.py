@@ -49,9 +49,11 @@ class SplitWeightCache:
     _MAX_ADOPTED = 64
     _tokens = itertools.count()
 
-    def __init__(self):
+    def __init__(self, keeps: bool = True):
+        self.keeps = keeps  # False: graph_safe's kind, which keeps no tensor past a call
         self.token = next(self._tokens)
         self._live[self.token] = self
+        self._graph_safe = None
         self.clear()
 
     @classmethod
@@ -81,20 +83,30 @@ class SplitWeightCache:
         self.plans = []
         self.plan_kinds = []  # plan.py's kind of each plan, in the same order
 
+    def graph_safe(self) -> "SplitWeightCache":
+        """This cache's twin for calls that a CUDA graph may record (the op
+        ``gemmfuse::fused_linear_graph_safe``, library.py): it keeps plans, which hold no GPU
+        memory, but no tensor (its SplitCache keeps nothing, :meth:`derived` makes afresh).
+        torch.compile's CUDA graphs warm a graph up with allocations routed to their private
+        pool, whose memory they hand out again: a tensor kept there would be overwritten."""
+        if self._graph_safe is None:
+            self._graph_safe = SplitWeightCache(keeps=False)
+        return self._graph_safe
+
     def native(self, ext):
         """The SplitCache of ``ext``'s host extension (csrc/host/host_plan.h): this weight's splits,
         shared by the forward, the backward and the plans. A standalone export builds a module
         per chain, each with its own SplitCache type: another's replaces it."""
         if self._native is None or self._native[0] is not ext.host:
-            self._native = (ext.host, ext.host.SplitCache())
+            self._native = (ext.host, ext.host.SplitCache(keeps=self.keeps))
         return self._native[1]
 
     def derived(self, t: torch.Tensor, slot, make):
         """``make()`` (a tensor computed from ``t``), made once per version of ``t`` for this
         slot (a hashable naming its role); at every call where ``t`` is an inference tensor,
-        which has no version to key on (the host extension's SplitCache does the same, but keeps
-        what an earlier tensor left in the slot until that slot is made again or cleared)."""
-        if t.is_inference():
+        which has no version to key on (the host extension's SplitCache does the same), and at
+        every call in a cache that keeps nothing (:meth:`graph_safe`)."""
+        if t.is_inference() or not self.keeps:
             self._entries.pop(slot, None)  # what an earlier tensor left in the slot goes
             return make()
         storage = t.untyped_storage()

@@ -1,6 +1,6 @@
 """The gemmfuse:: torch.library ops on the GPU: optimized models under torch.compile
 (fullgraph, default and reduce-overhead modes) and torch.export, with the fused kernel inside
-the compiled graph.
+the compiled graph, and a call that splits no weight recorded in reduce-overhead's CUDA graph.
 
 Bar (issue 12): outputs allclose(1e-4) to eager PyTorch and to the uncompiled gemmfuse call,
 gradients of a compiled training step allclose to the uncompiled gemmfuse step's, the fused
@@ -100,6 +100,40 @@ def test_cuda_graph_replay_sees_a_changed_weight():
         for _ in range(2):
             got = compiled(x)
         torch.testing.assert_close(got, model(x), atol=1e-4, rtol=1e-4)
+
+
+# the epilogue path's chain kernels: M = 1 takes the few-rows one, M = 16 one after the GEMM
+CHAIN_KERNELS = ("gemv_epilogue_kernel", "group_rows_kernel", "tile_epilogue_kernel")
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_a_call_that_splits_no_weight_is_recorded_in_the_cuda_graph(m):
+    """reduce-overhead records a call below the fused kernel's thresholds (#62's chain at N = K
+    = 1024: the epilogue path, its few-rows kernel at M = 1) whole: no CUDA graph skipped, a
+    replay runs the chain kernel with no gemmfuse op on the host, outputs are eager's on fresh
+    inputs, and a weight changed in place between replays is seen."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(m)
+    n = 1024
+    model = get_problem(62).load().Model(n, n, n // 16).to(CUDA)
+    x = torch.rand(m, n, device=CUDA)
+    optimized = optimize(model, (x,))[0]
+    compiled = torch.compile(optimized, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, then recording
+            compiled(x)
+        for _ in range(2):
+            x = torch.rand_like(x)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+        assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+        assert not [name for name in cpu_op_names(compiled, x) if name.startswith("gemmfuse::")]
+        names = kernel_names(compiled, x)
+        assert any(k in name for name in names for k in CHAIN_KERNELS), names
+        model.fc.weight.mul_(-0.5)
+        model.fc.bias.add_(0.25)
+        model.gn.weight.add_(0.5)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
 
 
 def test_hand_captured_cuda_graph_sees_a_changed_weight():

@@ -117,7 +117,7 @@ class PlanCall {
 void bind_plan(pybind11::module_& m) {
   // Module-local: a standalone export loads one such module per chain, each with these types.
   py::class_<SplitCache, std::shared_ptr<SplitCache>>(m, "SplitCache", py::module_local())
-      .def(py::init<>())
+      .def(py::init<bool>(), py::arg("keeps") = true)
       .def("rows", &SplitCache::rows, py::arg("weight"), py::arg("k_padded"))
       .def("cols", &SplitCache::cols, py::arg("weight"), py::arg("n_padded"));
   py::class_<PlanSpec>(m, "PlanSpec", py::module_local())

@@ -66,15 +66,39 @@ inline const float* ptr_or_null(const std::optional<at::Tensor>& t) {
 // Zeroed int32 arrival counters, one set per device, stream and use (kRowCounters: the reducing
 // epilogue's, per row band; kWindowCounters: the few-rows GEMV's, per column window): kernels
 // leave them zero, and launches on one stream run in order, so a set is reused.
+//
+// They outlive the call, so they are made with cudaMalloc, outside the caching allocator:
+// torch.compile's CUDA graphs (reduce-overhead) warm a graph up with the allocator routed to
+// their private pool, whose memory they hand out again, and they record it on the stream they
+// warmed it up on, so the graph finds its stream's set made. A stream being captured that has
+// no set yet (a graph captured by hand with no warm-up on its stream) cannot cudaMalloc: its set
+// comes from the allocator, the capture's pool, and stays for as long as the process.
 enum CounterUse { kRowCounters, kWindowCounters };
+struct ArrivalCounters {
+  int* raw = nullptr;  // cudaMalloc'd, never freed (a set grows rarely; the old one may be in use)
+  int64_t n = 0;
+  at::Tensor pooled;  // made during a capture
+};
 inline int* arrival_counters(const at::Tensor& like, int64_t n, cudaStream_t stream, CounterUse use) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, cudaStream_t, CounterUse>, at::Tensor> counters;
+  static std::map<std::tuple<int, cudaStream_t, CounterUse>, ArrivalCounters> counters;
   std::lock_guard<std::mutex> lock(mutex);
-  auto& counter = counters[{like.get_device(), stream, use}];
-  if (!counter.defined() || counter.numel() < n)
-    counter = like.new_zeros({std::max<int64_t>(n, 64)}, like.options().dtype(at::kInt));
-  return counter.data_ptr<int>();
+  ArrivalCounters& set = counters[{like.get_device(), stream, use}];
+  if (set.n >= n) return set.pooled.defined() ? set.pooled.data_ptr<int>() : set.raw;
+  const int64_t size = std::max<int64_t>(n, 1024);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) {
+    set.pooled = like.new_zeros({size}, like.options().dtype(at::kInt));
+    set.n = size;
+    return set.pooled.data_ptr<int>();
+  }
+  c10::cuda::CUDAGuard guard(like.device());
+  int* raw = nullptr;
+  check_cuda(cudaMalloc(&raw, size * sizeof(int)), "arrival counters' cudaMalloc");
+  check_cuda(cudaMemsetAsync(raw, 0, size * sizeof(int), stream), "arrival counters' memset");
+  set = ArrivalCounters{raw, size, at::Tensor()};
+  return raw;
 }
 
 // GroupNorm moments per (row, kTile-column window): a window meets at most

@@ -44,8 +44,13 @@ class SplitCache {
  public:
   using Make = std::function<std::vector<at::Tensor>(const at::Tensor&)>;
   enum Kind { kRows, kCols, kVector };
+  // keeps = false: a cache that keeps nothing (every get is make(t)), for calls that a CUDA
+  // graph may record (the graph-safe op, gemmfuse/library.py): torch.compile's CUDA graphs warm
+  // up with allocations routed to their private pool, where nothing may outlive the call.
+  explicit SplitCache(bool keeps = true) : keeps_(keeps) {}
   // make(t) for the slot (kind, arg, width), kept until t changes (another tensor, storage or
-  // version); an inference tensor, which has no version counter, gets make(t) at every call.
+  // version), an ordinary tensor even when made under inference_mode; an inference tensor, which
+  // has no version counter, gets make(t) at every call and empties the slot.
   std::vector<at::Tensor> get(Kind kind, int64_t arg, int64_t width, const at::Tensor& t,
                               const Make& make);
   // The weight's rows split: fp16 hi, lo [N, k_padded] and scales [N] (the forward's B).
@@ -58,6 +63,7 @@ class SplitCache {
   at::Tensor channel_vector(int64_t slot, const at::Tensor& t, int64_t n);
 
  private:
+  const bool keeps_;
   std::mutex mutex_;
   std::map<std::tuple<int, int64_t, int64_t>, Derived> entries_;
 };
