@@ -16,9 +16,12 @@ from gemmfuse import (
     fused_linear_with_path,
 )
 from gemmfuse.dispatch import (
+    HOPPER_KERNEL,
+    PORTABLE_KERNEL,
     SPARSE_MAX_K,
     _channel_param_problem,
     backward_products,
+    fused_kernel_code,
     select_path,
     sparse_fits,
     sparse_gradient,
@@ -92,6 +95,27 @@ def test_cpu_takes_reference_path_without_warning(recwarn):
 def test_select_path_reasons():
     x, w, _, _, _ = args()
     assert select_path(x, w, EPI) == ("torch", "cpu tensors run the PyTorch reference path")
+
+
+@pytest.mark.parametrize(
+    "kernel, capability, code",
+    [
+        ("auto", (9, 0), HOPPER_KERNEL),
+        ("auto", (8, 0), PORTABLE_KERNEL),
+        ("auto", (10, 0), PORTABLE_KERNEL),  # sm_90a's wgmma runs on 9.0 alone
+        ("hopper", (9, 0), HOPPER_KERNEL),
+        ("portable", (9, 0), PORTABLE_KERNEL),
+        ("epilogue", (9, 0), 0),  # no fused kernel: launch_fused refuses code 0
+    ],
+)
+def test_the_fused_kernel_is_decided_in_python(monkeypatch, kernel, capability, code):
+    """kernel="auto" resolves to a launch code here (dispatch.fused_kernel_code); the chain
+    library's launch_fused runs the code it gets and checks the device, choosing nothing."""
+    monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: capability)
+    x = torch.empty(4, 8, device="meta")
+    x_cuda = type("CudaLike", (), {"device": torch.device("cuda", 0)})()
+    assert fused_kernel_code(kernel, x_cuda) == code
+    assert fused_kernel_code("auto", x) == 0  # off the GPU no fused kernel runs
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,7 @@ def test_a_plan_holds_the_calls_decisions(fake_ext):
     assert plan.tensors == [*args[:5], *args[5]]
     assert plan.cache is cache.native(FakeExt)
     assert plan.spec == dict(
-        table=1234, plain_table=0, model16=False, kernel_code=0, split=False,
+        table=1234, plain_table=0, model16=False, kernel_code=0, split=False,  # CPU: no kernel
         scalars=[0.2], group_size=512, eps=1e-3, norm_wide=True, keepdim=True,
         channel_params=[0, 1], first_slot=3, backward=False, split_dx=True, split_dw=True,
         sparse=False, epilogue_path=False, group_stats=0, gemv=False, chain_apart=False,

@@ -28,8 +28,9 @@ K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a m
 TILE = 128  # kTile in csrc/abi/fused_args.h: groups that divide it are normalised in the tile
 # kernel= choices: the fused kernels with launch_fused's codes (csrc/abi/chain_table.h), and the
 # epilogue path (PyTorch's GEMM, then the chain in one kernel).
-FUSED_KERNELS = {"auto": 0, "portable": 1, "hopper": 2}
-KERNELS = (*FUSED_KERNELS, "epilogue")
+KERNELS = ("auto", "portable", "hopper", "epilogue")
+# The fused kernels' launch codes (chain_table.cu's launch_fused, gemm_split): fused_kernel_code.
+PORTABLE_KERNEL, HOPPER_KERNEL = 1, 2
 # "fp32": hi*hi + hi*lo + lo*hi, as accurate as PyTorch fp32. "tf32": hi*hi alone, operands with
 # 11 significant bits like TF32's, one third of the tensor-core work (the backward's products too).
 PRECISIONS = {"fp32": True, "tf32": False}
@@ -186,6 +187,21 @@ def eager_bf16_group_stats(device_index: int) -> int:
 def fused_pays(m: int, n: int, k: int) -> bool:
     """Whether kernel="auto" sends an (M, K) x (K, N) problem to the fused kernel."""
     return m * n * k >= MIN_FUSED_WORK and m >= MIN_FUSED_ROWS and k >= MIN_FUSED_K
+
+
+def fused_kernel_code(kernel: str, x) -> int:
+    """The fused kernel a call on x's device launches, as the host extension's launch code
+    (chain_table.cu's launch_fused and the backward's gemm_split run it, deciding nothing):
+    HOPPER_KERNEL for kernel="hopper" and for "auto" on sm_90, PORTABLE_KERNEL for "portable"
+    and for "auto" elsewhere; 0 (no fused kernel: launch_fused refuses it) for
+    kernel="epilogue" and off the GPU."""
+    if kernel == "hopper":
+        return HOPPER_KERNEL
+    if kernel == "portable":
+        return PORTABLE_KERNEL
+    if kernel != "auto" or x.device.type != "cuda":
+        return 0
+    return HOPPER_KERNEL if _capability(x.device.index) == (9, 0) else PORTABLE_KERNEL
 
 
 def splits_no_weight(m: int, n: int, k: int, float32: bool, kernel: str) -> bool:

@@ -59,10 +59,10 @@ import torch
 
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
 from gemmfuse.dispatch import (
-    FUSED_KERNELS,
     KERNELS,
     PRECISIONS,
     backward_products,
+    fused_kernel_code,
     norm_settings,
     splits_no_weight,
     take_path,
@@ -122,7 +122,7 @@ def backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision) -
         split_dx=split_dx,
         split_dw=split_dw,
         sparse=sparse,
-        kernel=FUSED_KERNELS.get(kernel, 0),
+        kernel=fused_kernel_code(kernel, x),
         split=PRECISIONS[precision],
         chain_kernel=path != "torch",
     )  # fmt: skip  (kernel="epilogue" splits nothing: its code is never read)

@@ -30,11 +30,11 @@ import torch
 
 from gemmfuse.autograd import kernel_backward_serves
 from gemmfuse.dispatch import (
-    FUSED_KERNELS,
     MODEL16,
     PRECISIONS,
     backward_products,
     chain_apart,
+    fused_kernel_code,
     gemv_fits,
     group_stats_mode,
     norm_settings,
@@ -89,7 +89,7 @@ def forward_spec(path: str, epilogue: Epilogue, x, weight, kernel: str, precisio
     return dict(
         table=extension_for(epilogue).table,
         plain_table=extension_for(Epilogue()).table if apart else 0,  # a chain apart's GEMM
-        model16=x.dtype in MODEL16, kernel_code=FUSED_KERNELS.get(kernel, 0),
+        model16=x.dtype in MODEL16, kernel_code=fused_kernel_code(kernel, x),
         split=PRECISIONS[precision], scalars=list(epilogue.scalars), group_size=group_size,
         eps=eps, norm_wide=norm_wide,
         keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,

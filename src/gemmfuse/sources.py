@@ -25,7 +25,15 @@ from pathlib import Path
 from types import ModuleType
 
 from gemmfuse.build import load_extension
-from gemmfuse.dispatch import GEMV_MAX_ROWS, K_ALIGN, OUTER_OPS, SPLIT_COLS_MAX, TILE
+from gemmfuse.dispatch import (
+    GEMV_MAX_ROWS,
+    HOPPER_KERNEL,
+    K_ALIGN,
+    OUTER_OPS,
+    PORTABLE_KERNEL,
+    SPLIT_COLS_MAX,
+    TILE,
+)
 from gemmfuse.epilogue import MAX_TENSORS, Epilogue, cuda_epilogue
 from gemmfuse.kernel_files import read_csrc
 
@@ -72,6 +80,8 @@ def check_constants(host: ModuleType) -> None:
         "split_cols_max": SPLIT_COLS_MAX,
         "k_align": K_ALIGN,
         "outer_ops": len(OUTER_OPS),
+        "portable_kernel": PORTABLE_KERNEL,
+        "hopper_kernel": HOPPER_KERNEL,
     }
     theirs = dict(host.constants())
     if theirs != ours:

@@ -14,6 +14,9 @@ constexpr int kTile = 128;       // output tile side of every fused kernel
 // says why half of kTile). Reducing chains take a row counter per band of this many rows.
 constexpr int kEpilogueRows16 = 64;
 constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) takes 1 to this
+// The fused kernels' launch codes, decided by gemmfuse/dispatch.py's fused_kernel_code.
+constexpr int kPortableKernel = 1;  // gemm_gn_sm80.cuh
+constexpr int kHopperKernel = 2;    // gemm_gn_sm90.cuh
 
 // The dtype a model computes in: float32 (the split GEMM), or one of the 16-bit dtypes whose
 // models run one tensor-core product on their own operands and round where eager rounds.

@@ -5,7 +5,8 @@
 namespace gemmfuse {
 namespace {
 
-// Whether this device is sm_90 (asked once per device: each forward waits on it before its launch).
+// Whether this device is sm_90 (asked once per device): a check of the launch code the caller
+// decided (gemmfuse/dispatch.py's fused_kernel_code), not a choice.
 cudaError_t is_hopper(int device, bool& hopper) {
   static int known[64] = {};  // 0 unknown, 1 sm_90, 2 another
   if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
@@ -20,18 +21,20 @@ cudaError_t is_hopper(int device, bool& hopper) {
   return cudaSuccess;
 }
 
+// kernel: kHopperKernel or kPortableKernel, as dispatch.fused_kernel_code decided it.
 cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream) {
+  if (kernel != kHopperKernel && kernel != kPortableKernel) return cudaErrorInvalidValue;
   int device = 0;
   bool hopper = false;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = is_hopper(device, hopper);
   if (err != cudaSuccess) return err;
-  // The library is compiled for exactly this device, so on 9.0 the sm_90a kernel bodies are present.
-  if ((kernel == 2 || args.bf16) && !hopper) return cudaErrorInvalidDeviceFunction;
+  // The library is compiled for exactly this device: the sm_90a kernel bodies exist on 9.0 only.
+  if ((kernel == kHopperKernel || args.bf16) && !hopper) return cudaErrorInvalidDeviceFunction;
   if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
   if (args.bf16)
     err = parts::sm90_bf16(args, stream);
-  else if (kernel == 2 || (kernel == 0 && hopper))
+  else if (kernel == kHopperKernel)
     err = args.split ? parts::sm90_split(args, stream) : parts::sm90_one_pass(args, stream);
   else
     err = parts::sm80(args, stream);

@@ -119,12 +119,15 @@ int64_t linked_chain_table() {
   return gemmfuse_chain_table ? reinterpret_cast<int64_t>(gemmfuse_chain_table()) : 0;
 }
 
-// The constants Python holds copies of (dispatch.py checks them when it loads the extension).
+// The constants Python holds copies of (sources.check_constants checks them when it loads the
+// extension).
 std::map<std::string, int64_t> constants() {
   return {{"tile", gemmfuse::kTile},
           {"gemv_max_rows", gemmfuse::kGemvMaxRows},
           {"max_params", gemmfuse::kMaxParams},
           {"split_cols_max", gemmfuse::kSplitColsMax},
           {"k_align", gemmfuse::kKAlign},
-          {"outer_ops", gemmfuse::kOuterDiv + 1}};
+          {"outer_ops", gemmfuse::kOuterDiv + 1},
+          {"portable_kernel", gemmfuse::kPortableKernel},
+          {"hopper_kernel", gemmfuse::kHopperKernel}};
 }

@@ -85,7 +85,7 @@ struct PlanSpec {
   int64_t table = 0;        // the chain library's ChainTable
   int64_t plain_table = 0;  // the plain GEMM's (the backward's split products); 0: not loaded
   bool model16 = false;     // a bf16 or fp16 model: one product on its operands (else the fp16 split)
-  int64_t kernel = 0;       // launch code (fused_forward's kernel, gemm_split's)
+  int64_t kernel = 0;       // fused kernel launch code (dispatch.fused_kernel_code; 0: none)
   bool split = true;        // three products (fp32) or one (tf32)
   std::vector<double> scalars;
   int64_t group_size = 1;
