@@ -103,6 +103,11 @@ CHAIN_KERNELS = ("tile_epilogue_kernel", "group_rows_kernel", "row_epilogue_kern
                  "wide_rows_kernel", "pointwise_epilogue_kernel")  # fmt: skip
 
 
+def hopper() -> bool:
+    """Whether the GPU is sm_90 (the Hopper kernels and the 16-bit models' fused paths)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 def kernel_names(fn, *args) -> list[str]:
     """The names of the CUDA kernels ``fn(*args)`` launches (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

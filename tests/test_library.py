@@ -289,19 +289,50 @@ def test_compile_fullgraph_holds_the_op(number):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_compiled_sizes_past_the_fused_thresholds_keep_the_cached_op():
+def _ops_that_ran(monkeypatch) -> list[str]:
+    """The names of the inference ops whose implementation runs from now on, in order."""
+    ran, run = [], gemmfuse.library._inference_in
+
+    def spy(name, *args):
+        ran.append(name)
+        return run(name, *args)
+
+    monkeypatch.setattr(gemmfuse.library, "_inference_in", spy)
+    return ran
+
+
+def test_compiled_sizes_past_the_fused_thresholds_keep_the_cached_op(monkeypatch):
     """Sizes the fused kernel takes (its weight split kept in the cache): the op CUDA graphs
-    leave out; a later call below the thresholds compiles again with the graph-safe op."""
+    leave out; a call below the thresholds compiles again with the graph-safe op, and each
+    size then runs its own graph's op."""
     torch.manual_seed(0)
     model = get_problem(62).load().Model(1024, 64, 4)
     optimized = optimize(model, (torch.randn(16, 1024),))[0]
-    recorder = GraphRecorder()
-    compiled = torch.compile(optimized, fullgraph=True, backend=recorder)
+    compiled = torch.compile(optimized, fullgraph=True, backend="eager")
+    ran = _ops_that_ran(monkeypatch)
     with torch.no_grad():
-        for m, op in ((2000, "fused_linear_inference"), (16, "fused_linear_graph_safe")):
+        for m in (2000, 16, 3000, 24):
             x = torch.randn(m, 1024)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
-            assert recorder.gemmfuse_ops()[-1] == f"gemmfuse.{op}"
+    assert ran == ["fused_linear_inference", "fused_linear_graph_safe"] * 2
+
+
+def test_a_row_count_that_data_decides_keeps_the_cached_op(monkeypatch):
+    """After boolean indexing the row count is unknown until the call runs: the choice cannot
+    guard on it, so the call keeps the op CUDA graphs leave out, and fullgraph compiles (where
+    the rows may reach the fused kernel's thresholds; it raised at bb8d404)."""
+    epilogue = Epilogue(pre=(Pointwise("gelu"),))
+    w, b, cache = torch.randn(64, 1024), torch.randn(64), SplitWeightCache()
+
+    def f(x, mask):
+        return gemmfuse.fused_linear(x[mask], w, b, epilogue, weight_cache=cache)
+
+    ran = _ops_that_ran(monkeypatch)
+    x, mask = torch.randn(3000, 1024), torch.rand(3000) > 0.5
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), torch.no_grad():
+        got = torch.compile(f, fullgraph=True, backend="eager")(x, mask)
+    torch.testing.assert_close(got, F.gelu(x[mask] @ w.T + b), rtol=1e-4, atol=1e-4)
+    assert ran == ["fused_linear_inference"]
 
 
 def _fused_path(model) -> str:

@@ -26,7 +26,7 @@ from gemmfuse.epilogue import Epilogue, per_channel, per_element
 
 K_ALIGN = 64  # the Hopper kernel's k-tile: operands are zero-padded in K to a multiple of it
 TILE = 128  # kTile in csrc/abi/fused_args.h: groups that divide it are normalised in the tile
-# kernel= choices: the fused kernels with launch_fused's codes (csrc/abi/chain_table.h), and the
+# kernel= choices: the fused kernels ("auto" picks one by device: fused_kernel_code), and the
 # epilogue path (PyTorch's GEMM, then the chain in one kernel).
 KERNELS = ("auto", "portable", "hopper", "epilogue")
 # The fused kernels' launch codes (chain_table.cu's launch_fused, gemm_split): fused_kernel_code.
@@ -211,9 +211,28 @@ def splits_no_weight(m: int, n: int, k: int, float32: bool, kernel: str) -> bool
     below the fused kernel's thresholds (the epilogue path, its few-rows kernel, or PyTorch's
     where no kernel runs). Such a call keeps no tensor between calls that a CUDA graph's replay
     would need afresh, and ops.traced_chain_call gives it the graph-safe op (library.py)."""
-    if not float32:
+    if not float32 or kernel == "epilogue":
         return True
-    return kernel == "epilogue" or (kernel == "auto" and not fused_pays(m, n, k))
+    if kernel != "auto":
+        return False
+    return (
+        _surely(m * n * k < MIN_FUSED_WORK)
+        or _surely(m < MIN_FUSED_ROWS)
+        or _surely(k < MIN_FUSED_K)
+    )
+
+
+def _surely(condition) -> bool:
+    """``condition`` (a clause of fused_pays's negation) where the sizes decide it, a traced
+    call's symbolic sizes guarding on it; False where they cannot (a size that data decides, as
+    after boolean indexing: the graph-safe op is then not chosen). Only traced calls come here
+    (ops._inference_op), and torch.compile has imported symbolic_shapes by then: eager calls
+    do not pay its import (sympy's with it). No isinstance test first: Dynamo evaluates a
+    symbolic bool to answer one, which a data-decided size cannot. A torch without
+    guard_or_false (before 2.7) guards on the condition as it stands."""
+    from torch.fx.experimental import symbolic_shapes
+
+    return getattr(symbolic_shapes, "guard_or_false", bool)(condition)
 
 
 def _device_problem(x) -> str:

@@ -53,7 +53,6 @@ class SplitWeightCache:
         self.keeps = keeps  # False: graph_safe's kind, which keeps no tensor past a call
         self.token = next(self._tokens)
         self._live[self.token] = self
-        self._graph_safe = None
         self.clear()
 
     @classmethod
@@ -82,6 +81,7 @@ class SplitWeightCache:
         self._native = None  # (host extension module, its SplitCache)
         self.plans = []
         self.plan_kinds = []  # plan.py's kind of each plan, in the same order
+        self._graph_safe = None  # graph_safe's twin, made at its first use
 
     def graph_safe(self) -> "SplitWeightCache":
         """This cache's twin for calls that a CUDA graph may record (the op

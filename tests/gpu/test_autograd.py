@@ -88,7 +88,7 @@ from model_files import build
 
 from gemmfuse import FusedLinear, optimize
 from gemmfuse.chains import chain_pool, layer_norm_chain, linear_data
-from gemmfuse.dispatch import fused_pays
+from gemmfuse.dispatch import HOPPER_KERNEL, PORTABLE_KERNEL, fused_pays
 from gemmfuse.epilogue import Epilogue, per_channel
 from gemmfuse.jit import extension_for
 from gemmfuse.kernelbench.export import standalone_source
@@ -102,16 +102,12 @@ from gpu.test_accuracy import GROUPS as HARD_GROUPS
 from gpu.test_accuracy import K as HARD_K
 from gpu.test_accuracy import N as HARD_N
 from gpu.test_accuracy import shape_weight
-from helpers import build_pair, max_abs_err, off_allclose, rel_err, small_pair
+from helpers import build_pair, hopper, max_abs_err, off_allclose, rel_err, small_pair
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 POOL = chain_pool()
 EPS = torch.finfo(torch.float32).eps
-
-
-def hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def fused_kernels() -> list[str]:
@@ -464,7 +460,7 @@ def test_gemm_split_at_least_as_accurate_as_eager(kernel, shape):
     a, b = (torch.randn(r, k, generator=g).to(CUDA) for r in (m, n))
     exact = a.double() @ b.double().t()
     kp = -(-k // 64) * 64
-    code = {"hopper": 2, "portable": 1}[kernel]
+    code = {"hopper": HOPPER_KERNEL, "portable": PORTABLE_KERNEL}[kernel]
     got = ext.gemm_split(
         *ext.split_rows(a, kp), *ext.split_cols(b.t().contiguous(), kp), code, True
     )

@@ -22,7 +22,7 @@ import torch
 from gemmfuse.chains import chain_pool, chain_references, linear_data
 from gemmfuse.dispatch import chain_apart
 from gemmfuse.ops import fused_linear_with_path
-from helpers import CHAIN_KERNELS, float64_bar, kernel_names, max_abs_err, poison_allocator
+from helpers import CHAIN_KERNELS, float64_bar, hopper, kernel_names, max_abs_err, poison_allocator
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -30,10 +30,6 @@ POOL = chain_pool()
 M, K, N = 1024, 4096, 8192  # M * N = 2^23, K = 4096: the smallest sizes that run apart
 # groups of 8192, 512 (both wider than a tile), 16 and 8 channels, where the chain norms
 CASES = [(i, g) for i, spec in enumerate(POOL) for g in ((1, 16, 512, 1024) if spec.norm else (1,))]
-
-
-def hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def case(index, groups, seed):

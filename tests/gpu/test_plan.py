@@ -28,15 +28,11 @@ from gemmfuse.jit import extension_for
 from gemmfuse.kernelbench.models import ModelNew62, ModelNew75
 from gemmfuse.reference import linear_epilogue
 from gemmfuse.weight_cache import SplitWeightCache
-from helpers import CHAIN_KERNELS, kernel_names, poison_allocator
+from helpers import CHAIN_KERNELS, hopper, kernel_names, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
 NODE = "GemmfuseFusedLinearBackward"
-
-
-def hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 # name -> (epilogue, params as (shape, requires_grad), groups' affine): the shipped chains, a
@@ -437,6 +433,35 @@ def test_the_split_cache_tracks_the_weight():
     assert cols[0].shape == (1024, 256) and cache.transposed(ext, w, 256)[0] is cols[0]
     cache.clear()
     assert rows(w, 1024)[0] is not second[0]
+
+
+def test_a_cache_that_keeps_nothing_makes_afresh():
+    """The graph-safe op's SplitCache (keeps=False, weight_cache.SplitWeightCache.graph_safe):
+    a new split at every call, equal to the kept cache's."""
+    ext = extension_for(CHAINS["62"])
+    w = torch.randn(256, 1024, device="cuda")
+    twin = SplitWeightCache().graph_safe().native(ext)
+    first, second = twin.rows(w, 1024), twin.rows(w, 1024)
+    assert all(a is not b for a, b in zip(first, second, strict=True))
+    kept = SplitWeightCache().native(ext).rows(w, 1024)
+    assert all(torch.equal(a, b) for a, b in zip(first, kept, strict=True))
+
+
+def test_inference_tensors_and_inference_mode_in_the_split_cache():
+    """An inference tensor's split is made at each call and empties the slot (what an earlier
+    weight left there goes); a split kept during inference_mode for an ordinary weight is an
+    ordinary tensor, which a later training call may save for backward."""
+    ext = extension_for(CHAINS["62"])
+    cache = SplitWeightCache()
+    w = torch.randn(256, 1024, device="cuda")
+    with torch.inference_mode():
+        kept = cache.native(ext).rows(w, 1024)
+        frozen = torch.randn(256, 1024, device="cuda")
+    assert not any(t.is_inference() for t in kept)
+    assert cache.native(ext).rows(w, 1024)[0] is kept[0]  # kept: the same tensor again
+    assert cache.native(ext).rows(frozen, 1024)[0] is not cache.native(ext).rows(frozen, 1024)[0]
+    again = cache.native(ext).rows(w, 1024)  # the slot was emptied: made anew
+    assert again[0] is not kept[0] and torch.equal(again[0], kept[0])
 
 
 class GroupNormChain(torch.nn.Module):

@@ -8,7 +8,7 @@
 namespace gemmfuse {
 
 // Bump when ChainTable or an argument struct changes meaning without changing size.
-constexpr int kChainTableVersion = 3;  // 3: FusedArgs' 16-bit fields (model16)
+constexpr int kChainTableVersion = 4;  // 4: launch_fused takes no 0 ("auto") any more
 
 struct ChainTable {
   // Checked by the binding (check_table): the layout the library was compiled with.
@@ -17,8 +17,9 @@ struct ChainTable {
   int reduce_kind;  // the channel reduction: REDUCTIONS in epilogue.py, 0 none
   int is_plain;     // the epilogue is the identity (a plain GEMM + bias)
   int column_sums;  // the column sums chain_backward writes (epilogue.column_sum_slots)
-  // kernel: 0 picks by device (Hopper's on sm_90, else the portable one), 1 the portable sm_80
-  // kernel, 2 the Hopper kernel (sm_90 only). With args.norm_wide, norm_finalize follows.
+  // kernel: kPortableKernel (sm_80+) or kHopperKernel (sm_90 only), as the caller decided it
+  // (dispatch.fused_kernel_code); anything else is refused. With args.norm_wide, norm_finalize
+  // follows.
   cudaError_t (*launch_fused)(const FusedArgs& args, int kernel, cudaStream_t stream);
   // The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain
   // tile by tile (and, with args.norm_wide, row by row), in place or into args.row_out.

@@ -67,38 +67,37 @@ inline const float* ptr_or_null(const std::optional<at::Tensor>& t) {
 // epilogue's, per row band; kWindowCounters: the few-rows GEMV's, per column window): kernels
 // leave them zero, and launches on one stream run in order, so a set is reused.
 //
-// They outlive the call, so they are made with cudaMalloc, outside the caching allocator:
+// A set outlives the call, so it is made with cudaMalloc, outside the caching allocator:
 // torch.compile's CUDA graphs (reduce-overhead) warm a graph up with the allocator routed to
-// their private pool, whose memory they hand out again, and they record it on the stream they
-// warmed it up on, so the graph finds its stream's set made. A stream being captured that has
-// no set yet (a graph captured by hand with no warm-up on its stream) cannot cudaMalloc: its set
-// comes from the allocator, the capture's pool, and stays for as long as the process.
+// their private pool, whose memory they hand out again. A call on a stream being captured gets
+// counters of its own instead, zeroed in the graph and held in ``keep`` with the call's other
+// scratch: a replay then zeroes them before its kernels, and shares them with no other graph or
+// stream (a graph replays on whatever stream is current).
 enum CounterUse { kRowCounters, kWindowCounters };
-struct ArrivalCounters {
-  int* raw = nullptr;  // cudaMalloc'd, never freed (a set grows rarely; the old one may be in use)
-  int64_t n = 0;
-  at::Tensor pooled;  // made during a capture
-};
-inline int* arrival_counters(const at::Tensor& like, int64_t n, cudaStream_t stream, CounterUse use) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, cudaStream_t, CounterUse>, ArrivalCounters> counters;
-  std::lock_guard<std::mutex> lock(mutex);
-  ArrivalCounters& set = counters[{like.get_device(), stream, use}];
-  if (set.n >= n) return set.pooled.defined() ? set.pooled.data_ptr<int>() : set.raw;
-  const int64_t size = std::max<int64_t>(n, 1024);
+inline int* arrival_counters(const at::Tensor& like, int64_t n, cudaStream_t stream, CounterUse use,
+                             std::vector<at::Tensor>& keep) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
   if (capture != cudaStreamCaptureStatusNone) {
-    set.pooled = like.new_zeros({size}, like.options().dtype(at::kInt));
-    set.n = size;
-    return set.pooled.data_ptr<int>();
+    keep.push_back(like.new_zeros({n}, like.options().dtype(at::kInt)));
+    return keep.back().data_ptr<int>();
   }
+  struct Set {
+    int* counters = nullptr;  // never freed: a set grows rarely, and the old one may be in use
+    int64_t n = 0;
+  };
+  static std::mutex mutex;
+  static std::map<std::tuple<int, cudaStream_t, CounterUse>, Set> sets;
+  std::lock_guard<std::mutex> lock(mutex);
+  Set& set = sets[{like.get_device(), stream, use}];
+  if (set.n >= n) return set.counters;
+  const int64_t size = std::max<int64_t>(n, 1024);
   c10::cuda::CUDAGuard guard(like.device());
-  int* raw = nullptr;
-  check_cuda(cudaMalloc(&raw, size * sizeof(int)), "arrival counters' cudaMalloc");
-  check_cuda(cudaMemsetAsync(raw, 0, size * sizeof(int), stream), "arrival counters' memset");
-  set = ArrivalCounters{raw, size, at::Tensor()};
-  return raw;
+  int* counters = nullptr;
+  check_cuda(cudaMalloc(&counters, size * sizeof(int)), "arrival counters' cudaMalloc");
+  check_cuda(cudaMemsetAsync(counters, 0, size * sizeof(int), stream), "arrival counters' memset");
+  set = Set{counters, size};
+  return counters;
 }
 
 // GroupNorm moments per (row, kTile-column window): a window meets at most
@@ -142,7 +141,7 @@ inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& tabl
     args.row_partial = keep.back().data_ptr<float>();
     // a counter per row band: the fused kernels' kTile rows, or the 16-bit epilogue path's fewer
     const int64_t bands = (M + gemmfuse::kEpilogueRows16 - 1) / gemmfuse::kEpilogueRows16;
-    args.row_counter = arrival_counters(x, bands, stream, kRowCounters);
+    args.row_counter = arrival_counters(x, bands, stream, kRowCounters, keep);
   }
   return keep;
 }

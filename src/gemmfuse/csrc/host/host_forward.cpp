@@ -39,7 +39,9 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
   args.split = split ? 1 : 0;
   set_z_out(args, z_out, x);
 
-  TORCH_CHECK(kernel >= 0 && kernel <= 2, "gemmfuse: kernel must be 0 (auto), 1 or 2");
+  TORCH_CHECK(kernel == gemmfuse::kPortableKernel || kernel == gemmfuse::kHopperKernel,
+              "gemmfuse: kernel must be a launch code, 1 (portable) or 2 (Hopper), as "
+              "dispatch.fused_kernel_code decides it");
   const gemmfuse::ChainTable& t = chain(table);
   const auto outputs = allocate_outputs(t, args, x, at::kFloat, stream);
   check_cuda(t.launch_fused(args, static_cast<int>(kernel), stream), "fused kernel launch");
@@ -86,7 +88,7 @@ at::Tensor fused_forward_16bit(int64_t table, at::Tensor x, at::Tensor w,
   set_z_out(args, z_out, x);
   const gemmfuse::ChainTable& t = chain(table);
   const auto outputs = allocate_outputs(t, args, x, dtype, stream);
-  check_cuda(t.launch_fused(args, 2, stream), "fused 16-bit kernel launch");
+  check_cuda(t.launch_fused(args, gemmfuse::kHopperKernel, stream), "fused 16-bit kernel launch");
   const auto& result = outputs.front();
   return result.scalar_type() == dtype ? result : result.to(dtype);  // a reduction's fp32 [M]
 }
@@ -169,7 +171,7 @@ at::Tensor gemv_forward(int64_t table, at::Tensor x, at::Tensor w, std::optional
   const int64_t slices = (K + gemv.slice - 1) / gemv.slice, windows = (N + 127) / 128;
   outputs.push_back(x.new_empty({slices, M, N, 2}, x.options()));
   gemv.partial = reinterpret_cast<float2*>(outputs.back().data_ptr<float>());
-  gemv.counter = arrival_counters(x, windows + 1, stream, kWindowCounters);
+  gemv.counter = arrival_counters(x, windows + 1, stream, kWindowCounters, outputs);
   check_cuda(t.launch_gemv(args, gemv, stream), "gemv epilogue launch");
   return outputs.front();
 }

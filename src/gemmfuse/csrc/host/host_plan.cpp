@@ -34,20 +34,28 @@ void Derived::keep(const at::Tensor& t, std::vector<at::Tensor> made) {
 std::vector<at::Tensor> SplitCache::get(Kind kind, int64_t arg, int64_t width,
                                         const at::Tensor& t, const Make& make) {
   if (!keeps_) return make(t);
-  std::lock_guard<std::mutex> lock(mutex_);
   if (t.is_inference()) {
     // (reading its version would raise; and inside inference_mode it may change in place
     // unseen) What an earlier tensor left in the slot goes, as the Python cache's does.
-    entries_.erase({kind, arg, width});
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      entries_.erase({kind, arg, width});
+    }
     return make(t);
   }
+  std::lock_guard<std::mutex> lock(mutex_);
   Derived& entry = entries_[{kind, arg, width}];
   if (!entry.made_from(t)) {
     entry.value.clear();  // the old value's memory goes before the new one is made
-    // kept past this call, an ordinary tensor even when made under inference_mode (a later
-    // training call may save it for backward, which an inference tensor refuses)
-    c10::InferenceMode ordinary(false);
-    entry.keep(t, make(t));
+    if (c10::InferenceMode::is_enabled()) {
+      // kept past this call, an ordinary tensor even when made under inference_mode (a later
+      // training call may save it for backward, which an inference tensor refuses)
+      c10::InferenceMode ordinary(false);
+      at::AutoGradMode no_grad(false);
+      entry.keep(t, make(t));
+    } else {
+      entry.keep(t, make(t));
+    }
   }
   return entry.value;
 }
