@@ -335,6 +335,31 @@ def test_a_row_count_that_data_decides_keeps_the_cached_op(monkeypatch):
     assert ran == ["fused_linear_inference"]
 
 
+@pytest.mark.parametrize("form", ["ModelNew", "optimized"])
+@pytest.mark.parametrize("number", [62, 75])
+def test_compile_with_dynamic_sizes(number, form):
+    """torch.compile(dynamic=True) traces module attributes as symbolic numbers (a GroupNorm's
+    eps and num_groups, a LeakyReLU's slope); the chain's spec takes them as the constants they
+    are, the graph guarding on them (fullgraph had raised on the spec's text). Outputs are the
+    model's at two row counts, and after eps changes."""
+    problem = get_problem(number)
+    torch.manual_seed(0)
+    model = problem.load().Model(*problem.small_init)
+    torch.manual_seed(0)  # the same parameters, drawn in the same order
+    fused = problem.model_new(*problem.small_init)
+    if form == "optimized":
+        fused = optimize(model, (torch.randn(16, problem.small_init[0]),))[0]
+    compiled = torch.compile(fused, fullgraph=True, dynamic=True, backend="eager")
+    norms = [m for m in {*model.modules(), *fused.modules()} if isinstance(m, torch.nn.GroupNorm)]
+    with torch.no_grad():
+        for rows, eps in ((16, None), (24, None), (20, 0.5)):
+            if eps is not None:
+                for norm in norms:
+                    norm.eps = eps
+            x = torch.randn(rows, problem.small_init[0])
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
 def _fused_path(model) -> str:
     return next(n for n, m in model.named_modules() if isinstance(m, gemmfuse.FusedLinear))
 

@@ -355,8 +355,22 @@ def _rebased(ops: tuple[Pointwise, ...], start: int) -> tuple[Pointwise, ...]:
     return tuple(Pointwise(op.name, tuple(moved(a) for a in op.args)) for op in ops)
 
 
+def traced_constant(a):
+    """A number as the constant it is: while torch.compile traces with ``dynamic=True``, Dynamo
+    makes a number read from an object's attribute (a GroupNorm's eps and num_groups, a
+    LeakyReLU's slope, an Epilogue's fields) symbolic, which the chain's spec, text, and the
+    functions that hold it as a constant cannot take; the graph then guards on its value.
+    Elsewhere ``a`` itself (symbolic_shapes is imported only while tracing)."""
+    if not torch.compiler.is_compiling():
+        return a
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+    return guard_scalar(a)
+
+
 def _number_spec(a) -> str:
     """A float argument as JSON (Python's json spelling of inf and NaN)."""
+    a = traced_constant(a)
     if a != a:
         return "NaN"
     if a in (math.inf, -math.inf):
@@ -389,10 +403,11 @@ def epilogue_spec(epilogue: "Epilogue", tail: bool = True) -> str:
     if norm is not None:
         flags = (norm.affine, norm.layer, norm.rms, norm.softmax, norm.log)
         flags = ", ".join("true" if f else "false" for f in flags)
-        norm_spec = f"[{norm.num_groups}, {_number_spec(norm.eps)}, {flags}]"
+        norm_spec = f"[{traced_constant(norm.num_groups)}, {_number_spec(norm.eps)}, {flags}]"
     reduce_spec = "null"
     if reduce is not None:
-        reduce_spec = f'["{reduce.op}", {"true" if reduce.keepdim else "false"}, {reduce.pool}]'
+        keepdim, pool = "true" if reduce.keepdim else "false", traced_constant(reduce.pool)
+        reduce_spec = f'["{reduce.op}", {keepdim}, {pool}]'
     return (
         f'{{"pre": {_ops_spec(epilogue.pre)}, "norm": {norm_spec}, '
         f'"post": {_ops_spec(epilogue.post)}, "reduce": {reduce_spec}, '

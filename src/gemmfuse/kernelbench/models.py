@@ -21,7 +21,12 @@ import torch.nn as nn
 
 from gemmfuse.epilogue import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
 from gemmfuse.modules import FusedLinear
-from gemmfuse.ops import chain_call_specs, fused_linear_with_path, traced_chain_call
+from gemmfuse.ops import (
+    chain_call_specs,
+    fused_linear_with_path,
+    static_settings,
+    traced_chain_call,
+)
 from gemmfuse.optimize import optimize
 from gemmfuse.weight_cache import SplitWeightCache
 
@@ -76,8 +81,8 @@ class ModelNew62(nn.Module):
         settings = (gn.num_groups, gn.eps, gn.affine, float(self.leaky_relu.negative_slope))
         if torch.compiler.is_compiling():
             return traced_chain_call(
-                traced_specs_62(*settings), x, self.fc.weight, self.fc.bias, gn.weight, gn.bias,
-                (), self.weight_split, self.kernel, self.precision,
+                traced_specs_62(*static_settings(settings)), x, self.fc.weight, self.fc.bias,
+                gn.weight, gn.bias, (), self.weight_split, self.kernel, self.precision,
             )  # fmt: skip
         out, self.last_path = fused_linear_with_path(
             x, self.fc.weight, self.fc.bias, epilogue_62(*settings), gn.weight, gn.bias,
@@ -104,8 +109,9 @@ class ModelNew75(nn.Module):
         settings = (gn.num_groups, gn.eps, gn.affine)
         if torch.compiler.is_compiling():
             return traced_chain_call(
-                traced_specs_75(*settings), x, self.gemm.weight, self.gemm.bias, gn.weight,
-                gn.bias, (self.bias,), self.weight_split, self.kernel, self.precision,
+                traced_specs_75(*static_settings(settings)), x, self.gemm.weight,
+                self.gemm.bias, gn.weight, gn.bias, (self.bias,), self.weight_split, self.kernel,
+                self.precision,
             )  # fmt: skip
         out, self.last_path = fused_linear_with_path(
             x, self.gemm.weight, self.gemm.bias, epilogue_75(*settings), gn.weight, gn.bias,
