@@ -229,10 +229,14 @@ def _surely(condition) -> bool:
     (ops._inference_op), and torch.compile has imported symbolic_shapes by then: eager calls
     do not pay its import (sympy's with it). No isinstance test first: Dynamo evaluates a
     symbolic bool to answer one, which a data-decided size cannot. A torch without
-    guard_or_false (before 2.7) guards on the condition as it stands."""
+    guard_or_false (before 2.8) guards on the condition as it stands (a data-decided size then
+    fails the compile, as it did before d7b4f33)."""
     from torch.fx.experimental import symbolic_shapes
 
-    return getattr(symbolic_shapes, "guard_or_false", bool)(condition)
+    guard_or_false = getattr(symbolic_shapes, "guard_or_false", None)
+    if guard_or_false is not None:
+        return guard_or_false(condition)
+    return True if condition else False  # noqa: SIM210 (Dynamo before 2.8 cannot trace bool())
 
 
 def _device_problem(x) -> str:

@@ -355,13 +355,19 @@ def _rebased(ops: tuple[Pointwise, ...], start: int) -> tuple[Pointwise, ...]:
     return tuple(Pointwise(op.name, tuple(moved(a) for a in op.args)) for op in ops)
 
 
+# Dynamo traces guard_scalar from torch 2.8 on (before, a skipped function: a graph break, which
+# fullgraph refuses); dynamic=True's symbolic settings are not taken there.
+_DYNAMO_TRACES_GUARD_SCALAR = torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
+
+
 def traced_constant(a):
     """A number as the constant it is: while torch.compile traces with ``dynamic=True``, Dynamo
     makes a number read from an object's attribute (a GroupNorm's eps and num_groups, a
     LeakyReLU's slope, an Epilogue's fields) symbolic, which the chain's spec, text, and the
     functions that hold it as a constant cannot take; the graph then guards on its value.
-    Elsewhere ``a`` itself (symbolic_shapes is imported only while tracing)."""
-    if not torch.compiler.is_compiling():
+    Elsewhere, and with torch before 2.8, ``a`` itself (symbolic_shapes is imported only
+    while tracing)."""
+    if not torch.compiler.is_compiling() or not _DYNAMO_TRACES_GUARD_SCALAR:
         return a
     from torch.fx.experimental.symbolic_shapes import guard_scalar
 
