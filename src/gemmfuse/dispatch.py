@@ -186,7 +186,15 @@ def eager_bf16_group_stats(device_index: int) -> int:
 
 def fused_pays(m: int, n: int, k: int) -> bool:
     """Whether kernel="auto" sends an (M, K) x (K, N) problem to the fused kernel."""
-    return m * n * k >= MIN_FUSED_WORK and m >= MIN_FUSED_ROWS and k >= MIN_FUSED_K
+    return not _below_fused_thresholds(m, n, k, bool)
+
+
+def _below_fused_thresholds(m, n, k, surely) -> bool:
+    """Whether an (M, K) x (K, N) problem falls below one of the fused kernel's thresholds,
+    ``surely`` deciding each clause (bool for sizes; _surely for a traced call's)."""
+    return (
+        surely(m * n * k < MIN_FUSED_WORK) or surely(m < MIN_FUSED_ROWS) or surely(k < MIN_FUSED_K)
+    )
 
 
 def fused_kernel_code(kernel: str, x) -> int:
@@ -213,17 +221,11 @@ def splits_no_weight(m: int, n: int, k: int, float32: bool, kernel: str) -> bool
     would need afresh, and ops.traced_chain_call gives it the graph-safe op (library.py)."""
     if not float32 or kernel == "epilogue":
         return True
-    if kernel != "auto":
-        return False
-    return (
-        _surely(m * n * k < MIN_FUSED_WORK)
-        or _surely(m < MIN_FUSED_ROWS)
-        or _surely(k < MIN_FUSED_K)
-    )
+    return kernel == "auto" and _below_fused_thresholds(m, n, k, _surely)
 
 
 def _surely(condition) -> bool:
-    """``condition`` (a clause of fused_pays's negation) where the sizes decide it, a traced
+    """``condition`` (a clause of _below_fused_thresholds) where the sizes decide it, a traced
     call's symbolic sizes guarding on it; False where they cannot (a size that data decides, as
     after boolean indexing: the graph-safe op is then not chosen). Only traced calls come here
     (ops._inference_op), and torch.compile has imported symbolic_shapes by then: eager calls

@@ -67,7 +67,7 @@ from gemmfuse.dispatch import (
     splits_no_weight,
     take_path,
 )
-from gemmfuse.epilogue import Epilogue, epilogue_spec, traced_constant
+from gemmfuse.epilogue import Epilogue, epilogue_spec
 from gemmfuse.jit import extension_for
 from gemmfuse.plan import forward_spec, keep_plan, plannable, planned_call
 from gemmfuse.reference import apply_plain_ops, linear_epilogue, plain_ops
@@ -241,17 +241,6 @@ def exporting() -> bool:
     the flag from 2.13 on), so the flag that function returns is read here directly; a torch
     without it (before 2.7) counts as exporting, which keeps the op with a formula."""
     return getattr(torch.compiler, "_is_exporting_flag", True)
-
-
-def static_settings(values):
-    """``values`` (a chain's settings: numbers, strings, None and tuples of them) with each
-    number the constant it is (epilogue.traced_constant: under ``torch.compile(dynamic=True)``
-    a module's attributes are traced as symbolic numbers)."""
-    if isinstance(values, tuple):
-        return tuple(static_settings(v) for v in values)
-    if values is None or isinstance(values, str):
-        return values
-    return traced_constant(values)
 
 
 def chain_call_specs(epilogue: Epilogue) -> tuple:

@@ -19,14 +19,16 @@ import functools
 import torch
 import torch.nn as nn
 
-from gemmfuse.epilogue import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
-from gemmfuse.modules import FusedLinear
-from gemmfuse.ops import (
-    chain_call_specs,
-    fused_linear_with_path,
-    static_settings,
-    traced_chain_call,
+from gemmfuse.epilogue import (
+    Epilogue,
+    GroupNormSpec,
+    Param,
+    Pointwise,
+    Reduction,
+    traced_constant,
 )
+from gemmfuse.modules import FusedLinear
+from gemmfuse.ops import chain_call_specs, fused_linear_with_path, traced_chain_call
 from gemmfuse.optimize import optimize
 from gemmfuse.weight_cache import SplitWeightCache
 
@@ -81,7 +83,7 @@ class ModelNew62(nn.Module):
         settings = (gn.num_groups, gn.eps, gn.affine, float(self.leaky_relu.negative_slope))
         if torch.compiler.is_compiling():
             return traced_chain_call(
-                traced_specs_62(*static_settings(settings)), x, self.fc.weight, self.fc.bias,
+                traced_specs_62(*map(traced_constant, settings)), x, self.fc.weight, self.fc.bias,
                 gn.weight, gn.bias, (), self.weight_split, self.kernel, self.precision,
             )  # fmt: skip
         out, self.last_path = fused_linear_with_path(
@@ -109,7 +111,7 @@ class ModelNew75(nn.Module):
         settings = (gn.num_groups, gn.eps, gn.affine)
         if torch.compiler.is_compiling():
             return traced_chain_call(
-                traced_specs_75(*static_settings(settings)), x, self.gemm.weight,
+                traced_specs_75(*map(traced_constant, settings)), x, self.gemm.weight,
                 self.gemm.bias, gn.weight, gn.bias, (self.bias,), self.weight_split, self.kernel,
                 self.precision,
             )  # fmt: skip
