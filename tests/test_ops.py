@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from gemmfuse.dispatch import (
     SPARSE_MAX_K,
     _channel_param_problem,
     backward_products,
+    fused_k_splits,
     fused_kernel_code,
     select_path,
     sparse_fits,
@@ -116,6 +118,34 @@ def test_the_fused_kernel_is_decided_in_python(monkeypatch, kernel, capability, 
     x_cuda = type("CudaLike", (), {"device": torch.device("cuda", 0)})()
     assert fused_kernel_code(kernel, x_cuda) == code
     assert fused_kernel_code("auto", x) == 0  # off the GPU no fused kernel runs
+
+
+@pytest.mark.parametrize(
+    "m, n, k, precision, code, dtype, path, splits",
+    [
+        (16, 4096, 4096, "fp32", HOPPER_KERNEL, torch.float32, "fused", 4),  # 32 tiles
+        (128, 8192, 8192, "fp32", HOPPER_KERNEL, torch.float32, "fused", 2),  # 64 tiles
+        (129, 4096, 4096, "fp32", HOPPER_KERNEL, torch.float32, "fused", 2),  # 2 x 32 tiles
+        (16, 1024, 8192, "fp32", HOPPER_KERNEL, torch.float32, "fused", 8),  # 128 k-tiles / 16
+        (129, 1024, 4160, "fp32", HOPPER_KERNEL, torch.float32, "fused", 4),  # 65 k-tiles / 16
+        (128, 1024, 1024, "fp32", HOPPER_KERNEL, torch.float32, "fused", 1),  # 16 k-tiles: one
+        (1024, 8192, 8192, "fp32", HOPPER_KERNEL, torch.float32, "fused", 1),  # 512 tiles
+        (16, 4096, 4096, "tf32", HOPPER_KERNEL, torch.float32, "fused", 1),  # the split variant's
+        (16, 4096, 4096, "fp32", PORTABLE_KERNEL, torch.float32, "fused", 1),  # the Hopper kernel's
+        (16, 4096, 4096, "fp32", HOPPER_KERNEL, torch.bfloat16, "fused", 1),  # float32's
+        (16, 4096, 4096, "fp32", HOPPER_KERNEL, torch.float32, "epilogue", 1),  # the fused path's
+    ],
+)  # fmt: skip
+def test_split_k_fills_the_sms_at_few_tiles(monkeypatch, m, n, k, precision, code, dtype, path,
+                                             splits):  # fmt: skip
+    """dispatch.fused_k_splits: the Hopper kernel's split variant cuts K into slices where its
+    128 x 128 output tiles are fewer than the SMs (132 here), at least 16 k-tiles of 64 a slice;
+    nothing else splits."""
+    monkeypatch.setattr(gemmfuse.dispatch, "_sm_count", lambda index: 132)
+    x = SimpleNamespace(shape=(m, k), dtype=dtype, device=torch.device("cuda", 0))
+    assert fused_k_splits(path, x, n, code, precision) == splits
+    off_the_gpu = torch.empty(m, k, dtype=dtype, device="meta")
+    assert fused_k_splits(path, off_the_gpu, n, code, precision) == 1
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ def test_a_plan_holds_the_calls_decisions(fake_ext):
         scalars=[0.2], group_size=512, eps=1e-3, norm_wide=True, keepdim=True,
         channel_params=[0, 1], first_slot=3, backward=False, split_dx=True, split_dw=True,
         sparse=False, epilogue_path=False, group_stats=0, gemv=False, chain_apart=False,
+        k_splits=1,
     )  # fmt: skip
 
 

@@ -66,6 +66,17 @@ MIN_FUSED_K = 1024
 # docs/PERFORMANCE.md): the rule weighs neither autograd nor the chain's cost.
 CHAIN_APART_MIN_OUTPUTS = 2**23
 CHAIN_APART_MIN_K = 4096
+# The Hopper kernel's split variant runs a block per 128 x 128 output tile; where the tiles are
+# fewer than the SMs (a few rows: M = 16 at N = 4096 is 32 tiles on 132 SMs) it cuts each
+# tile's K into slices, a block each, up to a block per SM, each slice at least
+# SPLIT_K_MIN_K_TILES k-tiles of K_ALIGN (fused_k_splits; the last block of a tile adds the
+# slices' sums in slice order). Measured (H100, 2026-11-28, #62's chain with groups of 16, the
+# planned call, no_grad, L2 flushed, interleaved, median of 40; M x K x N, slices: µs split
+# against unsplit): 16 x 4096 x 4096, 4: 60.9 / 76.6; 128 x 4096 x 4096, 4: 68.3 / 82.7;
+# 16 x 8192 x 8192, 2: 126.2 / 140.5; 16 x 8192 x 1024, 16: 59.0 / 134.7; 64 x 2048 x 2048, 8:
+# 48.5 / 50.0; but at K = 1024 (16 k-tiles) it lost: 128 x 1024 x 1024, 4: 40.3 / 38.7;
+# 1024 x 1024 x 1024, 2: 45.3 / 41.5.
+SPLIT_K_MIN_K_TILES = 16
 GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/abi/fused_args.h
 # kSplitColsMax in csrc/operands/split.h: split_cols' grid bound on columns
 SPLIT_COLS_MAX = 65535 * 32
@@ -93,6 +104,11 @@ def split_padded(n: int) -> int:
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 class FallbackWarning(UserWarning):
@@ -283,6 +299,20 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
         and _capability(x.device.index) == (9, 0)
         and epilogue.structure != _PLAIN_GEMM
     )  # fmt: skip
+
+
+def fused_k_splits(path: str, x, n: int, kernel_code: int, precision: str) -> int:
+    """The slices a fused call on float32 x with n output channels cuts its K into (1: none):
+    on the Hopper kernel's split variant (precision="fp32") where its output tiles are fewer
+    than the SMs, as many as fill them (SPLIT_K_MIN_K_TILES). plan.forward_spec puts the answer
+    in the spec the host extension's executor runs."""
+    if (path != "fused" or kernel_code != HOPPER_KERNEL or not PRECISIONS[precision]
+            or x.dtype != torch.float32 or x.device.type != "cuda"):  # fmt: skip
+        return 1
+    m, k = x.shape
+    tiles = -(-m // TILE) * -(-n // TILE)
+    k_tiles = split_padded(k) // K_ALIGN
+    return max(1, min(_sm_count(x.device.index) // tiles, k_tiles // SPLIT_K_MIN_K_TILES))
 
 
 def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tuple[str, str]:

@@ -34,6 +34,7 @@ from gemmfuse.dispatch import (
     PRECISIONS,
     backward_products,
     chain_apart,
+    fused_k_splits,
     fused_kernel_code,
     gemv_fits,
     group_stats_mode,
@@ -86,16 +87,18 @@ def forward_spec(path: str, epilogue: Epilogue, x, weight, kernel: str, precisio
     n = weight.shape[0]
     group_size, eps, norm_wide = norm_settings(epilogue, n)
     apart = chain_apart(path, epilogue, x, n, kernel, precision)
+    kernel_code = fused_kernel_code(kernel, x)
     return dict(
         table=extension_for(epilogue).table,
         plain_table=extension_for(Epilogue()).table if apart else 0,  # a chain apart's GEMM
-        model16=x.dtype in MODEL16, kernel_code=fused_kernel_code(kernel, x),
+        model16=x.dtype in MODEL16, kernel_code=kernel_code,
         split=PRECISIONS[precision], scalars=list(epilogue.scalars), group_size=group_size,
         eps=eps, norm_wide=norm_wide,
         keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,
         channel_params=list(epilogue.channel_params), epilogue_path=path == "epilogue",
         group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
         gemv=gemv_fits(path, x, weight), chain_apart=apart,
+        k_splits=fused_k_splits(path, x, n, kernel_code, precision),
     )  # fmt: skip
 
 

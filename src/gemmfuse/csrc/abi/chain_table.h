@@ -8,7 +8,7 @@
 namespace gemmfuse {
 
 // Bump when ChainTable or an argument struct changes meaning without changing size.
-constexpr int kChainTableVersion = 4;  // 4: launch_fused takes no 0 ("auto") any more
+constexpr int kChainTableVersion = 5;  // 5: FusedArgs' split K
 
 struct ChainTable {
   // Checked by the binding (check_table): the layout the library was compiled with.

@@ -156,6 +156,14 @@ struct FusedArgs {
   // z_out16 (16-bit models, params.model16's dtype); both nullptr otherwise.
   float* z_out;
   uint16_t* z_out16;
+  // Split K (the Hopper kernel's split variant at few output tiles, dispatch.fused_k_splits):
+  // each tile's k-tiles cut into k_splits slices, a block each. A slice's block stores its
+  // promoted sums in k_partial [tiles, k_splits, kTile * kTile]; the last of a tile's blocks to
+  // arrive (k_counter, a counter per tile, zero on entry, left zero on exit) adds the slices up
+  // in slice order and runs the epilogue. 0 or 1: no split.
+  int k_splits;
+  float* k_partial;
+  int* k_counter;
   EpilogueParams params;
 };
 

@@ -11,7 +11,9 @@
 // panels in L2); a staged epilogue's fp32 tile reuses the ring, so the producer starts a
 // block's next tile once that epilogue is done (a direct store holds no ring: direct_store).
 // - Split (fp32-accurate): 128x128 tiles, one per block (a persistent grid where the chain is
-//   pointwise: direct_store); a stage holds x hi, x lo, W hi, W lo
+//   pointwise: direct_store); with split K (few rows: fewer tiles than SMs) a block per slice of
+//   a tile's k-tiles, the tile's last block adding the slices up (fold_slices); a stage holds
+//   x hi, x lo, W hi, W lo
 //   (16 KB each), 3 stages. Per k-tile each consumer issues 12 wgmma.m64n128k16 (hi*lo, lo*hi,
 //   hi*hi for each 16-wide k step) into a tensor-core accumulator that the first of them
 //   overwrites, waits, frees the stage and promotes the k-tile's result into an fp32 register
@@ -312,6 +314,55 @@ __device__ __forceinline__ void store_direct(const float (&acc)[64], const float
   }
 }
 
+// The k-tiles [x, y) of slice s when k_tiles are cut into k_splits slices (split K: FusedArgs).
+__device__ __forceinline__ int2 k_slice(int s, int k_tiles, int k_splits) {
+  return make_int2(s * k_tiles / k_splits, (s + 1) * k_tiles / k_splits);
+}
+
+// Split K: stores this (tile, slice) unit's promoted sums to its place in args.k_partial and
+// counts it in; true in the tile's last block to arrive, whose acc is then every slice's sum,
+// added in slice order from what the blocks stored (the same bits whichever block is last).
+// The fence-then-count and count-then-fence pairs are the CUDA guide's last-block pattern.
+template <class Sync>
+__device__ __forceinline__ bool fold_slices(float (&acc)[64], int unit, int k_splits,
+                                            const FusedArgs& args, Sync consumers_sync) {
+  __shared__ int s_last;
+  constexpr int kQuads = 64 / 4;  // float4s per consumer thread
+  const int tile = unit / k_splits, tid = threadIdx.x;
+  float4* partial = reinterpret_cast<float4*>(args.k_partial);
+  float4* mine = partial + static_cast<int64_t>(unit) * kQuads * kConsumerThreads;
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q)
+    __stcg(mine + q * kConsumerThreads + tid,
+           make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+  __threadfence();
+  consumers_sync();
+  if (tid == 0) {
+    s_last = atomicAdd(args.k_counter + tile, 1) == k_splits - 1;
+    if (s_last) args.k_counter[tile] = 0;  // every slice has arrived: zero for the next launch
+  }
+  consumers_sync();
+  if (!s_last) return false;
+  __threadfence();
+  const float4* slices = partial + static_cast<int64_t>(tile) * k_splits * kQuads * kConsumerThreads;
+#pragma unroll
+  for (int q = 0; q < kQuads; ++q) {
+    float4 sum = __ldcg(slices + q * kConsumerThreads + tid);
+    for (int s = 1; s < k_splits; ++s) {
+      const float4 v = __ldcg(slices + (s * kQuads + q) * kConsumerThreads + tid);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    acc[4 * q] = sum.x;
+    acc[4 * q + 1] = sum.y;
+    acc[4 * q + 2] = sum.z;
+    acc[4 * q + 3] = sum.w;
+  }
+  return true;
+}
+
 // kSplit: hi*lo + lo*hi + hi*hi with promotion after every k-tile (fp32-accurate), or one
 // product per k-step accumulated across all of K in the tensor cores (precision="tf32" on the
 // fp16 hi parts, or a bf16 model's own operands when kBf16). Compile-time choices: a run-time
@@ -337,6 +388,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tid_wg = threadIdx.x % 128;
   const int k_tiles = args.k_padded / kBlockK;
+  // A block's work comes in units: a tile, or with split K (the split variant) a tile's slice
+  // of k-tiles, units k_splits * tile + slice.
+  const int k_splits = kSplit && args.k_splits > 1 ? args.k_splits : 1;
+  const int units = walk.tiles * k_splits;
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -357,12 +412,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == kConsumerThreads) {
       int it = 0;  // k-tiles loaded so far, across tiles: picks the stage and its phase
       int done = 0;
-      for (int t = blockIdx.x; t < walk.tiles; t += gridDim.x, ++done) {
-        const int2 tile = walk.coords(t);
+      for (int u = blockIdx.x; u < units; u += gridDim.x, ++done) {
+        const int2 tile = walk.coords(u / k_splits);
         const int tile_m = tile.x * kTile, tile_n = tile.y * V::kBlockN;
+        const int2 ks = k_slice(u % k_splits, k_tiles, k_splits);
         // the ring is free again (a direct store never holds it)
         if (!kDirect && done > 0) mbar_wait(&epilogue_done, (done - 1) & 1);
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        for (int kt = ks.x; kt < ks.y; ++kt, ++it) {
           const int s = it % kStages;
           mbar_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);  // first round passes at once
           mbar_expect_tx(&full_bar[s], kStageBytes);
@@ -402,8 +458,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     __shared__ float s_col_scale_buf[kColBuffers][V::kBlockN], s_col_bias_buf[kColBuffers][V::kBlockN];
 
     int it = 0;
-    for (int t = blockIdx.x, done = 0; t < walk.tiles; t += gridDim.x, ++done) {
-      const int2 tile = walk.coords(t);
+    for (int u = blockIdx.x, done = 0; u < units; u += gridDim.x, ++done) {
+      const int2 tile = walk.coords(u / k_splits);
       const int m_idx = tile.x, tile_m = m_idx * kTile, tile_n = tile.y * V::kBlockN;
       float* s_col_scale = s_col_scale_buf[done % kColBuffers];
       float* s_col_bias = s_col_bias_buf[done % kColBuffers];
@@ -421,7 +477,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       if constexpr (kSplit) {
         float tc[V::kAccRegs];
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int2 ks = k_slice(u % k_splits, k_tiles, k_splits);
+        for (int kt = ks.x; kt < ks.y; ++kt, ++it) {
           const int s = it % kStages;
           mbar_wait(&full_bar[s], (it / kStages) & 1);
           const uint32_t st = smem_u32(smem + s * kStageBytes);
@@ -443,6 +500,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           release(s);
 #pragma unroll
           for (int i = 0; i < V::kAccRegs; ++i) acc[i] += tc[i];
+        }
+        if (k_splits > 1 && !fold_slices(acc, u, k_splits, args, consumers_sync)) {
+          // another slice's block runs this tile's epilogue; the ring is free for the next unit
+          if (!kDirect && threadIdx.x == 0) mbar_arrive(&epilogue_done);
+          continue;
         }
       } else {
         // One wgmma group in flight: a stage is freed once the group after it has been issued.
@@ -549,9 +611,10 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
   if (err != cudaSuccess) return err;
   const int m_tiles = (args.M + kTile - 1) / kTile;
   const int n_tiles = (args.N + V::kBlockN - 1) / V::kBlockN;
-  if (int64_t{m_tiles} * n_tiles >= (int64_t{1} << 31)) return cudaErrorInvalidConfiguration;
+  const int k_splits = std::max(args.k_splits, 1);
+  if (int64_t{m_tiles} * n_tiles * k_splits >= (int64_t{1} << 31)) return cudaErrorInvalidConfiguration;
   const TileWalk walk{m_tiles, m_tiles * n_tiles, std::min(m_tiles, kWalkBand)};
-  int blocks = walk.tiles;
+  int blocks = walk.tiles * k_splits;  // work units (the kernel's)
   if constexpr (V::kPersistent) {
     // As many blocks as can be resident at once (per device, found once): each walks every
     // grid-th tile.
@@ -578,6 +641,10 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
   if (args.k_padded % kBlockK != 0 || (args.bf16 != 0) != kBf16 || (args.split != 0) != kSplit ||
       !serves_model<Epi>(args.params))
+    return cudaErrorInvalidValue;
+  // split K: the split variant, at most a slice per k-tile, with its partials and counters
+  if (args.k_splits > 1 && (!kSplit || args.k_splits > args.k_padded / kBlockK ||
+                            args.k_partial == nullptr || args.k_counter == nullptr))
     return cudaErrorInvalidValue;
   CUtensorMap maps[4];
   const struct {

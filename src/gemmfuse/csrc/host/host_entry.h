@@ -23,8 +23,8 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
                          at::Tensor w_inv_scale, std::optional<at::Tensor> bias,
                          std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
                          std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
-                         int64_t group_size, double eps, int64_t kernel, bool split, bool norm_wide,
-                         std::optional<at::Tensor> z_out);
+                         int64_t group_size, double eps, int64_t kernel, bool split,
+                         int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out);
 at::Tensor fused_forward_16bit(int64_t table, at::Tensor x, at::Tensor w,
                                std::optional<at::Tensor> bias, std::optional<at::Tensor> gn_weight,
                                std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,

@@ -9,11 +9,18 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
                          at::Tensor w_inv_scale, std::optional<at::Tensor> bias,
                          std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
                          std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
-                         int64_t group_size, double eps, int64_t kernel, bool split, bool norm_wide,
-                         std::optional<at::Tensor> z_out) {
+                         int64_t group_size, double eps, int64_t kernel, bool split,
+                         int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
+  TORCH_CHECK(kernel == gemmfuse::kPortableKernel || kernel == gemmfuse::kHopperKernel,
+              "gemmfuse: kernel must be a launch code, 1 (portable) or 2 (Hopper), as "
+              "dispatch.fused_kernel_code decides it");
   const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
+  TORCH_CHECK(k_splits == 1 || (kernel == gemmfuse::kHopperKernel && split && k_splits >= 2 &&
+                                k_splits <= k_padded / 64),
+              "gemmfuse: k_splits must be 1, or 2 to the k-tiles (", std::to_string(k_padded / 64),
+              ") on the Hopper kernel's split variant, as dispatch.fused_k_splits decides it");
   TORCH_CHECK(w_hi.scalar_type() == at::kHalf && w_lo.sizes() == w_hi.sizes() &&
                   w_hi.is_contiguous() && w_lo.is_contiguous() && w_hi.device() == x.device(),
               "gemmfuse: malformed weight split");
@@ -39,11 +46,16 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
   args.split = split ? 1 : 0;
   set_z_out(args, z_out, x);
 
-  TORCH_CHECK(kernel == gemmfuse::kPortableKernel || kernel == gemmfuse::kHopperKernel,
-              "gemmfuse: kernel must be a launch code, 1 (portable) or 2 (Hopper), as "
-              "dispatch.fused_kernel_code decides it");
   const gemmfuse::ChainTable& t = chain(table);
-  const auto outputs = allocate_outputs(t, args, x, at::kFloat, stream);
+  auto outputs = allocate_outputs(t, args, x, at::kFloat, stream);
+  if (k_splits > 1) {  // each (tile, slice)'s sums, and a counter per tile
+    const int64_t tiles = ((M + gemmfuse::kTile - 1) / gemmfuse::kTile) *
+                          ((N + gemmfuse::kTile - 1) / gemmfuse::kTile);
+    outputs.push_back(x.new_empty({tiles * k_splits, gemmfuse::kTile * gemmfuse::kTile}));
+    args.k_partial = outputs.back().data_ptr<float>();
+    args.k_counter = arrival_counters(x, tiles, stream, kTileCounters, outputs);
+    args.k_splits = static_cast<int>(k_splits);
+  }
   check_cuda(t.launch_fused(args, static_cast<int>(kernel), stream), "fused kernel launch");
   return outputs.front();
 }

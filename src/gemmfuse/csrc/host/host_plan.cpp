@@ -109,6 +109,8 @@ void check_launch(const PlanSpec& spec, const SplitCache* cache,
               "gemmfuse: a float32 launch whose chain runs apart needs the plain GEMM's table");
   TORCH_CHECK(!spec.gemv || (spec.epilogue_path && !spec.model16),
               "gemmfuse: the few-rows kernel serves a float32 epilogue-path launch");
+  TORCH_CHECK(spec.k_splits == 1 || (spec.k_splits > 1 && !spec.model16 && !spec.epilogue_path),
+              "gemmfuse: split K serves a float32 fused-kernel launch");
   TORCH_CHECK(tensors.size() >= 5 && tensors[0].defined() && tensors[1].defined(),
               "gemmfuse: a launch takes x, weight, bias, gn_weight, gn_bias and the params");
   for (int64_t i : spec.channel_params)
@@ -235,7 +237,7 @@ Launched launch_spec(const PlanSpec& spec, SplitCache& cache, const std::vector<
     if (spec.chain_apart) {
       const at::Tensor y = fused_forward(spec.plain_table, x, w[0], w[1], w[2], vector32(2),
                                          std::nullopt, std::nullopt, {}, {}, 1, 0.0, spec.kernel,
-                                         spec.split, false, std::nullopt);
+                                         spec.split, spec.k_splits, false, std::nullopt);
       if (save_z) z = y;  // kept: the chain writes a new tensor
       out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
                              spec.group_size, spec.eps, spec.norm_wide, !save_z, 0);
@@ -243,7 +245,7 @@ Launched launch_spec(const PlanSpec& spec, SplitCache& cache, const std::vector<
       if (save_z) z = x.new_empty({M, N});
       out = fused_forward(spec.table, x, w[0], w[1], w[2], vector32(2), gn_weight, gn_bias,
                           vectors, spec.scalars, spec.group_size, spec.eps, spec.kernel,
-                          spec.split, spec.norm_wide, maybe(z));
+                          spec.split, spec.k_splits, spec.norm_wide, maybe(z));
     }
   }
   // The kernels' fresh [M] result, as the reduction's [M, 1] (not a view: autograd's node

@@ -108,6 +108,9 @@ struct PlanSpec {
   // A float32 call whose chain runs apart (dispatch.chain_apart): the plain library's split GEMM
   // stores z, then epilogue_forward runs the chain on it.
   bool chain_apart = false;
+  // The fused kernel's K cut into this many slices, a block each (dispatch.fused_k_splits: the
+  // Hopper kernel's split variant at few output tiles); 1: none.
+  int64_t k_splits = 1;
 };
 
 // A launch's results and the float32 vectors it read (a backward node keeps them); z undefined
