@@ -254,7 +254,9 @@ in the same mode.
 "gemmfuse" is `kernel="auto"`, the shipped dispatch: the fused kernel where `dispatch.fused_pays`
 holds (M*N*K >= 1e8, M >= 16, K >= 1024), the epilogue path (PyTorch's fp32 GEMM, then the whole
 chain in one tile kernel) elsewhere; from M*N = 2^23 with K >= 4096 (since fee5588,
-`dispatch.chain_apart`) the fused path runs the split GEMM, then the chain kernel on its result. The
+`dispatch.chain_apart`) the fused path runs the split GEMM, then the chain kernel on its result;
+with fewer 128 x 128 output tiles than SMs (since 63b2ad0, `dispatch.fused_k_splits`: the rows of
+16 and 128 rows at N = K = 4096 and 8192) the fused kernel cuts K into slices, a block each. The
 last two columns force the fused kernel (`kernel="hopper"`: the chain in its epilogue) and the
 epilogue path on the same row, which is how the thresholds were chosen. Every timed window opens
 before the Python dispatch, so host cost counts. A row's four calls are timed interleaved (each
