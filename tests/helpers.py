@@ -97,6 +97,20 @@ def float64_bar(err_eager: float, op_floor: float, exact: torch.Tensor) -> float
     return err_eager + op_floor + ulp
 
 
+def assert_float64_bar(got, eager, exact, ops_alone, label: str) -> None:
+    """A float32 chain's result against its references (chains.chain_references): eager's shape
+    and dtype, no NaN where eager has a number, max abs error against float64 within
+    float64_bar, and allclose(1e-4) to float64."""
+    assert got.shape == eager.shape and got.dtype == eager.dtype, label
+    assert not (got.isnan() & ~eager.isnan()).any(), label
+    err = max_abs_err(got, exact)
+    bar = float64_bar(max_abs_err(eager, exact), max_abs_err(ops_alone, exact), exact)
+    assert err <= bar, f"{label}: error vs float64 {err:.3e} above the bar {bar:.3e}"
+    torch.testing.assert_close(
+        got.double(), exact, atol=1e-4, rtol=1e-4, equal_nan=True, msg=lambda s: f"{label}\n{s}"
+    )
+
+
 # The epilogue path's chain kernels (csrc/epilogue/: norm_finalize.cuh, group_rows.cuh,
 # wide_rows.cuh), as torch.profiler names them.
 CHAIN_KERNELS = ("tile_epilogue_kernel", "group_rows_kernel", "row_epilogue_kernel",

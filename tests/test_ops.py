@@ -129,6 +129,8 @@ def test_the_fused_kernel_is_decided_in_python(monkeypatch, kernel, capability, 
         (16, 1024, 8192, "fp32", HOPPER_KERNEL, torch.float32, "fused", 8),  # 128 k-tiles / 16
         (129, 1024, 4160, "fp32", HOPPER_KERNEL, torch.float32, "fused", 4),  # 65 k-tiles / 16
         (128, 1024, 1024, "fp32", HOPPER_KERNEL, torch.float32, "fused", 1),  # 16 k-tiles: one
+        (16, 4000, 4100, "fp32", HOPPER_KERNEL, torch.float32, "fused", 4),  # 32 tiles, 65 k-tiles
+        (16, 12800, 4096, "fp32", HOPPER_KERNEL, torch.float32, "fused", 1),  # 100 tiles > 132 / 2
         (1024, 8192, 8192, "fp32", HOPPER_KERNEL, torch.float32, "fused", 1),  # 512 tiles
         (16, 4096, 4096, "tf32", HOPPER_KERNEL, torch.float32, "fused", 1),  # the split variant's
         (16, 4096, 4096, "fp32", PORTABLE_KERNEL, torch.float32, "fused", 1),  # the Hopper kernel's

@@ -101,6 +101,7 @@ def test_constants_python_shares_with_the_kernels_agree():
     assert epilogue.MAX_SCALARS == epilogue.MAX_TENSORS == _constant("fused_args.h", "kMaxParams")
     assert dispatch.TILE == epilogue.MAX_POOL == _constant("fused_args.h", "kTile")
     assert dispatch.GEMV_MAX_ROWS == _constant("fused_args.h", "kGemvMaxRows")
+    assert dispatch.MAX_K_SPLITS == _constant("fused_args.h", "kMaxKSplits")
     assert dispatch.PORTABLE_KERNEL == _constant("fused_args.h", "kPortableKernel")
     assert dispatch.HOPPER_KERNEL == _constant("fused_args.h", "kHopperKernel")
     assert dispatch.K_ALIGN == _constant("gemm_gn_sm90.cuh", "kBlockK")

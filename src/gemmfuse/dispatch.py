@@ -78,6 +78,7 @@ CHAIN_APART_MIN_K = 4096
 # 40.6 / 48.0. With slices of 4 and 8 k-tiles at K = 1024 it lost (an earlier rule, same day):
 # 128 x 1024 x 1024, 4: 40.3 / 38.7; 1024 x 1024 x 1024, 2: 45.3 / 41.5 (docs/DESIGN.md, 4).
 SPLIT_K_MIN_K_TILES = 16
+MAX_K_SPLITS = 1024  # kMaxKSplits in csrc/abi/fused_args.h: the launch's bound
 GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/abi/fused_args.h
 # kSplitColsMax in csrc/operands/split.h: split_cols' grid bound on columns
 SPLIT_COLS_MAX = 65535 * 32
@@ -304,16 +305,20 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
 
 def fused_k_splits(path: str, x, n: int, kernel_code: int, precision: str) -> int:
     """The slices a fused call on float32 x with n output channels cuts its K into (1: none):
-    on the Hopper kernel's split variant (precision="fp32") where its output tiles are fewer
-    than the SMs, as many as fill them (SPLIT_K_MIN_K_TILES). plan.forward_spec puts the answer
-    in the spec the host extension's executor runs."""
+    on the Hopper kernel's split variant (precision="fp32"), as many as keep the blocks (tiles
+    times slices) within the SMs, each of at least SPLIT_K_MIN_K_TILES k-tiles; so a call splits
+    where its 128 x 128 output tiles are at most half the SMs and K at least 2048. The result's
+    bits then depend on M and on the GPU's SM count (the slices' sums are added in another order
+    than one tile's k-tiles), as cuBLAS's split-K choices make PyTorch's. plan.forward_spec puts
+    the answer in the spec the host extension's executor runs."""
     if (path != "fused" or kernel_code != HOPPER_KERNEL or not PRECISIONS[precision]
             or x.dtype != torch.float32 or x.device.type != "cuda"):  # fmt: skip
         return 1
     m, k = x.shape
     tiles = -(-m // TILE) * -(-n // TILE)
     k_tiles = split_padded(k) // K_ALIGN
-    return max(1, min(_sm_count(x.device.index) // tiles, k_tiles // SPLIT_K_MIN_K_TILES))
+    slices = min(_sm_count(x.device.index) // tiles, k_tiles // SPLIT_K_MIN_K_TILES, MAX_K_SPLITS)
+    return max(1, slices)
 
 
 def select_path(x, weight, epilogue: Epilogue, kernel="auto", params=()) -> tuple[str, str]:

@@ -29,6 +29,7 @@ from gemmfuse.dispatch import (
     GEMV_MAX_ROWS,
     HOPPER_KERNEL,
     K_ALIGN,
+    MAX_K_SPLITS,
     OUTER_OPS,
     PORTABLE_KERNEL,
     SPLIT_COLS_MAX,
@@ -82,6 +83,7 @@ def check_constants(host: ModuleType) -> None:
         "outer_ops": len(OUTER_OPS),
         "portable_kernel": PORTABLE_KERNEL,
         "hopper_kernel": HOPPER_KERNEL,
+        "max_k_splits": MAX_K_SPLITS,
     }
     theirs = dict(host.constants())
     if theirs != ours:

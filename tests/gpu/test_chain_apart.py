@@ -22,7 +22,7 @@ import torch
 from gemmfuse.chains import chain_pool, chain_references, linear_data
 from gemmfuse.dispatch import chain_apart
 from gemmfuse.ops import fused_linear_with_path
-from helpers import CHAIN_KERNELS, float64_bar, hopper, kernel_names, max_abs_err, poison_allocator
+from helpers import CHAIN_KERNELS, assert_float64_bar, hopper, kernel_names, poison_allocator
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -54,14 +54,7 @@ def test_pool_chain_apart_holds_the_float64_bar(index, groups):
         poison_allocator(8 * M * N, CUDA)
         got, path = fused_linear_with_path(x, w, b, epilogue, *gn, params=params)
     assert path == "fused", label
-    assert got.shape == eager.shape and got.dtype == eager.dtype, label
-    assert not (got.isnan() & ~eager.isnan()).any(), label
-    err = max_abs_err(got, exact)
-    bar = float64_bar(max_abs_err(eager, exact), max_abs_err(ops_alone, exact), exact)
-    assert err <= bar, f"{label}: error vs float64 {err:.3e} above the bar {bar:.3e}"
-    torch.testing.assert_close(
-        got.double(), exact, atol=1e-4, rtol=1e-4, equal_nan=True, msg=lambda s: f"{label}\n{s}"
-    )
+    assert_float64_bar(got, eager, exact, ops_alone, label)
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")

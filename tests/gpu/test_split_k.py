@@ -6,8 +6,10 @@ At sizes that split (each test checks that the call's spec had k_splits > 1), ch
 benchmark's pool (pointwise alone: the direct stores; GroupNorm within a tile and across tiles;
 row reductions) and #62's on fresh random data: no NaN where eager has a number (the allocator
 poisoned first), max abs error against float64 within helpers.float64_bar, allclose(1e-4) to
-float64, and the same bits on a second call (the slices are added in a fixed order whichever
-block arrives last). Under autograd, where the kernel also stores z for the backward, #62's
+float64, and the same bits on a second call (the slices are added in a fixed order). That the
+kernel itself split: its bits differ somewhere from the unsplit call's (fused_k_splits patched
+to 1). A slice per k-tile, forced, walks many units a block; a captured call replays with the
+uncaptured call's bits. Under autograd, where the kernel also stores z for the backward, #62's
 gradients are held to tests/gpu/test_autograd.py's bars, a channel max's to the unsplit call's.
 """
 
@@ -19,7 +21,7 @@ from gemmfuse.chains import chain_pool, chain_references, linear_data
 from gemmfuse.kernelbench.models import epilogue_62
 from gemmfuse.ops import fused_linear_with_path
 from gpu.test_autograd import EPS, Chain, check_gradients
-from helpers import float64_bar, hopper, max_abs_err, poison_allocator, rel_err
+from helpers import assert_float64_bar, hopper, poison_allocator, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")]
 CUDA = torch.device("cuda")
@@ -57,6 +59,13 @@ def splits(monkeypatch):
     return seen
 
 
+def unsplit(monkeypatch, call):
+    """call() with every spec made during it at k_splits 1."""
+    with monkeypatch.context() as patch:
+        patch.setattr(gemmfuse.plan, "fused_k_splits", lambda *args: 1)
+        return call()
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("index, group_channels", CHAINS)
 def test_split_k_holds_the_float64_bar(splits, shape, index, group_channels):
@@ -73,14 +82,7 @@ def test_split_k_holds_the_float64_bar(splits, shape, index, group_channels):
         got, path = call()
         again = call()[0]
     assert path == "fused" and splits and min(splits) > 1, f"{label}: k_splits {splits}"
-    assert got.shape == eager.shape and got.dtype == eager.dtype, label
-    assert not (got.isnan() & ~eager.isnan()).any(), label
-    err = max_abs_err(got, exact)
-    bar = float64_bar(max_abs_err(eager, exact), max_abs_err(ops_alone, exact), exact)
-    assert err <= bar, f"{label}: error vs float64 {err:.3e} above the bar {bar:.3e}"
-    torch.testing.assert_close(
-        got.double(), exact, atol=1e-4, rtol=1e-4, equal_nan=True, msg=lambda s: f"{label}\n{s}"
-    )
+    assert_float64_bar(got, eager, exact, ops_alone, label)
     torch.testing.assert_close(again, got, atol=0, rtol=0, equal_nan=True, msg=label)
 
 
@@ -116,9 +118,7 @@ def test_split_k_gradients_are_no_worse_than_unsplit(monkeypatch, splits, shape)
     poison_allocator(8 * shape[0] * shape[2], CUDA)
     got, z, path = chain.fused(grad, "auto")
     assert path == "fused" and splits and min(splits) > 1, f"k_splits {splits}"
-    with monkeypatch.context() as patch:
-        patch.setattr(gemmfuse.plan, "fused_k_splits", lambda *args: 1)
-        whole, z_whole, _ = chain.fused(grad, "auto")
+    whole, z_whole, _ = unsplit(monkeypatch, lambda: chain.fused(grad, "auto"))
     exact, exact_whole = chain.given_z(z, grad), chain.given_z(z_whole, grad)
     names = ["x", "weight", "bias"] + [f"leaf {i}" for i in range(3, len(got))]
     for name, g, e, w_, e_ in zip(names, got, exact, whole, exact_whole, strict=True):
@@ -126,3 +126,76 @@ def test_split_k_gradients_are_no_worse_than_unsplit(monkeypatch, splits, shape)
         assert not g.isnan().any() and err <= 1.25 * err_whole + EPS, (
             f"pool 5 {shape} seed {seed}: grad {name}: {err:.3e} against unsplit {err_whole:.3e}"
         )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("index, group_channels", [(0, 0), (1, 16)])  # direct stores; staged
+def test_the_kernel_adds_the_slices(monkeypatch, splits, shape, index, group_channels):
+    """The launch splits, not just the rule: on random data the slices' sums, added in another
+    order than one tile's k-tiles, differ from the unsplit call's in some bits, and both hold
+    the float64 bar."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    epilogue, x, w, b, gn, params = case(index, group_channels, shape, seed)
+    label = f"{POOL[index].describe()} | {shape} | seed {seed}"
+
+    def call():
+        return fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0]
+
+    with torch.no_grad():
+        eager, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
+        poison_allocator(8 * shape[0] * shape[2], CUDA)
+        got = call()
+        whole = unsplit(monkeypatch, call)
+    assert splits and min(splits) > 1, f"{label}: k_splits {splits}"
+    assert_float64_bar(got, eager, exact, ops_alone, label)
+    assert_float64_bar(whole, eager, exact, ops_alone, f"{label} (unsplit)")
+    assert (got != whole).any(), f"{label}: the split call's bits are the unsplit call's"
+
+
+@pytest.mark.parametrize("index, group_channels", [(0, 0), (1, 16)])
+def test_more_slices_than_blocks(monkeypatch, index, group_channels):
+    """A slice per k-tile (64 at K = 4096), forced: 2048 units, so the persistent grid of a
+    pointwise chain's direct stores walks many (tile, slice) units a block (the stage phase
+    carried across slices, the column terms of skipped units), and a staged chain launches a
+    block per unit."""
+    shape = (16, 4096, 4096)
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    epilogue, x, w, b, gn, params = case(index, group_channels, shape, seed)
+    label = f"{POOL[index].describe()} | 64 slices | seed {seed}"
+    monkeypatch.setattr(gemmfuse.plan, "fused_k_splits", lambda *args: 64)
+
+    def call():
+        return fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0]
+
+    with torch.no_grad():
+        eager, exact, ops_alone = chain_references(x, w, b, epilogue, *gn, params)
+        poison_allocator(8 * shape[0] * shape[2], CUDA)
+        got, again = call(), call()
+    assert_float64_bar(got, eager, exact, ops_alone, label)
+    torch.testing.assert_close(again, got, atol=0, rtol=0, equal_nan=True, msg=label)
+
+
+def test_split_k_replays_in_a_cuda_graph(splits):
+    """Captured, a split call counts its slices on counters of its own, zeroed inside the graph:
+    each replay, on new data copied into the captured input, gives the uncaptured call's bits."""
+    shape = (16, 4096, 4096)
+    epilogue, x, w, b, gn, params = case(1, 16, shape, int(torch.randint(0, 2**31 - 1, ())))
+
+    def call(x):
+        return fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0]
+
+    with torch.no_grad():
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call(x)
+            with torch.cuda.graph(graph):
+                out = call(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        for replay in range(3):
+            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(replay)))
+            out.fill_(float("nan"))
+            graph.replay()
+            expect = call(x)
+            torch.testing.assert_close(out, expect, atol=0, rtol=0, msg=f"replay {replay}")
+    assert splits and min(splits) > 1, f"k_splits {splits}"

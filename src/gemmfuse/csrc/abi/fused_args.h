@@ -14,6 +14,7 @@ constexpr int kTile = 128;       // output tile side of every fused kernel
 // says why half of kTile). Reducing chains take a row counter per band of this many rows.
 constexpr int kEpilogueRows16 = 64;
 constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) takes 1 to this
+constexpr int kMaxKSplits = 1024;  // FusedArgs::k_splits' bound (dispatch picks at most the SMs)
 // The fused kernels' launch codes, decided by gemmfuse/dispatch.py's fused_kernel_code.
 constexpr int kPortableKernel = 1;  // gemm_gn_sm80.cuh
 constexpr int kHopperKernel = 2;    // gemm_gn_sm90.cuh
@@ -157,10 +158,11 @@ struct FusedArgs {
   float* z_out;
   uint16_t* z_out16;
   // Split K (the Hopper kernel's split variant at few output tiles, dispatch.fused_k_splits):
-  // each tile's k-tiles cut into k_splits slices, a block each. A slice's block stores its
-  // promoted sums in k_partial [tiles, k_splits, kTile * kTile]; the last of a tile's blocks to
-  // arrive (k_counter, a counter per tile, zero on entry, left zero on exit) adds the slices up
-  // in slice order and runs the epilogue. 0 or 1: no split.
+  // each tile's k-tiles cut into k_splits (at most kMaxKSplits) slices, a block each. A slice's
+  // block stores its promoted sums in k_partial [tiles in walk order, k_splits, kTile * kTile
+  // values in the consumer threads' fragment order]; the last of a tile's blocks to arrive
+  // (k_counter, a counter per tile, zero on entry, left zero on exit) adds the slices up in slice
+  // order and runs the epilogue. 0 or 1: no split.
   int k_splits;
   float* k_partial;
   int* k_counter;

@@ -11,8 +11,9 @@
 // panels in L2); a staged epilogue's fp32 tile reuses the ring, so the producer starts a
 // block's next tile once that epilogue is done (a direct store holds no ring: direct_store).
 // - Split (fp32-accurate): 128x128 tiles, one per block (a persistent grid where the chain is
-//   pointwise: direct_store); with split K (few rows: fewer tiles than SMs) a block per slice of
-//   a tile's k-tiles, the tile's last block adding the slices up (fold_slices); a stage holds
+//   pointwise: direct_store); with split K (few rows: at most half as many tiles as SMs) a
+//   block per slice of a tile's k-tiles instead, the tile's last block adding the slices up
+//   (fold_slices); a stage holds
 //   x hi, x lo, W hi, W lo
 //   (16 KB each), 3 stages. Per k-tile each consumer issues 12 wgmma.m64n128k16 (hi*lo, lo*hi,
 //   hi*hi for each 16-wide k step) into a tensor-core accumulator that the first of them
@@ -316,7 +317,8 @@ __device__ __forceinline__ void store_direct(const float (&acc)[64], const float
 
 // The k-tiles [x, y) of slice s when k_tiles are cut into k_splits slices (split K: FusedArgs).
 __device__ __forceinline__ int2 k_slice(int s, int k_tiles, int k_splits) {
-  return make_int2(s * k_tiles / k_splits, (s + 1) * k_tiles / k_splits);
+  return make_int2(static_cast<int>(int64_t{s} * k_tiles / k_splits),
+                   static_cast<int>((int64_t{s} + 1) * k_tiles / k_splits));
 }
 
 // Split K: stores this (tile, slice) unit's promoted sums to its place in args.k_partial and
@@ -644,7 +646,8 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   // split K: the split variant, at most a slice per k-tile, with its partials and counters
   if (args.k_splits > 1 && (!kSplit || args.k_splits > args.k_padded / kBlockK ||
-                            args.k_partial == nullptr || args.k_counter == nullptr))
+                            args.k_splits > kMaxKSplits || args.k_partial == nullptr ||
+                            args.k_counter == nullptr))
     return cudaErrorInvalidValue;
   CUtensorMap maps[4];
   const struct {

@@ -129,5 +129,6 @@ std::map<std::string, int64_t> constants() {
           {"k_align", gemmfuse::kKAlign},
           {"outer_ops", gemmfuse::kOuterDiv + 1},
           {"portable_kernel", gemmfuse::kPortableKernel},
-          {"hopper_kernel", gemmfuse::kHopperKernel}};
+          {"hopper_kernel", gemmfuse::kHopperKernel},
+          {"max_k_splits", gemmfuse::kMaxKSplits}};
 }

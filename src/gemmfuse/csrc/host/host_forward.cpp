@@ -18,9 +18,10 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
               "dispatch.fused_kernel_code decides it");
   const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
   TORCH_CHECK(k_splits == 1 || (kernel == gemmfuse::kHopperKernel && split && k_splits >= 2 &&
-                                k_splits <= k_padded / 64),
+                                k_splits <= std::min<int64_t>(k_padded / 64, gemmfuse::kMaxKSplits)),
               "gemmfuse: k_splits must be 1, or 2 to the k-tiles (", std::to_string(k_padded / 64),
-              ") on the Hopper kernel's split variant, as dispatch.fused_k_splits decides it");
+              ") and at most ", std::to_string(gemmfuse::kMaxKSplits),
+              " on the Hopper kernel's split variant, as dispatch.fused_k_splits decides it");
   TORCH_CHECK(w_hi.scalar_type() == at::kHalf && w_lo.sizes() == w_hi.sizes() &&
                   w_hi.is_contiguous() && w_lo.is_contiguous() && w_hi.device() == x.device(),
               "gemmfuse: malformed weight split");

@@ -109,8 +109,11 @@ void check_launch(const PlanSpec& spec, const SplitCache* cache,
               "gemmfuse: a float32 launch whose chain runs apart needs the plain GEMM's table");
   TORCH_CHECK(!spec.gemv || (spec.epilogue_path && !spec.model16),
               "gemmfuse: the few-rows kernel serves a float32 epilogue-path launch");
-  TORCH_CHECK(spec.k_splits == 1 || (spec.k_splits > 1 && !spec.model16 && !spec.epilogue_path),
-              "gemmfuse: split K serves a float32 fused-kernel launch");
+  TORCH_CHECK(spec.k_splits == 1 ||
+                  (spec.k_splits > 1 && spec.k_splits <= gemmfuse::kMaxKSplits && !spec.model16 &&
+                   !spec.epilogue_path && spec.kernel == gemmfuse::kHopperKernel && spec.split),
+              "gemmfuse: split K serves a float32 launch of the Hopper kernel's split variant, "
+              "in at most ", std::to_string(gemmfuse::kMaxKSplits), " slices");
   TORCH_CHECK(tensors.size() >= 5 && tensors[0].defined() && tensors[1].defined(),
               "gemmfuse: a launch takes x, weight, bias, gn_weight, gn_bias and the params");
   for (int64_t i : spec.channel_params)
