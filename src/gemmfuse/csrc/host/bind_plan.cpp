@@ -137,8 +137,9 @@ void bind_plan(pybind11::module_& m) {
            py::arg("kernel_code"), py::arg("split"), py::arg("scalars"), py::arg("group_size"),
            py::arg("eps"), py::arg("norm_wide"), py::arg("keepdim"), py::arg("channel_params"),
            py::arg("epilogue_path"), py::arg("group_stats"), py::arg("gemv"),
-           py::arg("chain_apart"), py::arg("k_splits"), py::arg("first_slot") = 1, py::arg("backward") = false,
-           py::arg("split_dx") = false, py::arg("split_dw") = false, py::arg("sparse") = false);
+           py::arg("chain_apart"), py::arg("k_splits"), py::arg("first_slot") = 1,
+           py::arg("backward") = false, py::arg("split_dx") = false, py::arg("split_dw") = false,
+           py::arg("sparse") = false);
   m.def(
       "launch",
       [](const PlanSpec& spec, const std::shared_ptr<SplitCache>& cache,

@@ -63,6 +63,14 @@ inline const float* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+// A fused kernel's launch code as dispatch.fused_kernel_code decides it (the chain library's
+// launch_fused and gemm_split run the code they get).
+inline void check_kernel_code(int64_t kernel) {
+  TORCH_CHECK(kernel == gemmfuse::kPortableKernel || kernel == gemmfuse::kHopperKernel,
+              "gemmfuse: kernel must be a launch code, 1 (portable) or 2 (Hopper), as "
+              "dispatch.fused_kernel_code decides it");
+}
+
 // Zeroed int32 arrival counters, one set per device, stream and use (kRowCounters: the reducing
 // epilogue's, per row band; kWindowCounters: the few-rows GEMV's, per column window;
 // kTileCounters: split K's, per output tile): kernels

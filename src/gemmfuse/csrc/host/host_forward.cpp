@@ -13,9 +13,7 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
                          int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
-  TORCH_CHECK(kernel == gemmfuse::kPortableKernel || kernel == gemmfuse::kHopperKernel,
-              "gemmfuse: kernel must be a launch code, 1 (portable) or 2 (Hopper), as "
-              "dispatch.fused_kernel_code decides it");
+  check_kernel_code(kernel);
   const int64_t M = x.size(0), N = w_hi.size(0), k_padded = w_hi.size(1);
   TORCH_CHECK(k_splits == 1 || (kernel == gemmfuse::kHopperKernel && split && k_splits >= 2 &&
                                 k_splits <= std::min<int64_t>(k_padded / 64, gemmfuse::kMaxKSplits)),

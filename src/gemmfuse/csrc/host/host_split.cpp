@@ -62,9 +62,7 @@ at::Tensor gemm_split(int64_t table, at::Tensor a_hi, at::Tensor a_lo, at::Tenso
   check_split(b_hi, b_lo, b_inv_scale, "b");
   TORCH_CHECK(a_hi.size(1) == b_hi.size(1) && a_hi.device() == b_hi.device(),
               "gemmfuse: a and b must share K and device");
-  TORCH_CHECK(kernel == gemmfuse::kPortableKernel || kernel == gemmfuse::kHopperKernel,
-              "gemmfuse: kernel must be a launch code, 1 (portable) or 2 (Hopper), as "
-              "dispatch.fused_kernel_code decides it");
+  check_kernel_code(kernel);
   gemmfuse::FusedArgs args = chain_args(a_hi.size(0), b_hi.size(0), std::nullopt, std::nullopt,
                                         std::nullopt, {}, {}, 1, 0.0, false);
   c10::cuda::CUDAGuard guard(a_hi.device());
