@@ -70,13 +70,9 @@ CHAIN_APART_MIN_K = 4096
 # fewer than the SMs (a few rows: M = 16 at N = 4096 is 32 tiles on 132 SMs) it cuts each
 # tile's K into slices, a block each, up to a block per SM, each slice at least
 # SPLIT_K_MIN_K_TILES k-tiles of K_ALIGN (fused_k_splits; the last block of a tile adds the
-# slices' sums in slice order). Measured (H100, 2026-11-28, #62's chain with groups of 16, the
-# planned call, no_grad, L2 flushed, interleaved in one process, median of 30; M x K x N,
-# slices: us split against unsplit): 16 x 4096 x 4096, 4: 57.4 / 79.1; 128 x 4096 x 4096, 4:
-# 61.3 / 85.0; 256 x 4096 x 4096, 2: 66.0 / 86.4; 16 x 8192 x 8192, 2: 122.2 / 146.8;
-# 128 x 8192 x 8192, 2: 130.5 / 156.4; 16 x 8192 x 1024, 8: 51.7 / 139.8; 64 x 2048 x 2048, 2:
-# 40.6 / 48.0. With slices of 4 and 8 k-tiles at K = 1024 it lost (an earlier rule, same day):
-# 128 x 1024 x 1024, 4: 40.3 / 38.7; 1024 x 1024 x 1024, 2: 45.3 / 41.5 (docs/DESIGN.md, 4).
+# slices' sums in slice order). On an H100 (2026-11-28, docs/DESIGN.md section 4, which holds
+# the table) 16 x 4096 x 4096 took 57.4 us in 4 slices against 79.1 unsplit; slices of 4 and 8
+# k-tiles at K = 1024 lost, hence 16.
 SPLIT_K_MIN_K_TILES = 16
 MAX_K_SPLITS = 1024  # kMaxKSplits in csrc/abi/fused_args.h: the launch's bound
 GEMV_MAX_ROWS = 2  # kGemvMaxRows in csrc/abi/fused_args.h
