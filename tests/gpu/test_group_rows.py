@@ -1,9 +1,9 @@
 """The epilogue path's register-group kernel (csrc/epilogue/group_rows.cuh) against eager PyTorch in
-the model's dtype, 16-bit (groups of 8, 16, 32) and float32 (groups of 8 and 16): GroupNorm chains
-with a `pre` op reading a per-element tensor, a `post` op reading a per-channel one, every reduction
-and none, N = 256 to 8192, blocks of one row and of several with a shorter last one. Groups of 4 and
-64 take the tile kernel (norm_finalize.cuh) on the same bar, so a failure of both says the bar, not
-the kernel, is off.
+the model's dtype, 16-bit (groups of 8, 16, 32) and float32 (groups of 8 and 16, and of 32 and 64
+where a call has few (row, group) tasks): GroupNorm chains with a `pre` op reading a per-element
+tensor, a `post` op reading a per-channel one, every reduction and none, N = 256 to 8192, blocks of
+one row and of several with a shorter last one. Other sizes take the tile kernel
+(norm_finalize.cuh) on the same bar, so a failure of both says the bar, not the kernel, is off.
 
 The bar: a bf16 chain's output is eager bf16's to the bit (eager's GEMM, its GroupNorm
 statistics, its roundings: dispatch.group_stats_mode); an fp16 one's no further from the fp16
@@ -39,7 +39,8 @@ REDUCES = [None, "min", "max", "sum", "mean", "logsumexp"]
 # be eager's to the bit, which its order is not); fp16 by every reduction.
 DTYPE_REDUCES = [(torch.bfloat16, r) for r in REDUCES[:3]] + [(torch.float16, r) for r in REDUCES]
 REGISTER_GROUPS = (8, 16, 32)  # group_rows_serves' sizes
-FP32_REGISTER_GROUPS = (8, 16)  # a float32 z's (32 takes the tile kernel)
+FP32_REGISTER_GROUPS = (8, 16)  # a float32 z's at every size
+FP32_FEW_TASKS = 32768  # group_rows.cuh's kGroupRowsFewTasks: float32 groups of 32 and 64 up to it
 NO_SM80 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
     reason="the float32 epilogue path needs an sm_80+ GPU",
@@ -76,6 +77,14 @@ def _case(dtype, m, k, n, group_size, reduce, affine=True, seed=0):
 def _eager(epilogue, x, linear, norm, params):
     gn = (norm.weight, norm.bias) if norm.affine else (None, None)
     return apply_epilogue(linear(x), epilogue, *gn, params)
+
+
+def _takes_group_rows(dtype, group_size: int, m: int, n: int) -> bool:
+    """group_rows_serves' answer for an aligned call with a norm in tiles."""
+    if dtype != torch.float32:
+        return group_size in REGISTER_GROUPS
+    few = group_size in (32, 64) and m * (n // group_size) <= FP32_FEW_TASKS
+    return group_size in FP32_REGISTER_GROUPS or few
 
 
 def _run(epilogue, x, linear, norm, params):
@@ -126,13 +135,15 @@ def test_chain_matches_eager(dtype, reduce, group_size, m, n):
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("reduce", [None, "min"])
 @pytest.mark.parametrize("group_size", [4, 8, 16, 32, 64])
-def test_register_groups_take_the_kernel(group_size, reduce, affine, dtype):
-    """Groups of 8, 16 and 32 of a bf16 z, 8 and 16 of a float32 one, run group_rows_kernel,
-    other sizes the tile kernel, with or without the norm's affine part, at KernelBench's width
-    (N = 8192, 1024 rows); a bf16 chain's output is eager's to the bit either way, a float32
-    one's allclose(1e-4) to eager's."""
+@pytest.mark.parametrize("m,n", [(1024, 8192), (16, 1024)])
+def test_register_groups_take_the_kernel(group_size, reduce, affine, dtype, m, n):
+    """Groups of 8, 16 and 32 of a bf16 z, 8 and 16 of a float32 one, and float32 groups of 32
+    and 64 at few tasks (16 rows of 1024, the shape sweep's; not 1024 rows of 8192), run
+    group_rows_kernel, other sizes the tile kernel, with or without the norm's affine part; a
+    bf16 chain's output is eager's to the bit either way, a float32 one's allclose(1e-4) to
+    eager's."""
     epilogue, x, linear, norm, params = _case(
-        dtype, 1024, 1024, 8192, group_size, reduce, affine, seed=group_size
+        dtype, m, 1024, n, group_size, reduce, affine, seed=group_size + m
     )
     with torch.no_grad():
         eager = _eager(epilogue, x, linear, norm, params)
@@ -143,7 +154,7 @@ def test_register_groups_take_the_kernel(group_size, reduce, affine, dtype):
     assert path == "epilogue"
     ran_rows = any("group_rows_kernel" in name for name in names)
     ran_tiles = any("tile_epilogue_kernel" in name for name in names)
-    rows = group_size in (FP32_REGISTER_GROUPS if dtype == torch.float32 else REGISTER_GROUPS)
+    rows = _takes_group_rows(dtype, group_size, m, n)
     assert (ran_rows, ran_tiles) == (rows, not rows), sorted(names)
     if dtype == torch.bfloat16:
         assert torch.equal(got, eager)
@@ -165,7 +176,9 @@ def _float64_and_ops_alone(epilogue, x, linear, norm, params):
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("reduce", REDUCES)
 @pytest.mark.parametrize("group_size", [4, 8, 16, 32, 64])
-@pytest.mark.parametrize("m,n", [(300, 256), (37, 8192), (2053, 1024)])
+# Float32 groups of 32 and 64 take group_rows at the first three shapes, the tile kernel at
+# 2053 x 1024 (65696 and 32848 tasks).
+@pytest.mark.parametrize("m,n", [(16, 1024), (300, 256), (37, 8192), (2053, 1024)])
 def test_float32_chain_matches_eager(reduce, group_size, m, n, affine):
     """In place on F.linear's output (the epilogue path's launch, as the chain apart's)."""
     seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data every run; printed on failure

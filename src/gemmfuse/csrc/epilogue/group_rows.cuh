@@ -1,6 +1,6 @@
 // The epilogue path's kernel for GroupNorm groups of 8, 16 or 32 channels of a 16-bit model's z,
-// and of 8 or 16 of a float32 z (the common sizes; tile_epilogue_kernel in norm_finalize.cuh
-// serves the rest): a thread per (row, group) loads the group's values from z straight into
+// and of 8 or 16 of a float32 z, or 32 and 64 where a call has few groups (the common sizes;
+// tile_epilogue_kernel in norm_finalize.cuh serves the rest): a thread per (row, group) loads the group's values from z straight into
 // registers, 16 bytes a load, and normalises them, applies the chain and stores them from
 // there, with no shared-memory tile between.
 //
@@ -11,7 +11,7 @@
 // #62's chain 52.4-53.2 -> 26.4-26.7 us (groups of 8), 50.7-51.3 -> 34.2-34.3 (16); #75's
 // 41.0-41.1 -> 31.7-31.8 (8), 37.8-37.9 -> 29.6-29.7 (16). Groups of 32 take 160 registers
 // (one block an SM): 53.6-53.7 against 54.9-55.5 (#62), 39.9-40.3 against 36.2 (#75), so the
-// tile kernel keeps them. Groups of 16 are held to 64 registers (four blocks an SM; 72
+// tile kernel keeps them but at few tasks (kGroupRowsFewTasks, since 2026-11-28). Groups of 16 are held to 64 registers (four blocks an SM; 72
 // unbounded, three): 34.2-34.3 against 37.9-38.0 (#62), 29.6-29.7 against 36.7-36.9 (#75), in
 // a call of their own (docs/DESIGN.md section 4).
 //
@@ -68,17 +68,32 @@ __device__ __host__ __forceinline__ const void* group_rows_source(const FusedArg
     return args.epilogue_in16;
 }
 
+// Float32 groups of 32 and 64 hold that many values a thread, so they take this kernel only
+// where a call has at most this many (row, group) tasks: a task a thread or fewer, where the
+// tile kernel's 128-row tiles are mostly empty. The chain kernel alone, #62's chain on the
+// epilogue path (torch.profiler, median of 15 launches, L2 cleared, H200, 2026-11-28), tile
+// kernel against this one: groups of 32 at M x N = 16 x 1024 5.3 / 5.3 us, 128 x 1024 12.5 / 5.6,
+// 1024 x 1024 (32768 tasks) 13.4 / 10.1, 300 x 8192 19.8 / 20.7, 1024 x 8192 56.4 / 51.9,
+// 4096 x 8192 157 / 179; groups of 64 at 16 x 1024 8.6 / 7.9, 128 x 1024 15.7 / 8.4, 1024 x 1024
+// 17.0 / 13.1, 300 x 8192 (38400 tasks) 21.3 / 29.2, 1024 x 8192 43.1 / 55.7.
+constexpr int64_t kGroupRowsFewTasks = 32768;
+
 // Whether group_rows_kernel serves an epilogue-path call: a norm over groups of 8, 16 or 32
-// that never straddle tiles, z and the norm's weights 16-byte aligned (N a multiple of the
-// group size keeps every group's start so), no max pooling (Epi::kPool 1), and for a reduction
-// at most kGroupRowsMaxGroups groups a row.
+// (a float32 z: 8 or 16, or 32 and 64 where the tasks are few) that never straddle tiles, z and
+// the norm's weights 16-byte aligned (N a multiple of the group size keeps every group's start
+// so), no max pooling (Epi::kPool 1), and for a reduction at most kGroupRowsMaxGroups groups a
+// row.
 template <class Epi>
 bool group_rows_serves(const FusedArgs& args) {
   if constexpr (!Epi::kNorm || Epi::kPool != 1) {
     return false;
   } else {
     const int gs = args.group_size;
-    if (gs != 8 && gs != 16 && (gs != 32 || Epi::kModelDtype == kFloat32Model)) return false;
+    constexpr bool k32 = Epi::kModelDtype == kFloat32Model;
+    if (gs != 8 && gs != 16 && gs != 32 && (gs != 64 || !k32)) return false;
+    if (k32 && gs >= 32 &&
+        static_cast<int64_t>(args.M) * (args.N / gs) > kGroupRowsFewTasks)
+      return false;
     if (args.norm_wide || args.N % gs != 0) return false;
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     if (!aligned(group_rows_source<Epi>(args)) || !aligned(args.gn_weight) ||
@@ -152,14 +167,16 @@ template <class Epi, int kGs>
 __device__ __forceinline__ RowAcc finish_group(const GroupWords<kGs, kGroupRowsPer<Epi>>& g,
                                                int row, int col, int64_t at,
                                                const FusedArgs& args) {
-  constexpr bool kExact = Epi::kModelDtype == kFloat32Model;
+  // eager bf16's statistics are a 16-bit call's only (dispatch.group_stats_mode never asks a
+  // float32 one; their one-value-a-lane form does not take groups of 64)
+  constexpr bool kExact = Epi::kModelDtype == kFloat32Model, kEager = !kExact;
   const int model16 = model_dtype<Epi::kModelDtype>(args.params.model16);
   float y[kGs];
 #pragma unroll
   for (int j = 0; j < kGs; ++j)
     y[j] = staged_input<Epi>(group_value<Epi, kGs>(g, j, model16), row, col + j, args);
   float rstd;
-  const SegmentMoments mom = group_statistics<Epi, kExact, true, kGs>(y, kGs, args, rstd);
+  const SegmentMoments mom = group_statistics<Epi, kExact, kEager, kGs>(y, kGs, args, rstd);
   const bool affine = args.gn_weight != nullptr;
 #pragma unroll
   for (int j = 0; j < kGs; j += 4) {
@@ -221,6 +238,12 @@ __device__ __forceinline__ void fold_rows(RowAcc* part, int row0, int rows_here,
 template <class Epi, int kGs>
 constexpr int kGroupRowsMinBlocksPerSm = Epi::kModelDtype == kFloat32Model && kGs == 16 ? 4 : 0;
 
+// Whether a thread loads its next task's group before finishing the current one: not for
+// float32 groups of 32 and 64, which run at a task a thread or fewer (kGroupRowsFewTasks) and
+// would hold twice their values.
+template <class Epi, int kGs>
+constexpr bool kGroupRowsAhead = !(Epi::kModelDtype == kFloat32Model && kGs >= 32);
+
 // A block takes group_rows_of_grid rows; each thread walks its (row, group) tasks with the next
 // task's loads issued before the current task's arithmetic (software pipelining: a thread
 // per task, its loads then its arithmetic, left ncu's warps 40% of their cycles waiting on
@@ -240,15 +263,19 @@ __global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Ep
   };
   int row, col;
   GroupWords<kGs, kGroupRowsPer<Epi>> current{};
-  if (tid < tasks) current = load_group<Epi, kGs>(in, place(tid, row, col));
+  if (kGroupRowsAhead<Epi, kGs> && tid < tasks)
+    current = load_group<Epi, kGs>(in, place(tid, row, col));
   for (int task = tid; task < tasks; task += kGroupRowsThreads) {
+    if constexpr (!kGroupRowsAhead<Epi, kGs>)
+      current = load_group<Epi, kGs>(in, place(task, row, col));
     const int next = task + kGroupRowsThreads;
     GroupWords<kGs, kGroupRowsPer<Epi>> ahead{};
-    if (next < tasks) ahead = load_group<Epi, kGs>(in, place(next, row, col));
+    if (kGroupRowsAhead<Epi, kGs> && next < tasks)
+      ahead = load_group<Epi, kGs>(in, place(next, row, col));
     const int64_t at = place(task, row, col);
     const RowAcc acc = finish_group<Epi, kGs>(current, row, col, at, args);
     if constexpr (Epi::kReduce != 0) group_part[task] = acc;
-    current = ahead;
+    if constexpr (kGroupRowsAhead<Epi, kGs>) current = ahead;
   }
   if constexpr (Epi::kReduce != 0) {
     __syncthreads();
@@ -276,9 +303,11 @@ cudaError_t launch_group_rows(const FusedArgs& args, cudaStream_t stream) {
         return launch_group_rows_for<Epi, 8>(args, stream);
       case 16:
         return launch_group_rows_for<Epi, 16>(args, stream);
-      case 32:  // 16-bit only (group_rows_serves): not compiled for a float32 z
-        if constexpr (Epi::kModelDtype != kFloat32Model)
-          return launch_group_rows_for<Epi, 32>(args, stream);
+      case 32:
+        return launch_group_rows_for<Epi, 32>(args, stream);
+      case 64:  // float32 only (group_rows_serves): not compiled for a 16-bit z
+        if constexpr (Epi::kModelDtype == kFloat32Model)
+          return launch_group_rows_for<Epi, 64>(args, stream);
         return cudaErrorInvalidValue;
       default:
         return cudaErrorInvalidValue;

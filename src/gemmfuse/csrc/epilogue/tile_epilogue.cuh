@@ -466,7 +466,7 @@ __device__ __forceinline__ bool eager_stats(const FusedArgs& args) {
 template <class Epi, bool kExact, bool kEager, int kN = 0, class Values>
 __device__ __forceinline__ SegmentMoments group_statistics(const Values& v, int n,
                                                            const FusedArgs& args, float& rstd) {
-  if constexpr (kN > 0) {
+  if constexpr (kN > 0 && kEager) {
     if (eager_stats<Epi, kEager>(args))
       return eager_group_stats<kN>(v, args.params.group_stats, args.eps, rstd);
   }
