@@ -71,26 +71,50 @@ def _models(make, device, kernel, seed=0):
     torch.manual_seed(seed)
     model = make().to(device)
     x = torch.randn(ROWS, _k(model), device=device)
-    twin = copy.deepcopy(model)
-    return model, optimize(twin, (x,), kernel=kernel)[0], x
+    return model, _optimized(model, x, kernel), x
+
+
+def _optimized(model, x, kernel):
+    return optimize(copy.deepcopy(model), (x,), kernel=kernel)[0]
 
 
 def _k(model):
     return next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
 
 
-def _check_split(model, split, x, device):
-    """Outputs, dx and every parameter gradient of the split model against the unsplit one."""
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    want, got = model(x1), split(x2)
-    _close(got, want, device, "output")
-    grad = torch.randn_like(want)
-    want.backward(grad)
-    _full(got).backward(grad)
-    _close(x2.grad, x1.grad, device, "dx")
-    mine = dict(split.named_parameters())
-    for name, p in model.named_parameters():
-        _close(mine[name].grad, p.grad, device, f"grad of {name}")
+def _values(model, x, grad=None):
+    """({"output", "dx", "grad of <parameter>": full tensor}, the output's gradient: ``grad``,
+    or drawn here)."""
+    x = x.clone().requires_grad_()
+    y = _full(model(x))
+    grad = torch.randn_like(y) if grad is None else grad
+    y.backward(grad)
+    values = {"output": y.detach(), "dx": x.grad}
+    values.update({f"grad of {n}": _full(p.grad) for n, p in model.named_parameters()})
+    return values, grad
+
+
+def _check_split(model, split, x, device, unsplit):
+    """Outputs, dx and every parameter gradient of the split model against the same optimized
+    model unsplit (what parallelize must keep) and against eager PyTorch: allclose to eager where
+    eager's own value is allclose to float64's, else no further from float64 than eager's. The
+    second bar is for a min or max over the channels with near-ties: at K = N = 1024 on the GPU
+    (ReducedChain's amin, seed 4) eager's dW was 4.96e-4 from float64's where the values are
+    1.25e-2, the optimized model's 4.12e-4 (split or not, the same bits; H200, 2026-11-28), so
+    allclose(1e-4) to eager cannot be asked of any other implementation there."""
+    want, grad = _values(model, x)
+    exact, _ = _values(copy.deepcopy(model).double(), x.double(), grad.double())
+    same, _ = _values(unsplit, x, grad)
+    got, _ = _values(split, x, grad)
+    rtol, atol = TOL[device.type]
+    for what, value in got.items():
+        _close(value, same[what], device, f"{what} (against the unsplit optimized model)")
+        if torch.allclose(want[what].double(), exact[what], rtol=rtol, atol=atol):
+            _close(value, want[what], device, what)
+            continue
+        err = (value.double() - exact[what]).abs().max().item()
+        eager_err = (want[what].double() - exact[what]).abs().max().item()
+        assert err <= eager_err, f"{what}: {err:.3e} from float64, eager {eager_err:.3e}"
 
 
 def _problem(number, size):
@@ -104,7 +128,8 @@ def _problem(number, size):
 def case_split_problems(mesh, device, kernel, size):
     for number in (62, 75):
         model, optimized, x = _models(_problem(number, size), device, kernel)
-        _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+        unsplit = _optimized(model, x, kernel)
+        _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device, unsplit)
 
 
 def case_split_reductions(mesh, device, kernel, size):
@@ -113,14 +138,16 @@ def case_split_reductions(mesh, device, kernel, size):
                             ("logsumexp", True), ("amin", True)):  # fmt: skip
         make = functools.partial(ReducedChain, k, n, 4, reduce, keepdim)
         model, optimized, x = _models(make, device, kernel, seed=len(reduce))
-        _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+        unsplit = _optimized(model, x, kernel)
+        _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device, unsplit)
 
 
 def case_replicated_operand(mesh, device, kernel, size):
     """A one-element operand of the chain: its gradient summed over the ranks' channels."""
     k = n = size or 64
     model, optimized, x = _models(functools.partial(ScaledChain, k, n, 4), device, kernel)
-    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+    unsplit = _optimized(model, x, kernel)
+    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device, unsplit)
 
 
 def case_sequence_input(mesh, device, kernel, size):
@@ -129,16 +156,17 @@ def case_sequence_input(mesh, device, kernel, size):
     torch.manual_seed(3)
     model = ScaledChain(k, n, 0).to(device)
     x = torch.randn(2, ROWS // 2, k, device=device)
-    optimized = optimize(copy.deepcopy(model), (x,), kernel=kernel)[0]
-    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+    optimized, unsplit = _optimized(model, x, kernel), _optimized(model, x, kernel)
+    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device, unsplit)
 
 
 def case_dtensor_output(mesh, device, kernel, size):
     model, optimized, x = _models(_problem(62, size), device, kernel, seed=1)
+    unsplit = _optimized(model, x, kernel)
     split = gemmfuse.parallelize(optimized, mesh, gather_output=False)
     out = split(x)
     assert isinstance(out, DTensor) and out.placements[0].is_shard(1), out
-    _check_split(model, split, x, device)
+    _check_split(model, split, x, device, unsplit)
 
 
 def _refused(make, mesh, device, kernel, why: str) -> None:
@@ -189,7 +217,8 @@ def case_split_max_pooled_reduction(mesh, device, kernel, size):
     """Each rank reduces the windows of its channels; a split that would cut one is refused."""
     k = n = size or 64
     model, optimized, x = _models(functools.partial(MaxPooledChain, k, n, 4), device, kernel)
-    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device)
+    unsplit = _optimized(model, x, kernel)
+    _check_split(model, gemmfuse.parallelize(optimized, mesh), x, device, unsplit)
     cut = functools.partial(MaxPooledChain, 64, 68, 4)  # 34 channels a rank
     _refused(cut, mesh, device, kernel, "cut a max-pooling window of 4 channels")
 
