@@ -108,9 +108,15 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| #{r['problem']} | {r['n']} | {r['world']} | {r['forward']:.3f} | "
             f"{r['train']:.3f} | {fwd:.2f}x | {train:.2f}x | {fwd / r['world']:.0%} | "
-            f"{r['comm_bytes'] / 2**20:.1f} MiB |"
+            f"{_size(r['comm_bytes'])} |"
         )
     return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    if nbytes == 0:
+        return "0"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 Usage: python scripts/performance_doc.py BENCH_JSON [--date YYYY-MM-DD] [--stale TEXT]
 [--kernelbench KB_JSON --kernelbench-commit C ...] [--mlp-block JSON --mlp-block-commit C]
 [--floors JSON [--roofline PNG]] [--sweep-json JSON] [--chains-json JSON] [--other-date YYYY-MM-DD]
+[--parallel JSON --parallel-commit C --parallel-gpu TEXT --parallel-date YYYY-MM-DD]
 (--stale: what has changed since the measured commit that these figures do not show;
 --sweep-json / --chains-json: the shape sweep's or the random chains' table from another run (a
 later one of its own, .devwork-style scripts calling bench.run_sweep / bench.run_chains and
@@ -12,8 +13,9 @@ place of BENCH_JSON's;
 --kernelbench, repeatable: scripts/kernelbench_files.py's --json, a table of exported problem
 files judged in KernelBench's method, each with the commit it measured; --mlp-block:
 scripts/mlp_block.py's --json; --floors: scripts/problem_floors.py's --json, for the section
-"Against the floor", drawn as a roofline plot into --roofline, which needs matplotlib). The
-measured JSON files are kept in docs/measurements/.
+"Against the floor", drawn as a roofline plot into --roofline, which needs matplotlib;
+--parallel: scripts/bench_parallel.py's --json, one GPU against two, with the commit, machine and
+date it measured). The measured JSON files are kept in docs/measurements/.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import datetime
 import json
 from pathlib import Path
 
+from bench_parallel import table as format_parallel_rows
 from floor_doc import floor_rows, format_floor_rows, plot_roofline
 from kernelbench_files import format_problem_rows
 from mlp_block import format_rows as format_mlp_rows
@@ -79,7 +82,10 @@ def _floor_section(args, data: dict) -> str:
     rows = floor_rows(work, data.get("harness", []), data["commit"], kb, kb_commit)
     plot = ""
     if args.roofline:
-        plot_roofline(rows, args.roofline, f"{data['gpu']}: KernelBench's method (autograd on, "
+        machines = data["gpu"]
+        if kb is not None and kb["gpu"] != data["gpu"]:  # the files ran on another machine
+            machines = f"#62, #75 on {data['gpu']}, the files on {kb['gpu']}"
+        plot_roofline(rows, args.roofline, f"{machines}: KernelBench's method (autograd on, "
                       "L2 cleared, mean of 100)")  # fmt: skip
         plot = f"\n\n![roofline]({args.roofline.name})"
     return f"""The floor of a problem is the larger of two times (scripts/problem_floors.py, figures
@@ -89,9 +95,11 @@ implementation moves (inputs, parameters and output once) at the measured 2.86 T
 is floor / time: 100% would be the split at cuBLAS's rate with nothing else costing time. Eager
 fp32 is measured against its own floor, the same bytes or its products at the datasheet's 67
 TFLOP/s of fp32 SIMT. Times are KernelBench's method (autograd on, L2 cleared, mean of 100):
-#62 and #75 from this page's benchmark, the files from the last H100 run of the section above
-with the most rows. A row above 100% computes less than its model's products: #98's average pooling
-over the Linear's channels is folded into the weight (pooling.py), a GEMM of N / 16 columns.
+#62 and #75 from this page's benchmark (on the machine its header names), the files from the
+last H100 run of the section above with the most rows. The rates are an H100's; #62 and #75 are
+compute-bound, and an H200 is the same chip with more memory bandwidth. A row above 100%
+computes less than its model's products: #98's average pooling over the Linear's channels is
+folded into the weight (pooling.py), a GEMM of N / 16 columns.
 
 {format_floor_rows(rows)}{plot}"""
 
@@ -120,7 +128,13 @@ def main() -> None:
     parser.add_argument("--sweep-json", help="the shape sweep from another run")
     parser.add_argument("--chains-json", help="the random-chain table from another run")
     parser.add_argument("--other-date", help="when the --sweep-json / --chains-json run ran")
+    parser.add_argument("--parallel", help="scripts/bench_parallel.py --json output")
+    parser.add_argument("--parallel-commit", default="", help="the commit it measured")
+    parser.add_argument("--parallel-gpu", default="", help="the machine it ran on")
+    parser.add_argument("--parallel-date", default="", help="when it ran")
     args = parser.parse_args()
+    if args.parallel and not (args.parallel_commit and args.parallel_gpu and args.parallel_date):
+        parser.error("--parallel needs --parallel-commit, --parallel-gpu and --parallel-date")
     if (args.sweep_json or args.chains_json) and not args.other_date:
         parser.error("--sweep-json and --chains-json need --other-date")
     if args.roofline and not args.floors:
@@ -140,6 +154,11 @@ def main() -> None:
         mlp = (f"GPU: {block['gpu']}; commit {args.mlp_block_commit}; method: CUDA events, L2 "
                "cleared before each call, mean of 100, autograd on (parameters require grad)."
                f"\n\n{format_mlp_rows(block['rows'])}")  # fmt: skip
+    parallel = "(not run)"
+    if args.parallel:
+        rows = json.loads(Path(args.parallel).read_text())
+        parallel = (f"Machine: {args.parallel_gpu}; commit {args.parallel_commit}; measured "
+                    f"{args.parallel_date}.\n\n{format_parallel_rows(rows)}")  # fmt: skip
     stale = f"- **Not yet measured:** {args.stale}\n" if args.stale else ""
     data = json.loads(Path(args.bench_json).read_text())
     results = [Result(**r) for r in data["results"]]
@@ -287,6 +306,21 @@ error of eager's fp32 ops run on the float64 GEMM result rounded to fp32: the pa
 evaluation's error that does not come from the GEMM.
 
 {chains_run}{format_chains(chains) if chains else "(not run)"}
+
+## Two GPUs
+
+`gemmfuse.parallelize` splits an optimized model's fused Linear by output channels over the
+ranks (README, "Across GPUs"): #62's chain is all-gathered to the full (M, N) output, #75's min
+over the channels combines the ranks' M partial results. `scripts/bench_parallel.py`: M = 8192
+rows, K = 8192, N = 8192 and 16384, the optimized model (`kernel="auto"`) on one GPU, then split
+over two (NCCL, one process a GPU, NVLink multicast off); the forward under `no_grad` and a
+training step (forward, then `backward` of the output's sum), each the median of 30 calls after 3
+warm-ups, CUDA events on rank 0 between barriers, L2 not flushed (the operands are hundreds of
+MB). Speed-ups are against the same optimized model on one GPU, not against eager; "efficiency"
+is the forward's speed-up over the number of GPUs; "sent" is what a rank sends per forward (the
+all-gather of its output slice, or its M reduced values).
+
+{parallel}
 """
     )
     print(f"wrote {DOC}")
