@@ -41,6 +41,7 @@ DTYPE_REDUCES = [(torch.bfloat16, r) for r in REDUCES[:3]] + [(torch.float16, r)
 REGISTER_GROUPS = (8, 16, 32)  # group_rows_serves' sizes
 FP32_REGISTER_GROUPS = (8, 16)  # a float32 z's at every size
 FP32_FEW_TASKS = 32768  # group_rows.cuh's kGroupRowsFewTasks: float32 groups of 32 and 64 up to it
+FP32_MAX_ROW_GROUPS = 256  # ... and up to kGroupRowsThreads groups a row
 NO_SM80 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
     reason="the float32 epilogue path needs an sm_80+ GPU",
@@ -83,8 +84,9 @@ def _takes_group_rows(dtype, group_size: int, m: int, n: int) -> bool:
     """group_rows_serves' answer for an aligned call with a norm in tiles."""
     if dtype != torch.float32:
         return group_size in REGISTER_GROUPS
-    few = group_size in (32, 64) and m * (n // group_size) <= FP32_FEW_TASKS
-    return group_size in FP32_REGISTER_GROUPS or few
+    groups = n // group_size
+    few = groups <= FP32_MAX_ROW_GROUPS and m * groups <= FP32_FEW_TASKS
+    return group_size in FP32_REGISTER_GROUPS or (group_size in (32, 64) and few)
 
 
 def _run(epilogue, x, linear, norm, params):
@@ -193,6 +195,44 @@ def test_float32_chain_matches_eager(reduce, group_size, m, n, affine):
     label = f"{epilogue} M={m} N={n} seed {seed}: error {err:.3e}, eager's {eager_err:.3e}"
     assert path == "epilogue", label
     assert got.dtype == torch.float32 and got.shape == eager.shape, label
+    assert not got.isnan().any(), label
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4, msg=lambda s: f"{label}\n{s}")
+    assert err <= float64_bar(eager_err, max_abs_err(ops_alone, exact), exact), label
+
+
+@NO_SM80
+@pytest.mark.parametrize("reduce", [None, "sum"])
+@pytest.mark.parametrize(
+    "group_size,m,n,rows",
+    [
+        (32, 1024, 1024, True),  # 32768 tasks (four rows a block): group_rows_kernel
+        (32, 1025, 1024, False),  # one row more: the tile kernel
+        (64, 2048, 1024, True),  # 32768 tasks
+        (64, 2049, 1024, False),
+        (32, 8, 16384, False),  # 512 groups a row: the tile kernel, however few the tasks
+        (64, 1000, 1024, True),  # two rows a block, whose fold a reduction takes
+    ],
+)
+def test_float32_wide_groups_bound(group_size, m, n, rows, reduce):
+    """Float32 groups of 32 and 64 take group_rows_kernel up to kGroupRowsFewTasks tasks and
+    kGroupRowsThreads groups a row, the tile kernel past either, each on the float64 bar."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data every run; printed on failure
+    epilogue, x, linear, norm, params = _case(torch.float32, m, 512, n, group_size, reduce,
+                                              seed=seed)  # fmt: skip
+    with torch.no_grad():
+        eager = _eager(epilogue, x, linear, norm, params)
+        exact, ops_alone = _float64_and_ops_alone(epilogue, x, linear, norm, params)
+        poison_allocator(4 * m * n, CUDA)
+        out = []
+        names = kernel_names(lambda: out.append(_run(epilogue, x, linear, norm, params)))
+    got, path = out[0]
+    err, eager_err = max_abs_err(got, exact), max_abs_err(eager, exact)
+    label = f"{epilogue} M={m} N={n} seed {seed}: error {err:.3e}, eager's {eager_err:.3e}"
+    assert path == "epilogue", label
+    ran_rows = any("group_rows_kernel" in name for name in names)
+    ran_tiles = any("tile_epilogue_kernel" in name for name in names)
+    assert rows == _takes_group_rows(torch.float32, group_size, m, n), label  # the mirror agrees
+    assert (ran_rows, ran_tiles) == (rows, not rows), f"{label}: {sorted(names)}"
     assert not got.isnan().any(), label
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4, msg=lambda s: f"{label}\n{s}")
     assert err <= float64_bar(eager_err, max_abs_err(ops_alone, exact), exact), label

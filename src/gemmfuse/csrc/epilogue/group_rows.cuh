@@ -1,5 +1,5 @@
 // The epilogue path's kernel for GroupNorm groups of 8, 16 or 32 channels of a 16-bit model's z,
-// and of 8 or 16 of a float32 z, or 32 and 64 where a call has few groups (the common sizes;
+// and of 8 or 16 of a float32 z, or 32 and 64 where a call has few tasks (the common sizes;
 // tile_epilogue_kernel in norm_finalize.cuh serves the rest): a thread per (row, group) loads the group's values from z straight into
 // registers, 16 bytes a load, and normalises them, applies the chain and stores them from
 // there, with no shared-memory tile between.
@@ -10,8 +10,9 @@
 // place, L2 cleared before each, H100, two rounds alternating with the tile kernel's tree):
 // #62's chain 52.4-53.2 -> 26.4-26.7 us (groups of 8), 50.7-51.3 -> 34.2-34.3 (16); #75's
 // 41.0-41.1 -> 31.7-31.8 (8), 37.8-37.9 -> 29.6-29.7 (16). Groups of 32 take 160 registers
-// (one block an SM): 53.6-53.7 against 54.9-55.5 (#62), 39.9-40.3 against 36.2 (#75), so the
-// tile kernel keeps them but at few tasks (kGroupRowsFewTasks, since 2026-11-28). Groups of 16 are held to 64 registers (four blocks an SM; 72
+// (one block an SM, with the next task's loads in flight): 53.6-53.7 against 54.9-55.5 (#62),
+// 39.9-40.3 against 36.2 (#75), so the tile kernel keeps them but at few tasks
+// (kGroupRowsFewTasks, since 2026-11-28, without those loads: 64 registers). Groups of 16 are held to 64 registers (four blocks an SM; 72
 // unbounded, three): 34.2-34.3 against 37.9-38.0 (#62), 29.6-29.7 against 36.7-36.9 (#75), in
 // a call of their own (docs/DESIGN.md section 4).
 //
@@ -32,7 +33,9 @@
 //   its group's statistics again and the kernel is bound by issued instructions (ncu: 62% of
 //   the SMs' throughput, 22% of DRAM's).
 //
-// The values are the tile kernel's: the same `pre`, statistics (group_statistics with the
+// The values are the tile kernel's (but for float32 groups of 32 and 64: at few tasks the tile
+// kernel takes a group's statistics by a warp, segment_moments_warp, this kernel by a thread, so
+// the bits differ, both fp32-accurate): the same `pre`, statistics (group_statistics with the
 // group's size known at compile time, eager bf16's where the call asks), `normalize` and
 // `post` per value; a reduction pushes a group's outputs in column order, merges a tile's
 // (kTile columns') groups in group order and the row's tiles in tile order, the order of the
@@ -69,8 +72,11 @@ __device__ __host__ __forceinline__ const void* group_rows_source(const FusedArg
 }
 
 // Float32 groups of 32 and 64 hold that many values a thread, so they take this kernel only
-// where a call has at most this many (row, group) tasks: a task a thread or fewer, where the
-// tile kernel's 128-row tiles are mostly empty. The chain kernel alone, #62's chain on the
+// where a call has at most this many (row, group) tasks and a row at most kGroupRowsThreads
+// groups: then group_rows_per_block gives a block at most kGroupRowsThreads tasks (a task a
+// thread or fewer), and the tile kernel's 128-row tiles are mostly empty. (A row of more groups
+// would put a row's tasks in series on a block's threads: 8 x 32768 in groups of 32 on 8 blocks,
+// where the tile kernel runs 256.) The chain kernel alone, #62's chain on the
 // epilogue path (torch.profiler, median of 15 launches, L2 cleared, H200, 2026-11-28), tile
 // kernel against this one: groups of 32 at M x N = 16 x 1024 5.3 / 5.3 us, 128 x 1024 12.5 / 5.6,
 // 1024 x 1024 (32768 tasks) 13.4 / 10.1, 300 x 8192 19.8 / 20.7, 1024 x 8192 56.4 / 51.9,
@@ -92,7 +98,8 @@ bool group_rows_serves(const FusedArgs& args) {
     constexpr bool k32 = Epi::kModelDtype == kFloat32Model;
     if (gs != 8 && gs != 16 && gs != 32 && (gs != 64 || !k32)) return false;
     if (k32 && gs >= 32 &&
-        static_cast<int64_t>(args.M) * (args.N / gs) > kGroupRowsFewTasks)
+        (static_cast<int64_t>(args.M) * (args.N / gs) > kGroupRowsFewTasks ||
+         args.N / gs > kGroupRowsThreads))
       return false;
     if (args.norm_wide || args.N % gs != 0) return false;
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
@@ -104,7 +111,7 @@ bool group_rows_serves(const FusedArgs& args) {
 }
 
 // Rows a block owns: about kGroupRowsTasks (row, group) tasks' worth (4 a thread: one task's
-// loads in flight while the thread computes another), fewer where that would leave under
+// loads in flight while the thread computes another, kGroupRowsAhead), fewer where that would leave under
 // kGroupRowsMinBlocks blocks (about two an SM on an H100's 132). The kernel derives its rows
 // from its grid (group_rows_of_grid): the fewest that cover M in the host's number of blocks,
 // at most the host's count, so the shared memory sized for that count always suffices.
@@ -244,10 +251,10 @@ constexpr int kGroupRowsMinBlocksPerSm = Epi::kModelDtype == kFloat32Model && kG
 template <class Epi, int kGs>
 constexpr bool kGroupRowsAhead = !(Epi::kModelDtype == kFloat32Model && kGs >= 32);
 
-// A block takes group_rows_of_grid rows; each thread walks its (row, group) tasks with the next
-// task's loads issued before the current task's arithmetic (software pipelining: a thread
-// per task, its loads then its arithmetic, left ncu's warps 40% of their cycles waiting on
-// global loads at 50% occupancy, H100, 2026-11-27).
+// A block takes group_rows_of_grid rows; each thread walks its (row, group) tasks, where
+// kGroupRowsAhead with the next task's loads issued before the current task's arithmetic
+// (software pipelining: a thread per task, its loads then its arithmetic, left ncu's warps 40%
+// of their cycles waiting on global loads at 50% occupancy, H100, 2026-11-27).
 template <class Epi, int kGs>
 __global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Epi, kGs>)
     group_rows_kernel(FusedArgs args) {

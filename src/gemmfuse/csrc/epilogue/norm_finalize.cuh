@@ -228,7 +228,7 @@ __device__ __forceinline__ void stage_values(float* tile, int m0, int n0, int ro
 // machine): bf16 #62 30.4 -> 24.5 us, fp16 #62 32.6 -> 24.5, bf16 #75 26.7 -> 21.0, fp16 #75
 // 33.6 -> 20.1. The float32 instance is as it was (minimum blocks 0: no bound; same SASS).
 // Since 2026-11-27 most 16-bit calls whose GroupNorm groups are 8, 16 or 32 channels, and
-// float32 ones whose groups are 8 or 16, take group_rows_kernel (group_rows.cuh: no
+// float32 ones whose groups are 8 or 16 (or 32 and 64 at few tasks), take group_rows_kernel (group_rows.cuh: no
 // shared-memory tile; bf16 #62's chain 24.1-24.4 us here against 16.3 there, #75's 21.0-21.2
 // against 15.6, timed in separate calls; float32 figures there), and float32 groups of whole
 // 128-channel tiles on rows of up to 8192 take wide_rows_kernel (wide_rows.cuh); this kernel
