@@ -43,8 +43,8 @@ from gemmfuse.sources import ChainKernels, check_constants, flatten
 # The parts of a chain's library, each a translation unit of csrc/ (fused_linear.cu, an
 # export's one translation unit, includes them all).
 CHAIN_PARTS = ("chain_table.cu", "chain_sm90_split.cu", "chain_sm90_one_pass.cu",
-               "chain_sm90_bf16.cu", "chain_sm80.cu", "chain_epilogue.cu", "chain_gemv.cu",
-               "chain_backward.cu")  # fmt: skip
+               "chain_sm90_fp16.cu", "chain_sm90_bf16.cu", "chain_sm80.cu", "chain_epilogue.cu",
+               "chain_epilogue_16bit.cu", "chain_gemv.cu", "chain_backward.cu")  # fmt: skip
 HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_backward.cpp",
                 "host_plan.cpp", "host_autograd.cpp", "bind_splits.cpp",
                 "bind_epilogue.cpp", "bind_backward.cpp", "bind_plan.cpp", "host_module.cpp",

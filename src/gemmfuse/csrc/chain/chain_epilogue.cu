@@ -1,5 +1,8 @@
-// A part of a chain's library: the kernels after a product (norm_finalize.cuh): the wide
-// GroupNorm's finalize pass, and the epilogue path's tile and row kernels.
+// A part of a chain's library: the kernels after a product (norm_finalize.cuh) for a float32
+// model: the wide GroupNorm's finalize pass, and the epilogue path's tile and row kernels. A
+// 16-bit model's instances are chain_epilogue_16bit.cu's, compiled beside this part (one part of
+// both took the longest of a chain's parts to compile: 6.1-7.0 s for #62's chain on the 2-core
+// development machine, 4.1-4.5 s each apart; nvcc for sm_90a, 2026-11-28).
 #include "chain_part.cuh"
 #include "norm_finalize.cuh"
 
@@ -11,15 +14,13 @@ namespace parts {
 cudaError_t finalize(const FusedArgs& args, cudaStream_t stream) {
   if (args.params.model16 == kFloat32Model)
     return launch_norm_finalize<GeneratedEpilogueFor<kFloat32Model>>(args, stream);
-  return launch_norm_finalize<GeneratedEpilogue>(args, stream);
+  return finalize_16bit(args, stream);
 }
 
 // An instance per model dtype: the chain kernel is a 16-bit model's whole epilogue path.
 cudaError_t tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
-  if (args.epilogue_in16 != nullptr && args.params.model16 == kBf16Model)
-    return launch_tile_epilogue<GeneratedEpilogueFor<kBf16Model>>(args, stream);
-  if (args.epilogue_in16 != nullptr && args.params.model16 == kFp16Model)
-    return launch_tile_epilogue<GeneratedEpilogueFor<kFp16Model>>(args, stream);
+  if (args.epilogue_in16 != nullptr && args.params.model16 != kFloat32Model)
+    return tile_epilogue_16bit(args, stream);
   return launch_tile_epilogue<GeneratedEpilogueFor<kFloat32Model>>(args, stream);
 }
 
