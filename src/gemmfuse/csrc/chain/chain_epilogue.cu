@@ -9,18 +9,13 @@
 namespace gemmfuse {
 namespace parts {
 
-// After a fused kernel: a float32 model's instance, or one for the 16-bit dtypes (a wide
-// GroupNorm's finalize is a pass over memory; its roundings are chosen at run time).
+// A wide GroupNorm's finalize pass after a float32 model's fused kernel.
 cudaError_t finalize(const FusedArgs& args, cudaStream_t stream) {
-  if (args.params.model16 == kFloat32Model)
-    return launch_norm_finalize<GeneratedEpilogueFor<kFloat32Model>>(args, stream);
-  return finalize_16bit(args, stream);
+  return launch_norm_finalize<GeneratedEpilogueFor<kFloat32Model>>(args, stream);
 }
 
-// An instance per model dtype: the chain kernel is a 16-bit model's whole epilogue path.
+// The epilogue path's chain kernel on a float32 z.
 cudaError_t tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
-  if (args.epilogue_in16 != nullptr && args.params.model16 != kFloat32Model)
-    return tile_epilogue_16bit(args, stream);
   return launch_tile_epilogue<GeneratedEpilogueFor<kFloat32Model>>(args, stream);
 }
 

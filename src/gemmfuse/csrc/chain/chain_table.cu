@@ -32,18 +32,25 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
   // The library is compiled for exactly this device: the sm_90a kernel bodies exist on 9.0 only.
   if ((kernel == kHopperKernel || args.bf16) && !hopper) return cudaErrorInvalidDeviceFunction;
   if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
+  const bool model16 = args.params.model16 != kFloat32Model;
   if (args.bf16)
     err = parts::sm90_bf16(args, stream);
-  else if (kernel == kHopperKernel)
-    err = args.split ? parts::sm90_split(args, stream) : parts::sm90_one_pass(args, stream);
+  else if (kernel == kHopperKernel && args.split)
+    err = parts::sm90_split(args, stream);
+  else if (kernel == kHopperKernel)  // one pass: precision="tf32", or a float16 model
+    err = args.params.model16 == kFp16Model ? parts::sm90_fp16(args, stream)
+                                            : parts::sm90_one_pass(args, stream);
   else
     err = parts::sm80(args, stream);
   if (err != cudaSuccess || !args.norm_wide) return err;
-  return parts::finalize(args, stream);
+  return model16 ? parts::finalize_16bit(args, stream) : parts::finalize(args, stream);
 }
 
+// A 16-bit model's z (args.epilogue_in16) takes its dtype's instance, a float32 z float32's.
 cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream) {
   if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
+  if (args.epilogue_in16 != nullptr && args.params.model16 != kFloat32Model)
+    return parts::tile_epilogue_16bit(args, stream);
   return parts::tile_epilogue(args, stream);
 }
 

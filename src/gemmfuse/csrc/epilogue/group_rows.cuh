@@ -95,9 +95,9 @@ bool group_rows_serves(const FusedArgs& args) {
     return false;
   } else {
     const int gs = args.group_size;
-    constexpr bool k32 = Epi::kModelDtype == kFloat32Model;
-    if (gs != 8 && gs != 16 && gs != 32 && (gs != 64 || !k32)) return false;
-    if (k32 && gs >= 32 &&
+    constexpr bool kF32 = Epi::kModelDtype == kFloat32Model;
+    if (gs != 8 && gs != 16 && gs != 32 && (gs != 64 || !kF32)) return false;
+    if (kF32 && gs >= 32 &&
         (static_cast<int64_t>(args.M) * (args.N / gs) > kGroupRowsFewTasks ||
          args.N / gs > kGroupRowsThreads))
       return false;
