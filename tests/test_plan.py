@@ -42,6 +42,7 @@ class FakeExt:
 @pytest.fixture
 def fake_ext(monkeypatch):
     monkeypatch.setattr(gemmfuse.plan, "extension_for", lambda epilogue: FakeExt)
+    monkeypatch.setattr(gemmfuse.plan, "extensions_for", lambda *chains: [FakeExt] * len(chains))
     monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
 
 

@@ -130,8 +130,9 @@ def test_the_binding_defines_every_function_python_calls():
 def test_the_binding_defines_the_executor():
     """ops.launch_path calls ``launch(spec, cache, tensors, save_z)`` (bind_plan.cpp)."""
     binding = read_csrc()["bind_plan.cpp"]
-    # from the def to the next binding (its lambda's body holds statements of its own)
-    launch = re.search(r'm\.def\(\s*"launch",.*?(?=\n  (?:py::class_|m\.def))', binding, re.S)
+    # from the def to the next binding or the function's end (its lambda's body holds
+    # statements of its own)
+    launch = re.search(r'm\.def\(\s*"launch",.*?(?=\n  (?:py::class_|m\.def)|\n\})', binding, re.S)
     assert launch is not None
     names = re.findall(r'py::arg\("(\w+)"\)', launch.group())
     assert names == ["spec", "cache", "tensors", "save_z"]

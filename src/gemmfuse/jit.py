@@ -21,6 +21,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
 from pathlib import Path
@@ -47,7 +48,8 @@ CHAIN_PARTS = ("chain_table.cu", "chain_sm90_split.cu", "chain_sm90_one_pass.cu"
                "chain_epilogue_16bit.cu", "chain_gemv.cu", "chain_backward.cu")  # fmt: skip
 HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_backward.cpp",
                 "host_plan.cpp", "host_autograd.cpp", "bind_splits.cpp",
-                "bind_epilogue.cpp", "bind_backward.cpp", "bind_plan.cpp", "host_module.cpp",
+                "bind_epilogue.cpp", "bind_backward.cpp", "bind_plan.cpp", "bind_plan_call.cpp",
+                "host_module.cpp",
                 "host_tail.cpp", "split.cu", "sparse_products.cu", "column_sums.cu",
                 "outer_binary.cu")  # fmt: skip
 # The parts' host code goes into a shared library.
@@ -57,8 +59,23 @@ _KERNELS: dict[tuple, ChainKernels] = {}
 
 def extension_for(epilogue: Epilogue) -> ChainKernels:
     """The kernels of this chain's structure on the current GPU (built once, then cached)."""
-    structure = epilogue.structure
+    return _kernels(epilogue.structure, arch_flags())
+
+
+def extensions_for(*epilogues: Epilogue) -> list[ChainKernels]:
+    """extension_for of each, the libraries not yet loaded built at once (a thread each; each
+    build's compilers run in processes of their own): a call that needs two chains' libraries
+    (a chain run apart needs the plain GEMM's too) waits for the slower build, not for both in
+    turn. The host extension is built once whichever thread asks first."""
     arch = arch_flags()
+    missing = {e.structure for e in epilogues} - {s for s, a in _KERNELS if a == arch}
+    if len(missing) > 1:
+        with ThreadPoolExecutor(len(missing)) as pool:
+            list(pool.map(lambda structure: _kernels(structure, arch), missing))
+    return [_kernels(e.structure, arch) for e in epilogues]
+
+
+def _kernels(structure: Epilogue, arch: tuple[str, ...]) -> ChainKernels:
     kernels = _KERNELS.get((structure, arch))
     if kernels is None:
         kernels = _KERNELS.setdefault((structure, arch), _load(structure, arch))
@@ -77,9 +94,18 @@ def _load(structure: Epilogue, arch: tuple[str, ...]) -> ChainKernels:
     return ChainKernels(host, table_of(), path, keep=library)
 
 
-@cache
+_HOST_LOCK = threading.Lock()
+
+
 def host_extension(arch: tuple[str, ...]) -> ModuleType:
-    """The host extension for this architecture, built if the cache lacks it."""
+    """The host extension for this architecture, built if the cache lacks it: once, and
+    imported once, however many threads ask at the same time (extensions_for)."""
+    with _HOST_LOCK:
+        return _host_extension(arch)
+
+
+@cache
+def _host_extension(arch: tuple[str, ...]) -> ModuleType:
     files = read_csrc()
     sources = {name: flatten(files, name) for name in HOST_SOURCES}
     cuda_flags = (*CUDA_FLAGS, *arch)

@@ -41,7 +41,7 @@ from gemmfuse.dispatch import (
     norm_settings,
 )
 from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
-from gemmfuse.jit import extension_for
+from gemmfuse.jit import extension_for, extensions_for
 
 MAX_PLANS = 4  # per weight cache: the kinds of call one module meets (a last, shorter batch...)
 # What a plan takes (csrc/host/bind_plan.cpp): a call with a tensor subclass is decided afresh
@@ -88,9 +88,11 @@ def forward_spec(path: str, epilogue: Epilogue, x, weight, kernel: str, precisio
     group_size, eps, norm_wide = norm_settings(epilogue, n)
     apart = chain_apart(path, epilogue, x, n, kernel, precision)
     kernel_code = fused_kernel_code(kernel, x)
+    # a chain apart's GEMM is the plain GEMM's library: both built at once on a first call
+    ext, plain = extensions_for(epilogue, Epilogue()) if apart else (extension_for(epilogue), None)
     return dict(
-        table=extension_for(epilogue).table,
-        plain_table=extension_for(Epilogue()).table if apart else 0,  # a chain apart's GEMM
+        table=ext.table,
+        plain_table=plain.table if apart else 0,
         model16=x.dtype in MODEL16, kernel_code=kernel_code,
         split=PRECISIONS[precision], scalars=list(epilogue.scalars), group_size=group_size,
         eps=eps, norm_wide=norm_wide,

@@ -129,3 +129,9 @@ def extension_for(epilogue: Epilogue) -> ChainKernels:
     structure = epilogue.structure
     module = load_extension("gemmfuse_fused", *extension_sources(structure), label=structure)
     return _kernels_of(module)
+
+
+def extensions_for(*epilogues: Epilogue) -> list[ChainKernels]:
+    """extension_for of each, in turn (gemmfuse.jit.extensions_for builds a package's
+    libraries at once; an export's load_inline builds stay one at a time)."""
+    return [extension_for(e) for e in epilogues]

@@ -11,4 +11,5 @@
 #include "bind_epilogue.cpp"
 #include "bind_backward.cpp"
 #include "bind_plan.cpp"
+#include "bind_plan_call.cpp"
 #include "host_module.cpp"

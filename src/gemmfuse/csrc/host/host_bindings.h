@@ -9,3 +9,4 @@ void bind_splits(pybind11::module_& m);
 void bind_epilogue(pybind11::module_& m);
 void bind_backward(pybind11::module_& m);
 void bind_plan(pybind11::module_& m);
+void bind_plan_call(pybind11::module_& m);

@@ -6,4 +6,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_epilogue(m);
   bind_backward(m);
   bind_plan(m);
+  bind_plan_call(m);
 }

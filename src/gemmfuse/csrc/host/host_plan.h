@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -168,6 +169,14 @@ void record_backward(const std::shared_ptr<const PlanState>& plan, const at::Ten
                      const std::vector<at::Tensor>& tensors, const at::Tensor& z,
                      const at::Tensor& gn_weight, const at::Tensor& gn_bias,
                      const std::vector<at::Tensor>& vectors);
+
+// Python's tensor list (None for an absent one) as the executor takes it (undefined for None).
+inline std::vector<at::Tensor> defined_or_empty(
+    const std::vector<std::optional<at::Tensor>>& tensors) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.value_or(at::Tensor()));
+  return out;
+}
 
 }  // namespace host
 }  // namespace gemmfuse
