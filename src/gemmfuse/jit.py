@@ -68,7 +68,7 @@ def extensions_for(*epilogues: Epilogue) -> list[ChainKernels]:
     (a chain run apart needs the plain GEMM's too) waits for the slower build, not for both in
     turn. The host extension is built once whichever thread asks first."""
     arch = arch_flags()
-    missing = {e.structure for e in epilogues} - {s for s, a in _KERNELS if a == arch}
+    missing = {e.structure for e in epilogues if (e.structure, arch) not in _KERNELS}
     if len(missing) > 1:
         with ThreadPoolExecutor(len(missing)) as pool:
             list(pool.map(lambda structure: _kernels(structure, arch), missing))
