@@ -12,7 +12,8 @@
   each) in parallel and links them into a shared library, loaded with ctypes; its one exported
   function returns the table (csrc/abi/chain_table.h) that the host extension launches through.
 
-A chain's first call builds what the cache lacks, the two pieces at once, and says so on stderr
+A chain's first call builds what the cache lacks, the two pieces at once (with the plain GEMM's
+library beside them where the call needs it: ``extensions_for``), and says so on stderr
 (build.py). ``extension_for`` is called on every forward: after the first call it is a dict
 lookup. Standalone exports build differently (one load_inline library: sources.extension_for).
 """
