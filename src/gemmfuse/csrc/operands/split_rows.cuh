@@ -28,16 +28,10 @@ __device__ __forceinline__ int split_exponent(float m) {
   return e;
 }
 
-__global__ void __launch_bounds__(kSplitThreads) split_rows_kernel(
-    const float* __restrict__ x, int64_t row_stride, int rows, int k, int k_padded,
-    __half* __restrict__ hi, __half* __restrict__ lo, float* __restrict__ inv_scale) {
-  const int row = blockIdx.x;
-  if (row >= rows) return;
-  const float* xr = x + row * row_stride;
-
-  // Pass 1: the row's largest magnitude (NaN-propagating so a NaN row stays NaN).
-  float amax = 0.f;
-  for (int i = threadIdx.x; i < k; i += kSplitThreads) amax = nan_max(amax, fabsf(__ldg(xr + i)));
+// The exponent split_exponent gives a row (its block's threads each holding the largest
+// magnitude of their values: a NaN-propagating block reduction), thread 0 storing the row's
+// inverse scale. Every thread of the block calls it.
+__device__ __forceinline__ int row_exponent(float amax, int row, float* __restrict__ inv_scale) {
   for (int off = 16; off > 0; off >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   __shared__ float warp_max[kSplitThreads / 32];
   __shared__ int row_exp;
@@ -51,7 +45,20 @@ __global__ void __launch_bounds__(kSplitThreads) split_rows_kernel(
     inv_scale[row] = ldexpf(1.f, -e);
   }
   __syncthreads();
-  const int e = row_exp;
+  return row_exp;
+}
+
+__global__ void __launch_bounds__(kSplitThreads) split_rows_kernel(
+    const float* __restrict__ x, int64_t row_stride, int rows, int k, int k_padded,
+    __half* __restrict__ hi, __half* __restrict__ lo, float* __restrict__ inv_scale) {
+  const int row = blockIdx.x;
+  if (row >= rows) return;
+  const float* xr = x + row * row_stride;
+
+  // Pass 1: the row's largest magnitude (NaN-propagating so a NaN row stays NaN).
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < k; i += kSplitThreads) amax = nan_max(amax, fabsf(__ldg(xr + i)));
+  const int e = row_exponent(amax, row, inv_scale);
 
   // Pass 2: split. The row was just read, so this pass is served from cache.
   // Two columns per thread so the fp16 stores are 4 bytes wide; k_padded is even.
@@ -91,20 +98,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_rows_vec_kernel(
     amax = nan_max(nan_max(amax, fabsf(v[i].x)), fabsf(v[i].y));
     amax = nan_max(nan_max(amax, fabsf(v[i].z)), fabsf(v[i].w));
   }
-  for (int off = 16; off > 0; off >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  __shared__ float warp_max[kSplitThreads / 32];
-  __shared__ int row_exp;
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float m = 0.f;
-    for (int w = 0; w < kSplitThreads / 32; ++w) m = nan_max(m, warp_max[w]);
-    const int e = split_exponent(m);
-    row_exp = e;
-    inv_scale[row] = ldexpf(1.f, -e);
-  }
-  __syncthreads();
-  const int e = row_exp;
+  const int e = row_exponent(amax, row, inv_scale);
   uint2* hr = reinterpret_cast<uint2*>(hi + static_cast<int64_t>(row) * k_padded);
   uint2* lr = reinterpret_cast<uint2*>(lo + static_cast<int64_t>(row) * k_padded);
 #pragma unroll
