@@ -34,6 +34,13 @@ def test_the_export_translation_unit_holds_every_part():
     assert set(included) == set(CHAIN_PARTS) | host_kernels
 
 
+def test_the_export_binding_holds_every_host_translation_unit():
+    """binding.cpp (a standalone export's one C++ source) includes every C++ file of the host
+    extension: one left out fails only when an export loads on a GPU."""
+    included = re.findall(r'^#include "([^"]+)"$', read_csrc()["binding.cpp"], re.M)
+    assert set(included) == {name for name in HOST_SOURCES if name.endswith(".cpp")}
+
+
 def test_flatten_reads_the_mapping_it_is_given():
     files = {"main.cu": '#include "a.h"\n#include "epilogue_generated.cuh"\nint main;\n'}
     files["a.h"] = '#pragma once\n#include "b.h"\nint a;\n'

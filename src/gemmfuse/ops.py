@@ -62,14 +62,13 @@ from gemmfuse.dispatch import (
     KERNELS,
     PRECISIONS,
     backward_products,
-    chain_apart,
     fused_kernel_code,
     norm_settings,
     splits_no_weight,
     take_path,
 )
 from gemmfuse.epilogue import Epilogue, epilogue_spec
-from gemmfuse.jit import extension_for, extensions_for
+from gemmfuse.jit import extension_for
 from gemmfuse.plan import forward_spec, keep_plan, plannable, planned_call
 from gemmfuse.reference import apply_plain_ops, linear_epilogue, plain_ops
 from gemmfuse.tail import apply_tail
@@ -85,8 +84,9 @@ def launch_path(path, epilogue, cache, kernel, precision, x, weight, bias, gn_we
     plan runs (csrc/host/host_plan.cpp's ``launch_spec``). A tensor subclass's own torch
     function is not consulted there: the epilogue path's GEMM is ``at::linear`` in C++ (before
     2853e70 ``F.linear`` in Python), as the fused kernels never consulted it."""
-    # Runs once per forward decided afresh: keep it lean. forward_spec first: it builds the
-    # libraries the call needs at once on a first call (a chain apart's two).
+    # Runs once per forward decided afresh: keep it lean. forward_spec first: on a first call it
+    # builds the libraries the call needs at once (a chain apart's and the plain GEMM's), where
+    # extension_for first would build the chain's alone, then forward_spec the plain GEMM's.
     fields = forward_spec(path, epilogue, x, weight, kernel, precision)
     ext = extension_for(epilogue)
     spec = ext.host.PlanSpec(**fields)
@@ -203,11 +203,6 @@ def fused_linear_with_path(
     cache = cache_for_call(weight_cache)
     launch = functools.partial(launch_path, path, epilogue, cache, kernel, precision)
     grad = records_grad(epilogue.channel_params, params, x, weight, bias, gn_weight, gn_bias)
-    n = weight.shape[0]
-    if path == "fused" and (grad or chain_apart(path, epilogue, x, n, kernel, precision)):
-        # the plain GEMM's library too (the backward's split products, a chain apart's GEMM):
-        # on a first call, built at once with the chain's, before backward_plan asks for it
-        extensions_for(epilogue, Epilogue())
     if grad:
         call = backward_plan(path, x, weight, epilogue, launch, cache, kernel, precision)
         out = FusedLinearFunction.apply(call, x, weight, bias, gn_weight, gn_bias, *params)

@@ -78,10 +78,11 @@ __global__ void __launch_bounds__(kSplitThreads) split_rows_kernel(
 // The same split with the row held in registers, kVec 16-byte words a thread: one read of x
 // (split_rows_kernel reads it twice, the second time from L2, a word of 4 bytes a load) and
 // 8-byte stores. For rows whose k_padded fits (at most 4 * kSplitThreads * 8 = 8192 columns),
-// x 16-byte aligned with k and the row stride multiples of 4; the outputs are split_rows_kernel's
+// x 16-byte aligned with k and the row stride multiples of 4, hi and lo 8-byte aligned (the
+// host's fresh allocations are); the outputs are split_rows_kernel's
 // to the bit (the same scale, the same arithmetic per value). At #62's 1024 x 8192 (torch.profiler,
 // median of 10, L2 cleared, H200, 2026-11-28): 26.1 us for split_rows_kernel, 18.3 for this one
-// (the DRAM floor is some 13: 32 MB read, 32 MB written).
+// (the DRAM floor is some 14: 32 MB read, 32 MB written, at 4.8 TB/s).
 template <int kVec>
 __global__ void __launch_bounds__(kSplitThreads) split_rows_vec_kernel(
     const float* __restrict__ x, int64_t row_stride, int rows, int k, int k_padded,
@@ -130,8 +131,9 @@ inline cudaError_t launch_split_rows(const float* x, int64_t row_stride, int row
                                      int k_padded, __half* hi, __half* lo, float* inv_scale,
                                      cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && row_stride % 4 == 0 && k % 4 == 0 &&
-                   k_padded % 4 == 0;
+  auto aligned = [](const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+  const bool vec = aligned(x, 16) && row_stride % 4 == 0 && k % 4 == 0 && k_padded % 4 == 0 &&
+                   aligned(hi, 8) && aligned(lo, 8);  // 16-byte loads, 8-byte stores
   switch (vec ? split_rows_vec_words(k_padded) : 0) {
     case 1:
       split_rows_vec_kernel<1><<<rows, kSplitThreads, 0, stream>>>(x, row_stride, rows, k, k_padded, hi, lo, inv_scale);
