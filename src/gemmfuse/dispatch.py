@@ -279,7 +279,9 @@ def _model16_problem(x, kernel: str) -> str:
     return ""
 
 
-_PLAIN_GEMM = Epilogue()  # no chain: its z is its output
+# No chain: its z is its output. Its library runs a chain apart's GEMM and the backward's split
+# products (plan.py asks for it).
+PLAIN_GEMM = Epilogue()
 
 
 def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision: str) -> bool:
@@ -295,7 +297,7 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
         and x.dtype == torch.float32
         and m * n >= CHAIN_APART_MIN_OUTPUTS and k >= CHAIN_APART_MIN_K
         and _capability(x.device.index) == (9, 0)
-        and epilogue.structure != _PLAIN_GEMM
+        and epilogue.structure != PLAIN_GEMM
     )  # fmt: skip
 
 

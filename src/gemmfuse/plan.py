@@ -31,6 +31,7 @@ import torch
 from gemmfuse.autograd import kernel_backward_serves
 from gemmfuse.dispatch import (
     MODEL16,
+    PLAIN_GEMM,
     PRECISIONS,
     backward_products,
     chain_apart,
@@ -48,7 +49,6 @@ MAX_PLANS = 4  # per weight cache: the kinds of call one module meets (a last, s
 # each time by the Python rules (its own torch function is seen there; the kernels, and the
 # executor's GEMM on the epilogue path, take it as the tensor it holds).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_GEMM = Epilogue()  # the plain GEMM's chain (its structure built once, not per call)
 
 
 def planned_call(cache, epilogue, kernel, precision, x, weight, bias, gn_weight, gn_bias, params):
@@ -90,7 +90,7 @@ def forward_spec(path: str, epilogue: Epilogue, x, weight, kernel: str, precisio
     apart = chain_apart(path, epilogue, x, n, kernel, precision)
     kernel_code = fused_kernel_code(kernel, x)
     # a chain apart's GEMM is the plain GEMM's library: both built at once on a first call
-    ext, plain = extensions_for(epilogue, _PLAIN_GEMM) if apart else (extension_for(epilogue), None)
+    ext, plain = extensions_for(epilogue, PLAIN_GEMM) if apart else (extension_for(epilogue), None)
     return dict(
         table=ext.table,
         plain_table=plain.table if apart else 0,
@@ -134,7 +134,7 @@ def keep_plan(cache, epilogue: Epilogue, kernel: str, precision: str, tensors, g
     sparse, split_dx, split_dw = backward_products(path, x, weight, kernel, epilogue)
     spec = forward_spec(path, epilogue, x, weight, kernel, precision)
     if grad and (split_dx or split_dw):  # the backward's split products: the plain GEMM's library
-        spec["plain_table"] = extension_for(_PLAIN_GEMM).table
+        spec["plain_table"] = extension_for(PLAIN_GEMM).table
     spec.update(first_slot=column_sum_slots(chain)[1], backward=serves_backward,
                 split_dx=split_dx, split_dw=split_dw, sparse=sparse)  # fmt: skip
     ext = extension_for(epilogue)
