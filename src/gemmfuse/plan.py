@@ -93,7 +93,7 @@ def forward_spec(path: str, epilogue: Epilogue, x, weight, kernel: str, precisio
     ext, plain = extensions_for(epilogue, PLAIN_GEMM) if apart else (extension_for(epilogue), None)
     return dict(
         table=ext.table,
-        plain_table=plain.table if apart else 0,
+        plain_table=plain.table if plain else 0,
         model16=x.dtype in MODEL16, kernel_code=kernel_code,
         split=PRECISIONS[precision], scalars=list(epilogue.scalars), group_size=group_size,
         eps=eps, norm_wide=norm_wide,

@@ -87,7 +87,8 @@ template <int kVec>
 __global__ void __launch_bounds__(kSplitThreads) split_rows_vec_kernel(
     const float* __restrict__ x, int64_t row_stride, int rows, int k, int k_padded,
     __half* __restrict__ hi, __half* __restrict__ lo, float* __restrict__ inv_scale) {
-  const int row = blockIdx.x;
+  const int row = blockIdx.x;  // the grid is `rows` blocks (the parameter keeps
+                                // split_rows_kernel's signature: launch_split_rows picks either)
   const float4* xr = reinterpret_cast<const float4*>(x + row * row_stride);
   const int words = k / 4, out_words = k_padded / 4;
   float4 v[kVec];
@@ -134,23 +135,16 @@ inline cudaError_t launch_split_rows(const float* x, int64_t row_stride, int row
   auto aligned = [](const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   const bool vec = aligned(x, 16) && row_stride % 4 == 0 && k % 4 == 0 && k_padded % 4 == 0 &&
                    aligned(hi, 8) && aligned(lo, 8);  // 16-byte loads, 8-byte stores
+  // the same arguments for every kernel: pick one, launch it once
+  auto kernel = split_rows_kernel;
   switch (vec ? split_rows_vec_words(k_padded) : 0) {
-    case 1:
-      split_rows_vec_kernel<1><<<rows, kSplitThreads, 0, stream>>>(x, row_stride, rows, k, k_padded, hi, lo, inv_scale);
-      break;
-    case 2:
-      split_rows_vec_kernel<2><<<rows, kSplitThreads, 0, stream>>>(x, row_stride, rows, k, k_padded, hi, lo, inv_scale);
-      break;
-    case 4:
-      split_rows_vec_kernel<4><<<rows, kSplitThreads, 0, stream>>>(x, row_stride, rows, k, k_padded, hi, lo, inv_scale);
-      break;
-    case 8:
-      split_rows_vec_kernel<8><<<rows, kSplitThreads, 0, stream>>>(x, row_stride, rows, k, k_padded, hi, lo, inv_scale);
-      break;
-    default:
-      split_rows_kernel<<<rows, kSplitThreads, 0, stream>>>(x, row_stride, rows, k, k_padded, hi, lo,
-                                                            inv_scale);
+    case 1: kernel = split_rows_vec_kernel<1>; break;
+    case 2: kernel = split_rows_vec_kernel<2>; break;
+    case 4: kernel = split_rows_vec_kernel<4>; break;
+    case 8: kernel = split_rows_vec_kernel<8>; break;
+    default: break;  // split_rows_kernel
   }
+  kernel<<<rows, kSplitThreads, 0, stream>>>(x, row_stride, rows, k, k_padded, hi, lo, inv_scale);
   return cudaGetLastError();
 }
 
