@@ -112,9 +112,10 @@ def assert_float64_bar(got, eager, exact, ops_alone, label: str) -> None:
 
 
 # The epilogue path's chain kernels (csrc/epilogue/: norm_finalize.cuh, group_rows.cuh,
-# wide_rows.cuh), as torch.profiler names them.
-CHAIN_KERNELS = ("tile_epilogue_kernel", "group_rows_kernel", "row_epilogue_kernel",
-                 "wide_rows_kernel", "pointwise_epilogue_kernel")  # fmt: skip
+# group_tiles.cuh, wide_rows.cuh), as torch.profiler names them.
+CHAIN_KERNELS = ("tile_epilogue_kernel", "group_rows_kernel", "group_tiles_kernel",
+                 "row_epilogue_kernel", "wide_rows_kernel",
+                 "pointwise_epilogue_kernel")  # fmt: skip
 
 
 def hopper() -> bool:

@@ -7,16 +7,18 @@ Paths, in the order they are tried:
     chain up to its reduction in its epilogue. Under ``kernel="auto"``, a float32 call on sm_90 from
     M*N = 2^23 with K >= 4096 (``dispatch.chain_apart``) runs the chain in the chain kernel right
     after the GEMM instead (the GEMM stores z), faster there with autograd recording and for costly
-    chains. In the fused kernel, GroupNorm groups that fit a 128-channel output tile are normalised
-    in the tile; wider groups (or groups that straddle tiles) get their statistics from each tile,
-    merged by a light second kernel that normalises the output in place (one extra read and write of
-    it); a chain run apart takes the epilogue path's chain kernel below. Needs a CUDA float32 2-D
-    input on an sm_80+ GPU and tensor arguments of ``pre``/``post`` ops that are per channel and of
-    x's dtype. The kernel is the Hopper one (wgmma + TMA) on sm_90, the portable one (mma.sync +
-    cp.async) elsewhere. bfloat16 and float16 models are fused on sm_90 too (one tensor-core product
-    on their own operands, fp32 epilogue rounded where eager rounds); ``kernel="portable"`` /
-    ``"hopper"`` forces one. ``tail`` ops (after a reduction) run in PyTorch on the reduced (M,)
-    values.
+    chains; where the chain reduces nothing and its norm's groups fit a tile, that kernel starts
+    under the GEMM's last wave and normalises each tile once stored (csrc/epilogue/
+    group_tiles.cuh). In the fused kernel, GroupNorm groups that fit a 128-channel output tile are
+    normalised in the tile; wider groups (or groups that straddle tiles) get their statistics from
+    each tile, merged by a light second kernel that normalises the output in place (one extra read
+    and write of it); a chain run apart takes the epilogue path's chain kernel below. Needs a CUDA
+    float32 2-D input on an sm_80+ GPU and tensor arguments of ``pre``/``post`` ops that are per
+    channel and of x's dtype. The kernel is the Hopper one (wgmma + TMA) on sm_90, the portable one
+    (mma.sync + cp.async) elsewhere. bfloat16 and float16 models are fused on sm_90 too (one
+    tensor-core product on their own operands, fp32 epilogue rounded where eager rounds);
+    ``kernel="portable"`` / ``"hopper"`` forces one. ``tail`` ops (after a reduction) run in PyTorch
+    on the reduced (M,) values.
 ``epilogue``
     PyTorch's own GEMM (``F.linear``: cuBLAS, eager's exact result), then one CUDA kernel
     that applies the whole chain (csrc/epilogue/norm_finalize.cuh: tile by tile, or a group a

@@ -19,6 +19,7 @@ fused kernel (kernel="hopper") giving the same values as the chain apart (H100, 
 import pytest
 import torch
 
+from gemmfuse import Epilogue, fused_epilogue
 from gemmfuse.chains import chain_pool, chain_references, linear_data
 from gemmfuse.dispatch import chain_apart
 from gemmfuse.ops import fused_linear_with_path
@@ -74,3 +75,78 @@ def test_auto_runs_the_chain_kernel_after_the_gemm(index):
     assert any(any(c in name for c in CHAIN_KERNELS) for name in auto), auto
     assert any("fused_gemm_gn_sm90_kernel" in name for name in forced), forced
     assert not any(any(c in name for c in CHAIN_KERNELS) for name in forced), forced
+
+
+# A pool chain that norms and reduces nothing: its chain kernel follows the GEMM's tiles.
+FOLLOWING = next(i for i, spec in enumerate(POOL) if spec.norm and spec.reduce is None)
+
+
+def following_case(m, n, seed):
+    """(epilogue, x, w, b, gn, params) of FOLLOWING's chain in groups of 16 at m x K x n."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = POOL[FOLLOWING]
+    epilogue, params = spec.instantiate(gen, n, n // 16)
+    x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, K, n))
+    gn = (gn_w, gn_b) if spec.affine else (None, None)
+    return epilogue, x, w, b, gn, [p.to(CUDA) for p in params]
+
+
+@pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
+@pytest.mark.parametrize("m, n", [(M, N), (1100, 8208)])  # whole tiles; a part tile each way
+@pytest.mark.parametrize("grad", [False, True])
+def test_chain_following_the_tiles_gives_the_chain_kernels_bits(m, n, grad):
+    """A chain that norms in tiles and reduces nothing runs behind the split GEMM, following its
+    tiles (group_tiles.cuh): the same bits as the chain kernel run on the GEMM's z afterwards
+    (fused_epilogue, group_rows_kernel), three calls in a row (each leaves the tile counts
+    zero for the next), with autograd recording (the chain writes a tensor of its own) or not
+    (in place)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    epilogue, x, w, b, gn, params = following_case(m, n, seed)
+    label = f"{POOL[FOLLOWING].describe()} | {m} x {n} | grad {grad} | seed {seed}"
+    assert chain_apart("fused", epilogue, x, n, "auto", "fp32"), label
+    if grad:
+        w.requires_grad_(True)
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            return fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0].detach()
+
+    with torch.no_grad():
+        z = fused_linear_with_path(x, w, b, Epilogue())[0]  # the plain GEMM's bits
+        expect = fused_epilogue(z, epilogue, *gn, params=params)
+        eager, exact, ops_alone = chain_references(x, w.detach(), b, epilogue, *gn, params)
+    call()  # built, and the weight split, before poisoning
+    for i in range(3):
+        poison_allocator(8 * m * n, CUDA)
+        got = call()
+        torch.testing.assert_close(got, expect, atol=0, rtol=0, msg=f"{label} | call {i}")
+    assert_float64_bar(got, eager, exact, ops_alone, label)
+    names = kernel_names(call)
+    assert any("group_tiles_kernel" in name for name in names), names
+    assert not any("group_rows_kernel" in name for name in names), names
+
+
+@pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
+def test_chain_following_the_tiles_replays_in_a_cuda_graph():
+    """Captured, the GEMM and the following chain kernel count tiles on counters of their own,
+    zeroed inside the graph (a programmatic edge between them): each replay, on new data copied
+    into the captured input, gives the uncaptured call's bits."""
+    epilogue, x, w, b, gn, params = following_case(M, N, int(torch.randint(0, 2**31 - 1, ())))
+
+    def call(x):
+        return fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0]
+
+    with torch.no_grad():
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call(x)
+            with torch.cuda.graph(graph):
+                out = call(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        for replay in range(3):
+            x.copy_(torch.rand(x.shape, generator=torch.Generator().manual_seed(replay)))
+            out.fill_(float("nan"))
+            graph.replay()
+            expect = call(x)
+            torch.testing.assert_close(out, expect, atol=0, rtol=0, msg=f"replay {replay}")

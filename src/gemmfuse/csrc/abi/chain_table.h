@@ -8,7 +8,7 @@
 namespace gemmfuse {
 
 // Bump when ChainTable or an argument struct changes meaning without changing size.
-constexpr int kChainTableVersion = 5;  // 5: FusedArgs' split K
+constexpr int kChainTableVersion = 6;  // 6: tile following (FusedArgs::tile_flags)
 
 struct ChainTable {
   // Checked by the binding (check_table): the layout the library was compiled with.
@@ -24,6 +24,10 @@ struct ChainTable {
   // The epilogue path: args.out holds x @ W^T + b (fp32, from PyTorch's GEMM); applies the chain
   // tile by tile (and, with args.norm_wide, row by row), in place or into args.row_out.
   cudaError_t (*launch_epilogue_only)(const FusedArgs& args, cudaStream_t stream);
+  // Whether launch_epilogue_only, given these args with tile_flags set, runs the kernel that
+  // follows the plain GEMM's tiles (and leaves the flags zero): asked before the GEMM is
+  // launched with them. 0: set no tile_flags (the chain kernel runs after the GEMM).
+  int (*follows_tiles)(const FusedArgs& args);
   // The epilogue path at M <= kGemvMaxRows: x @ W^T + b and the chain in one launch (two for
   // groups wider than a tile); args.bias is W's bias.
   cudaError_t (*launch_gemv)(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);

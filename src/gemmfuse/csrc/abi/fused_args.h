@@ -15,6 +15,8 @@ constexpr int kTile = 128;       // output tile side of every fused kernel
 constexpr int kEpilogueRows16 = 64;
 constexpr int kGemvMaxRows = 2;  // the few-rows kernel (gemv_epilogue.cuh) takes 1 to this
 constexpr int kMaxKSplits = 1024;  // FusedArgs::k_splits' bound (dispatch picks at most the SMs)
+// FusedArgs::tile_flags: a count per output tile, then a ticket and an exit count (tile_walk.h).
+constexpr int kTileFollowExtra = 2;
 // The fused kernels' launch codes, decided by gemmfuse/dispatch.py's fused_kernel_code.
 constexpr int kPortableKernel = 1;  // gemm_gn_sm80.cuh
 constexpr int kHopperKernel = 2;    // gemm_gn_sm90.cuh
@@ -166,6 +168,12 @@ struct FusedArgs {
   int k_splits;
   float* k_partial;
   int* k_counter;
+  // A chain run apart whose kernel follows the plain GEMM's tiles (tile_walk.h): the Hopper
+  // kernel's direct-store variant counts each stored tile here, and the chain kernel, launched
+  // behind it with programmatic dependent launch, normalises each tile once it is counted, on
+  // the SMs that the GEMM's last wave leaves idle. [tiles + kTileFollowExtra], zero on entry,
+  // left zero on exit; nullptr: no following (the chain kernel runs after the GEMM).
+  int* tile_flags;
   EpilogueParams params;
 };
 

@@ -19,5 +19,10 @@ cudaError_t tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
   return launch_tile_epilogue<GeneratedEpilogueFor<kFloat32Model>>(args, stream);
 }
 
+// Whether tile_epilogue, given the plain GEMM's tile counts, follows its tiles (group_tiles.cuh).
+int follows_tiles(const FusedArgs& args) {
+  return group_tiles_serves<GeneratedEpilogueFor<kFloat32Model>>(args) ? 1 : 0;
+}
+
 }  // namespace parts
 }  // namespace gemmfuse

@@ -22,6 +22,7 @@ cudaError_t sm80(const FusedArgs& args, cudaStream_t stream);
 cudaError_t finalize(const FusedArgs& args, cudaStream_t stream);
 cudaError_t finalize_16bit(const FusedArgs& args, cudaStream_t stream);
 cudaError_t tile_epilogue(const FusedArgs& args, cudaStream_t stream);
+int follows_tiles(const FusedArgs& args);
 cudaError_t tile_epilogue_16bit(const FusedArgs& args, cudaStream_t stream);
 cudaError_t gemv(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
 int gemv_slice(int K, int N);

@@ -32,6 +32,10 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
   // The library is compiled for exactly this device: the sm_90a kernel bodies exist on 9.0 only.
   if ((kernel == kHopperKernel || args.bf16) && !hopper) return cudaErrorInvalidDeviceFunction;
   if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
+  // tile counts for a chain kernel that follows: the split variant's direct stores make them
+  if (args.tile_flags != nullptr && (kernel != kHopperKernel || !args.split || args.bf16 ||
+                                     !GeneratedEpilogue::kPlain))
+    return cudaErrorInvalidValue;
   const bool model16 = args.params.model16 != kFloat32Model;
   if (args.bf16)
     err = parts::sm90_bf16(args, stream);
@@ -77,6 +81,7 @@ extern "C" const gemmfuse::ChainTable* gemmfuse_chain_table() {
       GeneratedEpilogue::kColumnSums,
       launch_fused,
       launch_epilogue_only,
+      parts::follows_tiles,
       launch_gemv,
       parts::gemv_slice,
       parts::backward_plan,

@@ -6,7 +6,8 @@
 //
 // Float32 since 2026-11-27: the chain kernel of a fused call whose chain runs apart
 // (dispatch.chain_apart: the split GEMM stores z, this kernel normalises it in place) and of the
-// float32 epilogue path. At 1024 x 8192 (torch.profiler, median of 10 launches on a given z in
+// float32 epilogue path. A chain apart that reduces nothing takes its tasks by output tile
+// instead, behind the GEMM (group_tiles.cuh: group_tasks below, on the tiles as they are stored). At 1024 x 8192 (torch.profiler, median of 10 launches on a given z in
 // place, L2 cleared before each, H100, two rounds alternating with the tile kernel's tree):
 // #62's chain 52.4-53.2 -> 26.4-26.7 us (groups of 8), 50.7-51.3 -> 34.2-34.3 (16); #75's
 // 41.0-41.1 -> 31.7-31.8 (8), 37.8-37.9 -> 29.6-29.7 (16). Groups of 32 take 160 registers
@@ -251,23 +252,15 @@ constexpr int kGroupRowsMinBlocksPerSm = Epi::kModelDtype == kFloat32Model && kG
 template <class Epi, int kGs>
 constexpr bool kGroupRowsAhead = !(Epi::kModelDtype == kFloat32Model && kGs >= 32);
 
-// A block takes group_rows_of_grid rows; each thread walks its (row, group) tasks, where
-// kGroupRowsAhead with the next task's loads issued before the current task's arithmetic
-// (software pipelining: a thread per task, its loads then its arithmetic, left ncu's warps 40%
-// of their cycles waiting on global loads at 50% occupancy, H100, 2026-11-27).
-template <class Epi, int kGs>
-__global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Epi, kGs>)
-    group_rows_kernel(FusedArgs args) {
-  extern __shared__ RowAcc group_part[];  // [rows, groups]: a reduction's partials
-  const void* in = group_rows_source<Epi>(args);
-  const int groups = args.N / kGs, rows = group_rows_of_grid(args.M);
-  const int row0 = blockIdx.x * rows, rows_here = min(rows, args.M - row0);
-  const int tasks = rows_here * groups, tid = threadIdx.x;
-  auto place = [&](int task, int& row, int& col) {
-    row = row0 + task / groups;
-    col = task % groups * kGs;
-    return static_cast<int64_t>(row) * args.N + col;
-  };
+// A block's (row, group) tasks [0, tasks), task i's z offset (and its row and column) from
+// place(i, row, col): each thread walks its tasks, where kGroupRowsAhead with the next task's
+// loads issued before the current task's arithmetic (software pipelining: a thread per task,
+// its loads then its arithmetic, left ncu's warps 40% of their cycles waiting on global loads
+// at 50% occupancy, H100, 2026-11-27). A reduction's partials go to part[task].
+template <class Epi, int kGs, class Place>
+__device__ __forceinline__ void group_tasks(const void* in, int tasks, Place place, RowAcc* part,
+                                            const FusedArgs& args) {
+  const int tid = threadIdx.x;
   int row, col;
   GroupWords<kGs, kGroupRowsPer<Epi>> current{};
   if (kGroupRowsAhead<Epi, kGs> && tid < tasks)
@@ -281,12 +274,28 @@ __global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Ep
       ahead = load_group<Epi, kGs>(in, place(next, row, col));
     const int64_t at = place(task, row, col);
     const RowAcc acc = finish_group<Epi, kGs>(current, row, col, at, args);
-    if constexpr (Epi::kReduce != 0) group_part[task] = acc;
+    if constexpr (Epi::kReduce != 0) part[task] = acc;
     if constexpr (kGroupRowsAhead<Epi, kGs>) current = ahead;
   }
+}
+
+// A block takes group_rows_of_grid rows, a task per (row, group).
+template <class Epi, int kGs>
+__global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Epi, kGs>)
+    group_rows_kernel(FusedArgs args) {
+  extern __shared__ RowAcc group_part[];  // [rows, groups]: a reduction's partials
+  const int groups = args.N / kGs, rows = group_rows_of_grid(args.M);
+  const int row0 = blockIdx.x * rows, rows_here = min(rows, args.M - row0);
+  group_tasks<Epi, kGs>(group_rows_source<Epi>(args), rows_here * groups,
+                        [&](int task, int& row, int& col) {
+                          row = row0 + task / groups;
+                          col = task % groups * kGs;
+                          return static_cast<int64_t>(row) * args.N + col;
+                        },
+                        group_part, args);
   if constexpr (Epi::kReduce != 0) {
     __syncthreads();
-    fold_rows<Epi, kGs>(group_part, row0, rows_here, groups, tid, args);
+    fold_rows<Epi, kGs>(group_part, row0, rows_here, groups, threadIdx.x, args);
   }
 }
 

@@ -23,6 +23,7 @@
 
 #include "fused_args.h"
 #include "group_rows.cuh"
+#include "group_tiles.cuh"
 #include "moments_merge.cuh"
 #include "row_reduce.cuh"
 #include "smem_limit.h"
@@ -399,6 +400,8 @@ cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
   static_assert(Epi::kModelDtype != kAnyModel, "an instance of one model dtype");
   constexpr bool k16 = Epi::kModelDtype != kFloat32Model;
   if (args.M == 0 || args.N == 0) return cudaSuccess;
+  // behind the plain GEMM, following its tiles (the host asked follows_tiles first)
+  if (args.tile_flags != nullptr) return launch_group_tiles<Epi>(args, stream);
   if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
     return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
   if ((args.epilogue_in16 != nullptr) != k16 || !serves_model<Epi>(args.params))

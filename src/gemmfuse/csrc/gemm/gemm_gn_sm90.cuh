@@ -40,6 +40,7 @@
 
 #include "fused_args.h"
 #include "smem_limit.h"
+#include "tile_walk.h"
 #include "tile_epilogue.cuh"
 
 namespace gemmfuse {
@@ -51,9 +52,6 @@ constexpr int kConsumers = 2;                         // math warpgroups, 64 row
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr int kThreads = kConsumerThreads + 128;      // + the producer warpgroup
 constexpr int kStagingBytes = kTile * kEpiStride * 4;  // the epilogue's fp32 128x128 tile
-// Row tiles per band of TileWalk. Measured flat from 2 to 32 (#40, #37, #45, #39 at KernelBench's
-// sizes, H100, 2026-11-24), and 15-25% slower with all row tiles in one band.
-constexpr int kWalkBand = 16;
 
 // Per variant (see the top of the file): tile width, ring depth and grid. kDirect: the split
 // variant storing from registers (direct_store), on a persistent grid.
@@ -239,25 +237,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
     wgmma_m64n256k16_f16(d, desc_a, desc_b, scale_d);
 }
 
-// The order of the output tiles: bands of `band` row tiles, one after the other; within a band,
-// row tiles fastest, then column tiles. The blocks running at once (about one wave of 132) then
-// cover a band's rows times a few column tiles, so the operand panels they read are some
-// band + 132 / band of them, each read from HBM once and shared in L2. A walk over all row
-// tiles at once (band = m_tiles) reads every x panel again for each column tile when M is
-// large: at 16384 x 4096 x 4096, 128 row panels of 2 MB per wave, past HBM's bandwidth.
-struct TileWalk {
-  int m_tiles;
-  int tiles;  // m_tiles * column tiles
-  int band;   // row tiles per band, at most m_tiles
-
-  // (row tile, column tile) of tile t.
-  __device__ __forceinline__ int2 coords(int t) const {
-    const int n_tiles = tiles / m_tiles, per_band = band * n_tiles;
-    const int first = t / per_band * band, rows = min(m_tiles - first, band);
-    const int r = t - first * n_tiles;  // the tile's place in its band
-    return make_int2(first + r % rows, r / rows);
-  }
-};
+// The tiles' order: TileWalk (tile_walk.h).
 
 // Whether a variant stores from registers: the split one on a chain of pointwise ops alone (no
 // norm, no reduction: nothing reads across the tile). Its tiles are then walked by a persistent
@@ -404,6 +384,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_init(&epilogue_done, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  // A chain kernel that follows the tiles may be scheduled now (programmatic dependent launch):
+  // its blocks take the SMs this grid leaves (tile_walk.h). Without such a launch, no effect.
+  if (args.tile_flags != nullptr) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   __syncthreads();
 
   if (threadIdx.x >= kConsumerThreads) {
@@ -533,6 +516,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kDirect) {
         consumers_sync();  // the tile's column terms are published
         store_direct<Epi>(acc, s_col_scale, s_col_bias, tile_m, tile_n, consumer, warp, lane, args);
+        if (args.tile_flags != nullptr) {  // a chain kernel follows the tiles (tile_walk.h)
+          asm volatile("bar.sync %0, 128;\n" ::"r"(2 + consumer) : "memory");  // this warpgroup's stores
+          if (tid_wg == 0) tile_arrive(args.tile_flags + u / k_splits);
+        }
       } else {
         // The epilogue, on each 128-column half of the tile in turn: the accumulators go to the
         // staging tile as epilogue inputs (unscaled, biased, `pre`), then tile_epilogue.
@@ -615,7 +602,7 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
   const int n_tiles = (args.N + V::kBlockN - 1) / V::kBlockN;
   const int k_splits = std::max(args.k_splits, 1);
   if (int64_t{m_tiles} * n_tiles * k_splits >= (int64_t{1} << 31)) return cudaErrorInvalidConfiguration;
-  const TileWalk walk{m_tiles, m_tiles * n_tiles, std::min(m_tiles, kWalkBand)};
+  const TileWalk walk = TileWalk::of(args.M, args.N, kTile, V::kBlockN);
   int blocks = walk.tiles * k_splits;  // work units (the kernel's)
   if constexpr (V::kPersistent) {
     // As many blocks as can be resident at once (per device, found once): each walks every
@@ -645,6 +632,8 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
       !serves_model<Epi>(args.params))
     return cudaErrorInvalidValue;
   // split K: the split variant, at most a slice per k-tile, with its partials and counters
+  // tile counts (tile_walk.h): made by the direct stores alone
+  if (args.tile_flags != nullptr && !direct_store<Epi, kSplit>()) return cudaErrorInvalidValue;
   if (args.k_splits > 1 && (!kSplit || args.k_splits > args.k_padded / kBlockK ||
                             args.k_splits > kMaxKSplits || args.k_partial == nullptr ||
                             args.k_counter == nullptr))

@@ -73,7 +73,8 @@ inline void check_kernel_code(int64_t kernel) {
 
 // Zeroed int32 arrival counters, one set per device, stream and use (kRowCounters: the reducing
 // epilogue's, per row band; kWindowCounters: the few-rows GEMV's, per column window;
-// kTileCounters: split K's, per output tile): kernels
+// kTileCounters: split K's, per output tile; kFollowCounters: a chain kernel following the plain
+// GEMM's tiles, per output tile and two more, tile_walk.h): kernels
 // leave them zero, and launches on one stream run in order, so a set is reused.
 //
 // A set outlives the call, so it is made with cudaMalloc, outside the caching allocator:
@@ -82,7 +83,7 @@ inline void check_kernel_code(int64_t kernel) {
 // counters of its own instead, zeroed in the graph and held in ``keep`` with the call's other
 // scratch: a replay then zeroes them before its kernels, and shares them with no other graph or
 // stream (a graph replays on whatever stream is current).
-enum CounterUse { kRowCounters, kWindowCounters, kTileCounters };
+enum CounterUse { kRowCounters, kWindowCounters, kTileCounters, kFollowCounters };
 inline int* arrival_counters(const at::Tensor& like, int64_t n, cudaStream_t stream, CounterUse use,
                              std::vector<at::Tensor>& keep) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

@@ -24,7 +24,8 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
                          std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
                          std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
                          int64_t group_size, double eps, int64_t kernel, bool split,
-                         int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out);
+                         int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out,
+                         int* tile_flags = nullptr);
 at::Tensor fused_forward_16bit(int64_t table, at::Tensor x, at::Tensor w,
                                std::optional<at::Tensor> bias, std::optional<at::Tensor> gn_weight,
                                std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
@@ -34,6 +35,21 @@ at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tenso
                             std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
                             std::vector<double> scalar_params, int64_t group_size, double eps,
                             bool norm_wide, bool in_place, int64_t group_stats);
+// epilogue_forward of a float32 y that the plain GEMM is storing with tile counts in tile_flags
+// (from follow_flags): the chain kernel follows its tiles (group_tiles.cuh).
+at::Tensor epilogue_forward_following(int64_t table, at::Tensor y,
+                                      std::optional<at::Tensor> gn_weight,
+                                      std::optional<at::Tensor> gn_bias,
+                                      std::vector<at::Tensor> vec_params,
+                                      std::vector<double> scalar_params, int64_t group_size,
+                                      double eps, bool in_place, int* tile_flags);
+// Zeroed tile counts for a chain-apart call of `table`'s chain on an [M, N] z (kept in `keep`
+// where a graph is captured), or nullptr where its chain kernel cannot follow the GEMM's tiles.
+int* follow_flags(int64_t table, const at::Tensor& x, int64_t N,
+                  const std::optional<at::Tensor>& gn_weight,
+                  const std::optional<at::Tensor>& gn_bias, const std::vector<at::Tensor>& vec_params,
+                  const std::vector<double>& scalar_params, int64_t group_size, double eps,
+                  std::vector<at::Tensor>& keep);
 at::Tensor gemv_forward(int64_t table, at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias,
                         std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
                         std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,

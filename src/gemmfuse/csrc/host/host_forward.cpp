@@ -10,7 +10,8 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
                          std::optional<at::Tensor> gn_weight, std::optional<at::Tensor> gn_bias,
                          std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
                          int64_t group_size, double eps, int64_t kernel, bool split,
-                         int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out) {
+                         int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out,
+                         int* tile_flags) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
   check_kernel_code(kernel);
@@ -43,6 +44,7 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
   args.k_cols = static_cast<int>(k_padded);  // the split pre-pass zero-pads to k_padded
   args.a_row_stride = args.b_row_stride = k_padded;
   args.split = split ? 1 : 0;
+  args.tile_flags = tile_flags;
   set_z_out(args, z_out, x);
 
   const gemmfuse::ChainTable& t = chain(table);
@@ -110,11 +112,12 @@ at::Tensor fused_forward_16bit(int64_t table, at::Tensor x, at::Tensor w,
 // holds them. A 16-bit y (a bf16 or fp16 model's own GEMM, from PyTorch: the bits eager
 // normalises and reduces) takes chains that norm or reduce in tiles (no wide GroupNorm groups),
 // rounds as eager rounds in its dtype and returns that dtype; group_stats: tile_epilogue.cuh's
-// eager_group_stats mode (bf16 only; 0 for other dtypes).
-at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
-                            std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
-                            std::vector<double> scalar_params, int64_t group_size, double eps,
-                            bool norm_wide, bool in_place, int64_t group_stats) {
+// eager_group_stats mode (bf16 only; 0 for other dtypes). tile_flags: the plain GEMM's tile
+// counts, where the chain kernel follows its tiles (epilogue_forward_following); else nullptr.
+static at::Tensor run_epilogue(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
+                               std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
+                               std::vector<double> scalar_params, int64_t group_size, double eps,
+                               bool norm_wide, bool in_place, int64_t group_stats, int* tile_flags) {
   const at::ScalarType dtype = y.scalar_type();
   const bool bf16 = dtype == at::kBFloat16, model16 = bf16 || dtype == at::kHalf;
   TORCH_CHECK(y.is_cuda() && (dtype == at::kFloat || model16) && y.dim() == 2 && y.is_contiguous(),
@@ -123,6 +126,7 @@ at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tenso
               "gemmfuse: group_stats must be 0, or 1 or 2 for a bfloat16 y");
   gemmfuse::FusedArgs args = chain_args(y.size(0), y.size(1), std::nullopt, gn_weight, gn_bias,
                                         vec_params, scalar_params, group_size, eps, norm_wide);
+  args.tile_flags = tile_flags;
   c10::cuda::CUDAGuard guard(y.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const gemmfuse::ChainTable& t = chain(table);
@@ -145,6 +149,42 @@ at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tenso
   check_cuda(err, "epilogue kernel launch");
   if (model16) return outputs.front().to(dtype);  // the reduced rows: 16-bit, as eager's
   return t.reduce_kind != 0 || !in_place ? outputs.front() : y;
+}
+
+at::Tensor epilogue_forward(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
+                            std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
+                            std::vector<double> scalar_params, int64_t group_size, double eps,
+                            bool norm_wide, bool in_place, int64_t group_stats) {
+  return run_epilogue(table, y, gn_weight, gn_bias, vec_params, scalar_params, group_size, eps,
+                      norm_wide, in_place, group_stats, nullptr);
+}
+
+at::Tensor epilogue_forward_following(int64_t table, at::Tensor y,
+                                      std::optional<at::Tensor> gn_weight,
+                                      std::optional<at::Tensor> gn_bias,
+                                      std::vector<at::Tensor> vec_params,
+                                      std::vector<double> scalar_params, int64_t group_size,
+                                      double eps, bool in_place, int* tile_flags) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && tile_flags != nullptr,
+              "gemmfuse: a chain kernel follows a float32 z's tiles, by their counts");
+  return run_epilogue(table, y, gn_weight, gn_bias, vec_params, scalar_params, group_size, eps,
+                      false, in_place, 0, tile_flags);
+}
+
+int* follow_flags(int64_t table, const at::Tensor& x, int64_t N,
+                  const std::optional<at::Tensor>& gn_weight,
+                  const std::optional<at::Tensor>& gn_bias, const std::vector<at::Tensor>& vec_params,
+                  const std::vector<double>& scalar_params, int64_t group_size, double eps,
+                  std::vector<at::Tensor>& keep) {
+  const int64_t M = x.size(0);
+  // the chain kernel's arguments as run_epilogue makes them, z not yet allocated (null)
+  const gemmfuse::FusedArgs args = chain_args(M, N, std::nullopt, gn_weight, gn_bias, vec_params,
+                                              scalar_params, group_size, eps, false);
+  if (M == 0 || N == 0 || !chain(table).follows_tiles(args)) return nullptr;
+  const int64_t tiles = ((M + gemmfuse::kTile - 1) / gemmfuse::kTile) *
+                        ((N + gemmfuse::kTile - 1) / gemmfuse::kTile);
+  return arrival_counters(x, tiles + gemmfuse::kTileFollowExtra,
+                          c10::cuda::getCurrentCUDAStream(), kFollowCounters, keep);
 }
 
 // The epilogue path at a few rows (M <= kGemvMaxRows): x [M, K] and W [N, K] float32 (K a

@@ -238,12 +238,23 @@ Launched launch_spec(const PlanSpec& spec, SplitCache& cache, const std::vector<
   } else {
     const auto w = cache.rows(weight, split_padded(weight.size(1)));
     if (spec.chain_apart) {
+      // The chain kernel follows the GEMM's tiles where it can (group_tiles.cuh): the split
+      // variant's direct stores count them.
+      std::vector<at::Tensor> keep;
+      int* follow = spec.kernel == gemmfuse::kHopperKernel && spec.split && !spec.norm_wide
+                        ? follow_flags(spec.table, x, N, gn_weight, gn_bias, vectors, spec.scalars,
+                                       spec.group_size, spec.eps, keep)
+                        : nullptr;
       const at::Tensor y = fused_forward(spec.plain_table, x, w[0], w[1], w[2], vector32(2),
                                          std::nullopt, std::nullopt, {}, {}, 1, 0.0, spec.kernel,
-                                         spec.split, spec.k_splits, false, std::nullopt);
+                                         spec.split, spec.k_splits, false, std::nullopt, follow);
       if (save_z) z = y;  // kept: the chain writes a new tensor
-      out = epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
-                             spec.group_size, spec.eps, spec.norm_wide, !save_z, 0);
+      out = follow != nullptr
+                ? epilogue_forward_following(spec.table, y, gn_weight, gn_bias, vectors,
+                                             spec.scalars, spec.group_size, spec.eps, !save_z,
+                                             follow)
+                : epilogue_forward(spec.table, y, gn_weight, gn_bias, vectors, spec.scalars,
+                                   spec.group_size, spec.eps, spec.norm_wide, !save_z, 0);
     } else {
       if (save_z) z = x.new_empty({M, N});
       out = fused_forward(spec.table, x, w[0], w[1], w[2], vector32(2), gn_weight, gn_bias,
