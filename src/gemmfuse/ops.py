@@ -7,7 +7,7 @@ Paths, in the order they are tried:
     chain up to its reduction in its epilogue. Under ``kernel="auto"``, a float32 call on sm_90 from
     M*N = 2^23 with K >= 4096 (``dispatch.chain_apart``) runs the chain in the chain kernel right
     after the GEMM instead (the GEMM stores z), faster there with autograd recording and for costly
-    chains; where the chain reduces nothing and its norm's groups fit a tile, that kernel starts
+    chains; where the chain reduces nothing and norms in groups of 8 or 16, that kernel starts
     under the GEMM's last wave and normalises each tile once stored (csrc/epilogue/
     group_tiles.cuh). In the fused kernel, GroupNorm groups that fit a 128-channel output tile are
     normalised in the tile; wider groups (or groups that straddle tiles) get their statistics from

@@ -81,28 +81,36 @@ def test_auto_runs_the_chain_kernel_after_the_gemm(index):
 FOLLOWING = next(i for i, spec in enumerate(POOL) if spec.norm and spec.reduce is None)
 
 
-def following_case(m, n, seed):
-    """(epilogue, x, w, b, gn, params) of FOLLOWING's chain in groups of 16 at m x K x n."""
+def following_case(m, n, seed, k=K):
+    """(epilogue, x, w, b, gn, params) of FOLLOWING's chain in groups of 16 at m x k x n."""
     gen = torch.Generator().manual_seed(seed)
     spec = POOL[FOLLOWING]
     epilogue, params = spec.instantiate(gen, n, n // 16)
-    x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, K, n))
+    x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, k, n))
     gn = (gn_w, gn_b) if spec.affine else (None, None)
     return epilogue, x, w, b, gn, [p.to(CUDA) for p in params]
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
-@pytest.mark.parametrize("m, n", [(M, N), (1100, 8208)])  # whole tiles; a part tile each way
+@pytest.mark.parametrize(
+    "m, n, k",
+    [
+        (M, N, K),  # whole tiles
+        (1100, 8208, K),  # a part tile each way
+        (M, N, 8 * K),  # K = 32768: the GEMM's tiles take long, so the chain waits for them
+        (M, N, 2 * K),  # x's split (2 x 16 MB) as large as the output the chain writes beside it
+    ],
+)
 @pytest.mark.parametrize("grad", [False, True])
-def test_chain_following_the_tiles_gives_the_chain_kernels_bits(m, n, grad):
+def test_chain_following_the_tiles_gives_the_chain_kernels_bits(m, n, k, grad):
     """A chain that norms in tiles and reduces nothing runs behind the split GEMM, following its
     tiles (group_tiles.cuh): the same bits as the chain kernel run on the GEMM's z afterwards
     (fused_epilogue, group_rows_kernel), three calls in a row (each leaves the tile counts
-    zero for the next), with autograd recording (the chain writes a tensor of its own) or not
-    (in place)."""
+    zero for the next), with autograd recording (the chain writes a tensor of its own, allocated
+    while the GEMM still reads x's split) or not (in place)."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
-    epilogue, x, w, b, gn, params = following_case(m, n, seed)
-    label = f"{POOL[FOLLOWING].describe()} | {m} x {n} | grad {grad} | seed {seed}"
+    epilogue, x, w, b, gn, params = following_case(m, n, seed, k)
+    label = f"{POOL[FOLLOWING].describe()} | {m} x {k} x {n} | grad {grad} | seed {seed}"
     assert chain_apart("fused", epilogue, x, n, "auto", "fp32"), label
     if grad:
         w.requires_grad_(True)
@@ -150,3 +158,5 @@ def test_chain_following_the_tiles_replays_in_a_cuda_graph():
             graph.replay()
             expect = call(x)
             torch.testing.assert_close(out, expect, atol=0, rtol=0, msg=f"replay {replay}")
+        names = kernel_names(graph.replay)
+    assert any("group_tiles_kernel" in name for name in names), names

@@ -1,5 +1,5 @@
 // The order in which the Hopper kernel's persistent grid walks its output tiles, and the tile
-// arrivals by which a chain kernel launched behind it follows that walk (tile_follow.cuh): the
+// arrivals by which a chain kernel launched behind it follows that walk (group_tiles.cuh): the
 // two sit in different libraries (the plain GEMM's and a chain's), so the order is part of the
 // interface between them.
 #pragma once
@@ -40,10 +40,10 @@ struct TileWalk {
 // Tile arrivals (FusedArgs::tile_flags): a kernel that stores output tiles in a TileWalk's order
 // counts kTileArrivals on tile_flags[t] once tile t is in memory, each count by one thread after
 // a barrier of the warpgroup whose stores it covers, with release semantics (the pattern of
-// CUTLASS's GenericBarrier); a chain kernel launched behind it takes tiles in walk order by
-// tile_flags[tiles] (a ticket), waits for each tile's count with acquire semantics and zeroes it,
-// and its last block zeroes the ticket and tile_flags[tiles + 1] (its blocks' exits): all zero
-// again when it ends, as arrival counters must be (host_common.h).
+// CUTLASS's GenericBarrier); a chain kernel launched behind it takes work in walk order by
+// tile_flags[tiles] (a ticket) and waits for each tile's count with acquire semantics, and its
+// last block to leave (tile_flags[tiles + 1] counts the exits) zeroes them all: all zero again
+// when it ends, as arrival counters must be (host_common.h).
 constexpr int kTileArrivals = 2;  // the Hopper kernel's two consumer warpgroups
 
 __device__ __forceinline__ void tile_arrive(int* flag) {

@@ -137,7 +137,9 @@ struct GroupWords {
 };
 
 // A 16-bit z through the read-only cache; a float32 one, which the kernel may overwrite (in
-// place: each group is read, then written, by one thread), by plain loads.
+// place: each group is read, then written, by one thread), by plain loads: so too where a GEMM
+// is still storing z beside the kernel (group_tiles.cuh), whose tiles the read-only path could
+// serve stale.
 template <class Epi, int kGs>
 __device__ __forceinline__ GroupWords<kGs, kGroupRowsPer<Epi>> load_group(const void* in,
                                                                         int64_t at) {

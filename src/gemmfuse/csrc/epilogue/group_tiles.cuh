@@ -27,27 +27,34 @@
 
 namespace gemmfuse {
 
-// Whether group_tiles_kernel serves a float32 chain-apart call: group_rows serves it (checked
-// with the GEMM's z not yet allocated: null counts as aligned, and a fresh allocation is), its
-// chain reduces nothing, the arguments are the epilogue path's (no bias or scales: the GEMM
-// applied them), and the GPU has programmatic dependent launch (sm_90).
+// Whether group_tiles_kernel serves a float32 chain-apart call: group_rows serves it with groups
+// of 8 or 16 (checked with the GEMM's z not yet allocated: null counts as aligned, and a fresh
+// allocation is; groups of 32 and 64 take group_rows only at few tasks, below any chain apart's
+// size), its chain reduces nothing, the arguments are the epilogue path's (no bias or scales:
+// the GEMM applied them), and the GPU has programmatic dependent launch (sm_90 on).
 template <class Epi>
 bool group_tiles_serves(const FusedArgs& args) {
   if constexpr (Epi::kModelDtype != kFloat32Model || Epi::kReduce != 0) {
     return false;
   } else {
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    static int major[64] = {};  // per device, asked once
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+    if (major[device] == 0 &&
+        cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device) !=
+            cudaSuccess)
       return false;
-    return major >= 9 && group_rows_serves<Epi>(args) && args.bias == nullptr &&
-           args.a_inv_scale == nullptr && args.b_inv_scale == nullptr &&
-           args.epilogue_in16 == nullptr && serves_model<Epi>(args.params);
+    return major[device] >= 9 && (args.group_size == 8 || args.group_size == 16) &&
+           group_rows_serves<Epi>(args) && args.bias == nullptr && args.a_inv_scale == nullptr &&
+           args.b_inv_scale == nullptr && args.epilogue_in16 == nullptr &&
+           serves_model<Epi>(args.params);
   }
 }
 
 // Waits until a tile's stores are all counted. A count that never comes (a fault, not a case)
-// ends the kernel with a trap after kTileWaitNs, a launch error, where it would hang the stream.
+// ends the kernel with a trap after kTileWaitNs: an error that leaves the process's CUDA context
+// unusable, where the stream would otherwise hang (a debugger holding the GEMM that long trips
+// it too).
 constexpr unsigned long long kTileWaitNs = 30ull * 1000 * 1000 * 1000;
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -149,27 +156,19 @@ cudaError_t launch_group_tiles_for(const FusedArgs& args, cudaStream_t stream) {
 }
 
 // group_tiles_kernel for a call group_tiles_serves, args.tile_flags the GEMM's counts. Where it
-// cannot run, the counts are zeroed (so the next call starts clean) and the launch refused.
+// cannot run or its launch fails, the counts are zeroed (the next call starts from zero) and
+// the result is cudaErrorNotSupported or the launch's error: launch_tile_epilogue then runs the
+// chain kernel after the GEMM, as without counts.
 template <class Epi>
 cudaError_t launch_group_tiles(const FusedArgs& args, cudaStream_t stream) {
-  cudaError_t err = cudaErrorInvalidValue;
+  cudaError_t err = cudaErrorNotSupported;
   if constexpr (Epi::kNorm && Epi::kPool == 1 && Epi::kModelDtype == kFloat32Model &&
                 Epi::kReduce == 0) {
-    if (group_tiles_serves<Epi>(args)) {
-      switch (args.group_size) {
-        case 8:
-          return launch_group_tiles_for<Epi, 8>(args, stream);
-        case 16:
-          return launch_group_tiles_for<Epi, 16>(args, stream);
-        case 32:
-          return launch_group_tiles_for<Epi, 32>(args, stream);
-        case 64:
-          return launch_group_tiles_for<Epi, 64>(args, stream);
-        default:
-          break;
-      }
-    }
+    if (group_tiles_serves<Epi>(args))
+      err = args.group_size == 8 ? launch_group_tiles_for<Epi, 8>(args, stream)
+                                 : launch_group_tiles_for<Epi, 16>(args, stream);
   }
+  if (err == cudaSuccess) return err;
   const int tiles = TileWalk::of(args.M, args.N, kTile, kTile).tiles;
   const cudaError_t cleared = cudaMemsetAsync(
       args.tile_flags, 0, (tiles + kTileFollowExtra) * sizeof(int), stream);

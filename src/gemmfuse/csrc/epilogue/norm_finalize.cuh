@@ -400,8 +400,13 @@ cudaError_t launch_tile_epilogue(const FusedArgs& args, cudaStream_t stream) {
   static_assert(Epi::kModelDtype != kAnyModel, "an instance of one model dtype");
   constexpr bool k16 = Epi::kModelDtype != kFloat32Model;
   if (args.M == 0 || args.N == 0) return cudaSuccess;
-  // behind the plain GEMM, following its tiles (the host asked follows_tiles first)
-  if (args.tile_flags != nullptr) return launch_group_tiles<Epi>(args, stream);
+  if (args.tile_flags != nullptr) {  // behind the plain GEMM, following its tiles (group_tiles.cuh)
+    const cudaError_t err = launch_group_tiles<Epi>(args, stream);
+    if (err != cudaErrorNotSupported) return err;
+    FusedArgs after = args;  // it cannot follow: the chain kernel after the GEMM
+    after.tile_flags = nullptr;
+    return launch_tile_epilogue<Epi>(after, stream);
+  }
   if (args.bias != nullptr || args.a_inv_scale != nullptr || args.b_inv_scale != nullptr)
     return cudaErrorInvalidValue;  // PyTorch's GEMM already applied the bias
   if ((args.epilogue_in16 != nullptr) != k16 || !serves_model<Epi>(args.params))

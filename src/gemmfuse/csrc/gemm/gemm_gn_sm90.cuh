@@ -516,6 +516,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kDirect) {
         consumers_sync();  // the tile's column terms are published
         store_direct<Epi>(acc, s_col_scale, s_col_bias, tile_m, tile_n, consumer, warp, lane, args);
+        static_assert(kTileArrivals == kConsumers && V::kBlockN == kTile,
+                      "a follower counts a tile's warpgroups over 128-column tiles");
         if (args.tile_flags != nullptr) {  // a chain kernel follows the tiles (tile_walk.h)
           asm volatile("bar.sync %0, 128;\n" ::"r"(2 + consumer) : "memory");  // this warpgroup's stores
           if (tid_wg == 0) tile_arrive(args.tile_flags + u / k_splits);

@@ -25,7 +25,7 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
                          std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
                          int64_t group_size, double eps, int64_t kernel, bool split,
                          int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out,
-                         int* tile_flags = nullptr);
+                         int* tile_flags = nullptr, std::vector<at::Tensor>* keep = nullptr);
 at::Tensor fused_forward_16bit(int64_t table, at::Tensor x, at::Tensor w,
                                std::optional<at::Tensor> bias, std::optional<at::Tensor> gn_weight,
                                std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,

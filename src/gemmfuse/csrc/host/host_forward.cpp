@@ -11,7 +11,7 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
                          std::vector<at::Tensor> vec_params, std::vector<double> scalar_params,
                          int64_t group_size, double eps, int64_t kernel, bool split,
                          int64_t k_splits, bool norm_wide, std::optional<at::Tensor> z_out,
-                         int* tile_flags) {
+                         int* tile_flags, std::vector<at::Tensor>* keep) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "gemmfuse: x must be a 2-D float32 CUDA tensor");
   check_kernel_code(kernel);
@@ -58,6 +58,15 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
     args.k_splits = static_cast<int>(k_splits);
   }
   check_cuda(t.launch_fused(args, static_cast<int>(kernel), stream), "fused kernel launch");
+  if (tile_flags != nullptr) {
+    // A kernel launched behind this one runs beside it (group_tiles.cuh), so what the GEMM reads
+    // must not go back to the allocator, whose next block on this stream (the chain kernel's
+    // output) would be written while the GEMM still reads it: the caller keeps them until that
+    // kernel is launched.
+    TORCH_CHECK(keep != nullptr, "gemmfuse: a GEMM whose tiles are followed keeps its inputs");
+    keep->insert(keep->end(), a.begin(), a.end());
+    keep->insert(keep->end(), outputs.begin() + 1, outputs.end());
+  }
   return outputs.front();
 }
 
@@ -165,10 +174,20 @@ at::Tensor epilogue_forward_following(int64_t table, at::Tensor y,
                                       std::vector<at::Tensor> vec_params,
                                       std::vector<double> scalar_params, int64_t group_size,
                                       double eps, bool in_place, int* tile_flags) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && tile_flags != nullptr,
+  TORCH_CHECK(y.scalar_type() == at::kFloat && tile_flags != nullptr && y.dim() == 2,
               "gemmfuse: a chain kernel follows a float32 z's tiles, by their counts");
-  return run_epilogue(table, y, gn_weight, gn_bias, vec_params, scalar_params, group_size, eps,
-                      false, in_place, 0, tile_flags);
+  try {
+    return run_epilogue(table, y, gn_weight, gn_bias, vec_params, scalar_params, group_size, eps,
+                        false, in_place, 0, tile_flags);
+  } catch (...) {
+    // The GEMM has counted its tiles and no kernel will zero them: zeroed here (in stream
+    // order, after the GEMM), so that the next call on this stream starts from zero.
+    const int64_t tiles = ((y.size(0) + gemmfuse::kTile - 1) / gemmfuse::kTile) *
+                          ((y.size(1) + gemmfuse::kTile - 1) / gemmfuse::kTile);
+    cudaMemsetAsync(tile_flags, 0, (tiles + gemmfuse::kTileFollowExtra) * sizeof(int),
+                    c10::cuda::getCurrentCUDAStream());
+    throw;
+  }
 }
 
 int* follow_flags(int64_t table, const at::Tensor& x, int64_t N,

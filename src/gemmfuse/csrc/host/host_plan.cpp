@@ -239,7 +239,8 @@ Launched launch_spec(const PlanSpec& spec, SplitCache& cache, const std::vector<
     const auto w = cache.rows(weight, split_padded(weight.size(1)));
     if (spec.chain_apart) {
       // The chain kernel follows the GEMM's tiles where it can (group_tiles.cuh): the split
-      // variant's direct stores count them.
+      // variant's direct stores count them. `keep`: the counts' tensor under graph capture, and
+      // what the GEMM reads, held until the chain kernel is launched (fused_forward).
       std::vector<at::Tensor> keep;
       int* follow = spec.kernel == gemmfuse::kHopperKernel && spec.split && !spec.norm_wide
                         ? follow_flags(spec.table, x, N, gn_weight, gn_bias, vectors, spec.scalars,
@@ -247,7 +248,8 @@ Launched launch_spec(const PlanSpec& spec, SplitCache& cache, const std::vector<
                         : nullptr;
       const at::Tensor y = fused_forward(spec.plain_table, x, w[0], w[1], w[2], vector32(2),
                                          std::nullopt, std::nullopt, {}, {}, 1, 0.0, spec.kernel,
-                                         spec.split, spec.k_splits, false, std::nullopt, follow);
+                                         spec.split, spec.k_splits, false, std::nullopt, follow,
+                                         &keep);
       if (save_z) z = y;  // kept: the chain writes a new tensor
       out = follow != nullptr
                 ? epilogue_forward_following(spec.table, y, gn_weight, gn_bias, vectors,
