@@ -129,3 +129,24 @@ def kernel_names(fn, *args) -> list[str]:
         fn(*args)
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def assert_graph_replays_match(call, x, draw) -> torch.cuda.CUDAGraph:
+    """Captures ``call(x)`` (no_grad, on a side stream, after one uncaptured call), then replays
+    it three times on new data copied into x (``draw(shape, generator)``), the output poisoned
+    before each: each replay must give the uncaptured call's bits. Returns the graph."""
+    with torch.no_grad():
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call(x)
+            with torch.cuda.graph(graph):
+                out = call(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        for replay in range(3):
+            x.copy_(draw(x.shape, generator=torch.Generator().manual_seed(replay)))
+            out.fill_(float("nan"))
+            graph.replay()
+            expect = call(x)
+            torch.testing.assert_close(out, expect, atol=0, rtol=0, msg=f"replay {replay}")
+    return graph

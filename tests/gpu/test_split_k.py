@@ -21,7 +21,13 @@ from gemmfuse.chains import chain_pool, chain_references, linear_data
 from gemmfuse.kernelbench.models import epilogue_62
 from gemmfuse.ops import fused_linear_with_path
 from gpu.test_autograd import EPS, Chain, check_gradients
-from helpers import assert_float64_bar, hopper, poison_allocator, rel_err
+from helpers import (
+    assert_float64_bar,
+    assert_graph_replays_match,
+    hopper,
+    poison_allocator,
+    rel_err,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")]
 CUDA = torch.device("cuda")
@@ -184,18 +190,5 @@ def test_split_k_replays_in_a_cuda_graph(splits):
     def call(x):
         return fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0]
 
-    with torch.no_grad():
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call(x)
-            with torch.cuda.graph(graph):
-                out = call(x)
-        torch.cuda.current_stream().wait_stream(stream)
-        for replay in range(3):
-            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(replay)))
-            out.fill_(float("nan"))
-            graph.replay()
-            expect = call(x)
-            torch.testing.assert_close(out, expect, atol=0, rtol=0, msg=f"replay {replay}")
+    assert_graph_replays_match(call, x, torch.randn)
     assert splits and min(splits) > 1, f"k_splits {splits}"
