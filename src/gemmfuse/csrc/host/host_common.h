@@ -110,6 +110,13 @@ inline int* arrival_counters(const at::Tensor& like, int64_t n, cudaStream_t str
   return counters;
 }
 
+// The 128 x 128 output tiles of an [M, N] result (split K's partials and counters, the tile
+// counts of a chain kernel that follows them).
+inline int64_t output_tiles(int64_t M, int64_t N) {
+  const int64_t tile = gemmfuse::kTile;
+  return ((M + tile - 1) / tile) * ((N + tile - 1) / tile);
+}
+
 // GroupNorm moments per (row, kTile-column window): a window meets at most
 // (kTile - 1) / group_size + 2 groups, the layout norm_finalize.cuh reads.
 inline int segments_per_tile(int64_t group_size) {

@@ -50,8 +50,7 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
   const gemmfuse::ChainTable& t = chain(table);
   auto outputs = allocate_outputs(t, args, x, at::kFloat, stream);
   if (k_splits > 1) {  // each (tile, slice)'s sums, and a counter per tile
-    const int64_t tiles = ((M + gemmfuse::kTile - 1) / gemmfuse::kTile) *
-                          ((N + gemmfuse::kTile - 1) / gemmfuse::kTile);
+    const int64_t tiles = output_tiles(M, N);
     outputs.push_back(x.new_empty({tiles * k_splits, gemmfuse::kTile * gemmfuse::kTile}));
     args.k_partial = outputs.back().data_ptr<float>();
     args.k_counter = arrival_counters(x, tiles, stream, kTileCounters, outputs);
@@ -182,8 +181,7 @@ at::Tensor epilogue_forward_following(int64_t table, at::Tensor y,
   } catch (...) {
     // The GEMM has counted its tiles and no kernel will zero them: zeroed here (in stream
     // order, after the GEMM), so that the next call on this stream starts from zero.
-    const int64_t tiles = ((y.size(0) + gemmfuse::kTile - 1) / gemmfuse::kTile) *
-                          ((y.size(1) + gemmfuse::kTile - 1) / gemmfuse::kTile);
+    const int64_t tiles = output_tiles(y.size(0), y.size(1));
     cudaMemsetAsync(tile_flags, 0, (tiles + gemmfuse::kTileFollowExtra) * sizeof(int),
                     c10::cuda::getCurrentCUDAStream());
     throw;
@@ -200,9 +198,7 @@ int* follow_flags(int64_t table, const at::Tensor& x, int64_t N,
   const gemmfuse::FusedArgs args = chain_args(M, N, std::nullopt, gn_weight, gn_bias, vec_params,
                                               scalar_params, group_size, eps, false);
   if (M == 0 || N == 0 || !chain(table).follows_tiles(args)) return nullptr;
-  const int64_t tiles = ((M + gemmfuse::kTile - 1) / gemmfuse::kTile) *
-                        ((N + gemmfuse::kTile - 1) / gemmfuse::kTile);
-  return arrival_counters(x, tiles + gemmfuse::kTileFollowExtra,
+  return arrival_counters(x, output_tiles(M, N) + gemmfuse::kTileFollowExtra,
                           c10::cuda::getCurrentCUDAStream(), kFollowCounters, keep);
 }
 
