@@ -1,14 +1,15 @@
 """Compile every CUDA source with nvcc, no GPU needed (CI runs this).
 
-Each part of a chain's library (gemmfuse.jit.CHAIN_PARTS) is compiled as it stands, with the
-generated epilogue header of every kernel structure the shipped problems use, of chains holding
-every pointwise op (the last with logsumexp, the reduction with the most code), of the chains
-that read values again (gemmfuse.chains.value_chains) and of the softmax chains, for sm_90a and
-the portable sm_80 target (for sm_80 every part but the portable kernel with the first
-structure only: the Hopper parts' kernels are empty there, and the others compile the same
-source as for sm_90a, where nothing but gemm_gn_sm90.cuh depends on the architecture). The
-chain-independent split.cu is compiled once per target, and fused_linear.cu (a standalone
-export's one translation unit: the same parts together) once, with the first structure.
+Each part of a chain (gemmfuse.jit.CHAIN_PARTS) is compiled as the package builds it (each a
+library of its own: GEMMFUSE_PARTS_APART), with the generated epilogue header of every kernel
+structure the shipped problems use, of chains holding every pointwise op (the last with
+logsumexp, the reduction with the most code), of the chains that read values again
+(gemmfuse.chains.value_chains) and of the softmax chains, for sm_90a and the portable sm_80
+target (for sm_80 every part but the portable kernel with the first structure only: the Hopper
+parts' kernels are empty there, and the others compile the same source as for sm_90a, where
+nothing but gemm_gn_sm90.cuh depends on the architecture). The chain-independent split.cu is
+compiled once per target, and fused_linear.cu (a standalone export's one translation unit: the
+same parts together) once, with the first structure.
 Usage: python scripts/compile_check.py [--jobs N]
 """
 
@@ -71,7 +72,9 @@ def main() -> int:
     work = []
 
     def compile_(source: str, arch: str, include: Path, label: str) -> None:
-        cmd = ["nvcc", "-std=c++17", "-O3", f"-gencode=arch={arch}", "-c", f"-I{include}",
+        # the parts as the package builds them, each a library of its own (part_entries.h)
+        apart = ["-DGEMMFUSE_PARTS_APART"] if source in CHAIN_PARTS else []
+        cmd = ["nvcc", "-std=c++17", "-O3", *apart, f"-gencode=arch={arch}", "-c", f"-I{include}",
                *(f"-I{d}" for d in include_dirs()), str(csrc_paths()[source]), "-o",
                "/dev/null"]  # fmt: skip
         work.append((f"{source} [{arch.split('=')[-1]}] {label}", cmd))

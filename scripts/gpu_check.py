@@ -39,8 +39,9 @@ OUT = Path(os.environ.get("OUT") or ROOT / "gpu-check-out")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
 LOAD_SNIPPET = (
     "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
-    "from gemmfuse.jit import extension_for; from gemmfuse.kernelbench.registry import PROBLEMS; "
-    "extension_for(PROBLEMS[62].structures[0]); t2 = time.perf_counter(); "
+    "from gemmfuse.jit import CHAIN_PARTS, extension_for; "
+    "from gemmfuse.kernelbench.registry import PROBLEMS; "
+    "extension_for(PROBLEMS[62].structures[0], parts=CHAIN_PARTS[1:]); t2 = time.perf_counter(); "
     "print(f'{t2 - t1:.2f} s after import torch ({t1 - t0:.2f} s)')"
 )
 # A fresh process's first call of a shipped problem's ModelNew at KernelBench's size, autograd
@@ -77,9 +78,13 @@ def run(cmd: list[str], log: str, timeout: float = 420) -> tuple[int, str]:
     return rc, text
 
 
-def sass_report(library: str) -> str:
-    """Counts the matrix and local-memory instructions of each kernel in a built library."""
-    proc = subprocess.run(["cuobjdump", "-sass", library], capture_output=True, text=True)
+def sass_report(libraries: list[str]) -> str:
+    """Counts the matrix and local-memory instructions of each kernel in built libraries."""
+    runs = [subprocess.run(["cuobjdump", "-sass", lib], capture_output=True, text=True)
+            for lib in libraries]  # fmt: skip
+    proc = subprocess.CompletedProcess([], max(r.returncode for r in runs),
+                                       "".join(r.stdout for r in runs),
+                                       "".join(r.stderr for r in runs))  # fmt: skip
     (OUT / "sass.txt").write_text(proc.stdout)
     report, name = [], None
     counts: dict[str, dict[str, int]] = {}
@@ -218,7 +223,7 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     structures = every_structure()
     from gemmfuse.build import cache_dir
-    from gemmfuse.jit import extension_for
+    from gemmfuse.jit import CHAIN_PARTS, part_library
     from gemmfuse.kernelbench.registry import PROBLEMS
     from gemmfuse.warmup import build_in_processes
 
@@ -234,7 +239,8 @@ def main() -> int:
         f"build: {len(structures)} chains ({len(errors)} failed) in "
         f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time, into {cache_dir()}",
     )
-    note(summary, sass_report(str(extension_for(PROBLEMS[62].structures[0]).library)))
+    chain62 = PROBLEMS[62].structures[0]
+    note(summary, sass_report([str(part_library(chain62, part)) for part in CHAIN_PARTS[1:]]))
     _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
     note(summary, f"second-process load from cache: {load.strip().splitlines()[-1]}")
 

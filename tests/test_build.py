@@ -29,7 +29,7 @@ def test_cached_library_builds_once_and_says_so(monkeypatch, tmp_path, capsys):
     assert first == tmp_path / "lib_a" / "a.so" and first.read_text() == "built"
     err = capsys.readouterr().err
     assert "gemmfuse: building the test library: not in cache" in err
-    assert "gemmfuse: built lib_a in" in err
+    assert "gemmfuse: built a.so in" in err
     assert cached_library("lib_a", "a.so", "the test library", build) == first
     assert len(builds) == 1 and capsys.readouterr().err == ""
 

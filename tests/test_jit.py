@@ -1,84 +1,139 @@
-"""gemmfuse.jit's loading order, on the CPU with the builds replaced: extensions_for builds the
-libraries a call needs at once, and the host extension once whichever thread asks."""
+"""gemmfuse.jit's loading order, on the CPU with the builds replaced: extensions_for builds what a
+call needs at once (the host extension, each chain's table and the parts the call names), the
+host extension once whichever thread asks, and a part only when it is first needed; a part that
+cannot be built makes the table's callback answer 0 and say why, once."""
 
 import functools
 import threading
 import time
 
+import pytest
+
 import gemmfuse.jit as jit
 from gemmfuse import Epilogue, GroupNormSpec, Pointwise
+from gemmfuse.build import BuildError
 
 ARCH = ("-gencode=arch=compute_90a,code=sm_90a",)
 
 
 def fake_builds(monkeypatch, seconds=0.3):
-    """Replaces the host extension's and the chain libraries' builds with sleeps that record
-    when each ran; returns that record."""
+    """Replaces the host extension's build and the chains' part builds with sleeps that record
+    what ran and when it started; returns that record."""
     record, lock = [], threading.Lock()
 
     def host_build(arch):
         with lock:
-            record.append(("host", time.perf_counter()))
+            record.append(("host", "", time.perf_counter()))
         time.sleep(seconds)
         return "host"
 
-    def chain_build(structure, arch):
-        start = time.perf_counter()
-        time.sleep(seconds)
-        with lock:
-            record.append((structure, start))
-        return f"lib-{structure}"
+    class Parts:
+        def __init__(self, structure, arch):
+            self.structure, self.built = structure, set()
+
+        def library(self, part):
+            return f"lib-{self.structure}-{part}"
+
+        def build(self, part):
+            if part not in self.built:
+                start = time.perf_counter()
+                time.sleep(seconds)
+                with lock:
+                    record.append((self.structure, part, start))
+                self.built.add(part)
+
+        def open_table(self):
+            assert jit.TABLE_PART in self.built
+            return 1
+
+        def loaded(self, parts):
+            return set(parts) <= self.built
+
+        def ensure(self, parts):
+            for part in parts:
+                self.build(part)
 
     class Kernels:
-        def __init__(self, host, table, path, keep):
-            self.host, self.path = host, path
+        def __init__(self, host, table, library, parts):
+            self.host, self.library, self.parts = host, library, parts
 
     monkeypatch.setattr(jit, "_KERNELS", {})
     monkeypatch.setattr(jit, "arch_flags", lambda: ARCH)
     monkeypatch.setattr(jit, "_host_extension", functools.cache(host_build))  # as the real one
-    monkeypatch.setattr(jit, "chain_library", chain_build)
-    monkeypatch.setattr(jit.ctypes, "CDLL", lambda path, mode: _FakeLibrary())
+    monkeypatch.setattr(jit, "ChainParts", Parts)
     monkeypatch.setattr(jit, "ChainKernels", Kernels)
     return record
 
 
-class _FakeTableFunction:
-    """The library's ctypes function: its restype is set, then it is called."""
-
-    restype = None
-
-    def __call__(self):
-        return 1
+CHAIN = Epilogue(pre=(Pointwise("relu"),), norm=GroupNormSpec(16))
 
 
-class _FakeLibrary:
-    def __init__(self):
-        self.gemmfuse_chain_table = _FakeTableFunction()
-
-
-def test_extensions_for_builds_a_calls_libraries_at_once(monkeypatch):
+def test_extensions_for_builds_a_calls_pieces_at_once(monkeypatch):
     record = fake_builds(monkeypatch)
-    chain = Epilogue(pre=(Pointwise("relu"),), norm=GroupNormSpec(16))
     start = time.perf_counter()
-    ext, plain = jit.extensions_for(chain, Epilogue())
+    parts = (("chain_epilogue.cu", "chain_backward.cu"), ("chain_sm90_split.cu",))
+    ext, plain = jit.extensions_for(CHAIN, Epilogue(), parts=parts)
     took = time.perf_counter() - start
-    assert (ext.path, plain.path) == (f"lib-{chain.structure}", f"lib-{Epilogue().structure}")
+    assert ext.library == f"lib-{CHAIN.structure}-{jit.TABLE_PART}"
     assert ext.host == plain.host == "host"
-    # one host build; both chain builds started before either could have finished
-    assert [name for name, _ in record].count("host") == 1
-    starts = sorted(t for name, t in record if name != "host")
-    assert len(starts) == 2 and starts[1] - starts[0] < 0.2
-    # the host's build and both chains' in parallel: 0.3 s; the chains in turn took 0.6 s
+    built = sorted((str(s), p) for s, p, _ in record if s != "host")
+    assert built == sorted([(str(CHAIN.structure), jit.TABLE_PART),
+                            (str(CHAIN.structure), "chain_epilogue.cu"),
+                            (str(CHAIN.structure), "chain_backward.cu"),
+                            (str(Epilogue().structure), jit.TABLE_PART),
+                            (str(Epilogue().structure), "chain_sm90_split.cu")])  # fmt: skip
+    # one host build; every piece started before any could have finished
+    assert [s for s, _, _ in record].count("host") == 1
+    starts = sorted(t for _, _, t in record)
+    assert starts[-1] - starts[0] < 0.2
+    # the six builds in parallel: 0.3 s; two in turn would take 0.6 s
     assert took < 0.55
-    # loaded once: later calls are lookups
-    assert jit.extensions_for(chain, Epilogue()) == [ext, plain]
-    assert jit.extension_for(chain) is ext and len(record) == 3
+    # loaded once: later calls naming loaded parts are lookups
+    assert jit.extensions_for(CHAIN, Epilogue(), parts=parts) == [ext, plain]
+    assert jit.extension_for(CHAIN) is ext and len(record) == 6
 
 
-def test_extensions_for_one_missing_library_builds_it_alone(monkeypatch):
+def test_a_part_not_loaded_yet_is_built_alone(monkeypatch):
     record = fake_builds(monkeypatch, seconds=0.05)
-    chain = Epilogue(pre=(Pointwise("relu"),))
-    first = jit.extension_for(chain)
-    (again, plain) = jit.extensions_for(chain, Epilogue())
+    first = jit.extension_for(CHAIN, parts=("chain_epilogue.cu",))
+    again = jit.extension_for(CHAIN, parts=("chain_epilogue.cu", "chain_gemv.cu"))
+    assert again is first
+    assert [p for _, p, _ in record if p] == [jit.TABLE_PART, "chain_epilogue.cu", "chain_gemv.cu"]
+
+
+def test_extensions_for_one_missing_chain_builds_it_alone(monkeypatch):
+    record = fake_builds(monkeypatch, seconds=0.05)
+    first = jit.extension_for(CHAIN)
+    (again, plain) = jit.extensions_for(CHAIN, Epilogue())
     assert again is first and plain is not first
-    assert [name for name, _ in record].count("host") == 1 and len(record) == 3
+    assert [s for s, _, _ in record].count("host") == 1 and len(record) == 3
+
+
+def test_a_part_that_cannot_be_built_answers_0_and_says_why_once(monkeypatch, capsys):
+    parts = jit.ChainParts(CHAIN.structure, ARCH)
+    calls = []
+
+    def failing_build(part):
+        calls.append(part)
+        raise BuildError(f"gemmfuse: compiling {part} failed:\nerror: no")
+
+    monkeypatch.setattr(parts, "build", failing_build)
+    assert parts._load_called(b"chain_gemv.cu") == 0
+    assert parts._load_called(b"chain_gemv.cu") == 0
+    assert calls == ["chain_gemv.cu"]  # not built again
+    err = capsys.readouterr().err
+    assert err.count("chain_gemv.cu of") == 1 and "error: no" in err
+    assert parts._load_called(b"chain_nothing.cu") == 0  # not a part: refused, not built
+    assert calls == ["chain_gemv.cu"]
+    with pytest.raises(ValueError, match="not a part"):
+        parts.load(jit.TABLE_PART)
+
+
+def test_parts_are_libraries_of_one_directory_named_by_every_source():
+    parts = jit.ChainParts(CHAIN.structure, ARCH)
+    other = jit.ChainParts(Epilogue().structure, ARCH)
+    assert parts.name != other.name and parts.name.startswith("gemmfuse_chain_")
+    libraries = {parts.library(p) for p in jit.CHAIN_PARTS}
+    assert len(libraries) == len(jit.CHAIN_PARTS)
+    assert {lib.parent.name for lib in libraries} == {parts.name}
+    assert "-DGEMMFUSE_PARTS_APART" in parts.flags

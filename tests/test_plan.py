@@ -13,6 +13,7 @@ import gemmfuse.dispatch
 import gemmfuse.ops
 import gemmfuse.plan
 from gemmfuse import Epilogue, GroupNormSpec, Param, Pointwise, Reduction
+from gemmfuse.jit import CHAIN_PARTS
 from gemmfuse.kernel_files import read_csrc
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.plan import MAX_PLANS, keep_plan, plannable
@@ -41,9 +42,21 @@ class FakeExt:
 
 @pytest.fixture
 def fake_ext(monkeypatch):
-    monkeypatch.setattr(gemmfuse.plan, "extension_for", lambda epilogue: FakeExt)
-    monkeypatch.setattr(gemmfuse.plan, "extensions_for", lambda *chains: [FakeExt] * len(chains))
+    """The libraries replaced by FakeExt; returns the parts each request named, in order."""
+    asked = []
+
+    def extension_for(epilogue, parts=()):
+        asked.append(tuple(parts))
+        return FakeExt
+
+    def extensions_for(*chains, parts=()):
+        asked.extend(tuple(p) for p in parts)
+        return [FakeExt] * len(chains)
+
+    monkeypatch.setattr(gemmfuse.plan, "extension_for", extension_for)
+    monkeypatch.setattr(gemmfuse.plan, "extensions_for", extensions_for)
     monkeypatch.setattr(gemmfuse.dispatch, "_capability", lambda index: (9, 0))
+    return asked
 
 
 def tensors(m=64, k=2048, n=256, params=()):
@@ -136,7 +149,7 @@ def test_launch_path_runs_the_host_executor_on_the_forward_spec(fake_ext, monkey
         return "out", "z"
 
     monkeypatch.setattr(FakeHost, "launch", staticmethod(launch), raising=False)
-    monkeypatch.setattr(gemmfuse.ops, "extension_for", lambda epilogue: FakeExt)
+    monkeypatch.setattr(gemmfuse.ops, "extension_for", lambda epilogue, parts=(): FakeExt)
     epilogue = Epilogue(pre=(Pointwise("mul", (Param(1),)),), norm=GroupNormSpec(16),
                         reduce=Reduction("min"), tail=(Pointwise("add", (Param(0),)),))  # fmt: skip
     x, w, b, gw, gb, params = tensors(m=1024, k=4096, n=8192,
@@ -152,6 +165,36 @@ def test_launch_path_runs_the_host_executor_on_the_forward_spec(fake_ext, monkey
     # every params tensor, a tail op's too, in order (the spec's channel_params index them)
     assert [id(t) for t in passed] == [id(t) for t in (x, w, b, gw, gb, *params)]
     assert spec["channel_params"] == [1]
+
+
+BACKWARD = "chain_backward.cu"
+
+
+@pytest.mark.parametrize(
+    "path, m, precision, kernel, dtype, parts",
+    [
+        # a chain apart: the chain kernel here, the split GEMM in the plain GEMM's library
+        ("fused", 1024, "fp32", "auto", torch.float32,
+         [("chain_epilogue.cu", BACKWARD), ("chain_sm90_split.cu",)]),
+        ("fused", 64, "fp32", "hopper", torch.float32, [("chain_sm90_split.cu", BACKWARD)]),
+        ("fused", 64, "tf32", "hopper", torch.float32, [("chain_sm90_one_pass.cu", BACKWARD)]),
+        ("fused", 64, "fp32", "portable", torch.float32, [("chain_sm80.cu", BACKWARD)]),
+        ("fused", 64, "fp32", "hopper", torch.bfloat16, [("chain_sm90_bf16.cu", BACKWARD)]),
+        ("fused", 64, "fp32", "hopper", torch.float16, [("chain_sm90_fp16.cu", BACKWARD)]),
+        ("epilogue", 64, "fp32", "auto", torch.float32, [("chain_epilogue.cu", BACKWARD)]),
+        ("epilogue", 64, "fp32", "auto", torch.float16, [("chain_epilogue_16bit.cu", BACKWARD)]),
+        ("epilogue", 2, "fp32", "auto", torch.float32, [("chain_gemv.cu", BACKWARD)]),
+    ],
+)  # fmt: skip
+def test_forward_spec_builds_the_parts_the_call_runs(fake_ext, path, m, precision, kernel,
+                                                     dtype, parts):  # fmt: skip
+    """A chain's first call builds only the parts of its library that its forward runs (and the
+    backward's, whose plan keep_plan asks): dispatch.forward_parts, passed with the request."""
+    x, w = torch.randn(m, 8192).to(dtype), torch.randn(8192, 8192).to(dtype)
+    chain = Epilogue(pre=(Pointwise("relu"),), norm=GroupNormSpec(512))
+    gemmfuse.plan.forward_spec(path, chain, x, w, kernel, precision)
+    assert fake_ext == parts
+    assert all(p in CHAIN_PARTS for request in parts for p in request)
 
 
 def test_chain_apart_needs_sm90_float32_and_a_chain(monkeypatch):

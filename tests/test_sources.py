@@ -34,6 +34,27 @@ def test_the_export_translation_unit_holds_every_part():
     assert set(included) == set(CHAIN_PARTS) | host_kernels
 
 
+def test_each_entry_the_table_reaches_apart_is_published_by_the_part_it_names():
+    """Built apart (the package), chain_table.cu reaches each part's entry points through
+    PartEntries, naming the part file that publishes each (part_entries.h): a wrong file would
+    build the wrong part on first use, and the call would then fail."""
+    files = read_csrc()
+    named = re.findall(r'entry\(&PartEntries::(\w+), "([^"]+)"\)', files["chain_table.cu"])
+    forwarded = re.findall(r'GEMMFUSE_FORWARD_TO_PART\((\w+), "([^"]+)"\)',
+                           files["chain_table.cu"])  # fmt: skip
+    pairs = set(named) | set(forwarded)
+    published = {
+        (name, part)
+        for part in CHAIN_PARTS[1:]
+        for name in re.findall(r"publish\(entries->(\w+), ", files[part])
+    }
+    fields = re.findall(r"(\w+)\{\}", files["part_entries.h"])
+    assert pairs == published and len(pairs) == len(fields) == 14
+    assert {name for name, _ in pairs} == set(fields)
+    for part in CHAIN_PARTS[1:]:
+        assert 'extern "C" void gemmfuse_part_entries(' in files[part]
+
+
 def test_the_export_binding_holds_every_host_translation_unit():
     """binding.cpp (a standalone export's one C++ source) includes every C++ file of the host
     extension: one left out fails only when an export loads on a GPU."""
@@ -135,8 +156,8 @@ def test_the_binding_defines_every_function_python_calls():
 
 
 def test_the_binding_defines_the_executor():
-    """ops.launch_path calls ``launch(spec, cache, tensors, save_z)`` (bind_plan.cpp)."""
-    binding = read_csrc()["bind_plan.cpp"]
+    """ops.launch_path calls ``launch(spec, cache, tensors, save_z)`` (bind_launch.cpp)."""
+    binding = read_csrc()["bind_launch.cpp"]
     # from the def to the next binding or the function's end (its lambda's body holds
     # statements of its own)
     launch = re.search(r'm\.def\(\s*"launch",.*?(?=\n  (?:py::class_|m\.def)|\n\})', binding, re.S)

@@ -5,8 +5,8 @@ directory of ``cache_dir()`` whose name carries a hash of its sources, flags and
 versions, so a library found on disk under that name is always current and is imported
 directly: a second process is ready without running a compiler.
 
-Builds are serialised by an exclusive ``fcntl.flock`` on ``<name>.lock`` next to the build
-directory (``cached_library``), held while looking for the library and while building it:
+Builds are serialised by an exclusive ``fcntl.flock`` on ``<library file>.lock`` next to the
+build directory (``cached_library``), held while looking for the library and while building it:
 processes (DDP ranks, KernelBench eval workers) and threads build each library once, and none
 loads one that another is still writing. Compilers run as child processes, so a failed build is
 an exit status read here, and :class:`BuildError` carries the compiler's error lines. Each
@@ -91,11 +91,12 @@ def compiler_errors(log: str, limit: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def _build_lock(name: str):
-    """Holds the cross-process build lock of library ``name`` (in ``cache_dir()``)."""
+def _build_lock(file_name: str):
+    """Holds the cross-process build lock of library file ``file_name`` (in ``cache_dir()``):
+    one per library, so that the libraries of one directory (a chain's parts) build at once."""
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{name}.lock", "a") as lock:  # closing the file releases the lock
+    with open(root / f"{file_name}.lock", "a") as lock:  # closing the file releases the lock
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield root
 
@@ -114,7 +115,7 @@ def cached_library(
     """The path of library ``name`` (``<cache_dir>/<name>/<file_name>``), built first under the
     build lock if the cache lacks it: ``build(build_dir, library)`` must leave the library there
     or raise BuildError. Says on stderr when a build starts (``what``, and why) and ends."""
-    with _build_lock(name) as root:
+    with _build_lock(file_name) as root:
         build_dir = root / name
         library = build_dir / file_name
         if not library.exists():
@@ -123,7 +124,7 @@ def cached_library(
             build_dir.mkdir(parents=True, exist_ok=True)
             build(build_dir, library)
             seconds = time.perf_counter() - start
-            print(f"gemmfuse: built {name} in {seconds:.1f} s, cached in {build_dir}",
+            print(f"gemmfuse: built {file_name} in {seconds:.1f} s, cached in {build_dir}",
                   file=sys.stderr)  # fmt: skip
     return library
 

@@ -5,7 +5,8 @@ docstring says what each runs) from its tensors, the GPU and ``kernel=``, and
 ``select_epilogue_path`` that of a ``fused_epilogue`` call (the chain on a given tensor);
 ``fused_pays`` holds the size thresholds of ``kernel="auto"``, ``chain_apart`` whether a fused
 call's chain runs in the GEMM's epilogue or in the chain kernel after it, ``gemv_fits`` whether
-an epilogue-path call runs the one-or-two-rows kernel; ``backward_products`` says which backward
+an epilogue-path call runs the one-or-two-rows kernel, ``forward_parts`` which parts of a
+chain's library a forward runs; ``backward_products`` says which backward
 products run on the sparse kernels (a dz zero but for a few groups a row) or the split
 tensor-core kernel. Not yet here: the launch's own choices (which chain kernel and second sweep
 a wide GroupNorm takes, in csrc/epilogue/norm_finalize.cuh; whether the chain backward kernel
@@ -299,6 +300,38 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
         and _capability(x.device.index) == (9, 0)
         and epilogue.structure != PLAIN_GEMM
     )  # fmt: skip
+
+
+def forward_parts(
+    path: str,
+    apart: bool,
+    kernel_code: int,
+    split: bool,
+    dtype: torch.dtype,
+    norm_wide: bool,
+    gemv: bool,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the chain's parts, the plain GEMM's parts) that a forward so decided runs: files of
+    csrc/chain/ (gemmfuse.jit.CHAIN_PARTS), as chain_table.cu's dispatch picks them, and the
+    chain's backward, whose plan plan.keep_plan asks of every call it keeps a plan for
+    (autograd.kernel_plan). A chain's first call builds these at once with the rest it needs;
+    a part this leaves out is built when it is first called, so a wrong answer here costs that
+    call time, never its result."""
+    epilogue_part = "chain_epilogue_16bit.cu" if dtype in MODEL16 else "chain_epilogue.cu"
+    backward = "chain_backward.cu"
+    if path == "epilogue":
+        return ("chain_gemv.cu" if gemv else epilogue_part, backward), ()
+    if apart:
+        return ("chain_epilogue.cu", backward), ("chain_sm90_split.cu",)
+    if dtype == torch.bfloat16:
+        gemm = "chain_sm90_bf16.cu"
+    elif kernel_code != HOPPER_KERNEL:
+        gemm = "chain_sm80.cu"
+    elif split and dtype == torch.float32:
+        gemm = "chain_sm90_split.cu"
+    else:
+        gemm = "chain_sm90_fp16.cu" if dtype == torch.float16 else "chain_sm90_one_pass.cu"
+    return (gemm, epilogue_part, backward) if norm_wide else (gemm, backward), ()
 
 
 def fused_k_splits(path: str, x, n: int, kernel_code: int, precision: str) -> int:

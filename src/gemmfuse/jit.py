@@ -1,4 +1,4 @@
-"""The package's kernels, built in two pieces and loaded.
+"""The package's kernels, built in pieces, each when first needed, and loaded.
 
 - **The host extension** (csrc/host/host_*.cpp, bind_*.cpp, split.cu, sparse_products.cu,
   column_sums.cu and outer_binary.cu): argument checks, allocation and launches for every chain,
@@ -7,24 +7,30 @@
   Chain-independent, so it is built once per torch version, CUDA version and GPU
   architecture, its translation units in parallel (``torch.utils.cpp_extension.load`` in this
   process: ninja).
-- **A chain's library** (the csrc/chain/chain_*.cu parts, with the chain's generated epilogue): its
-  kernels and their launches, no torch headers. nvcc compiles the parts (one kernel family
-  each) in parallel and links them into a shared library, loaded with ctypes; its one exported
-  function returns the table (csrc/abi/chain_table.h) that the host extension launches through.
+- **A chain's parts** (csrc/chain/chain_*.cu, with the chain's generated epilogue; no torch
+  headers): each a shared library of its own, compiled by nvcc and loaded with ctypes.
+  ``chain_table.cu``'s library exports the table (csrc/abi/chain_table.h) that the host extension
+  launches through; each other part holds one kernel family and publishes its entry points to
+  the table's library (csrc/abi/part_entries.h). A call names the parts it is about to run
+  (dispatch.forward_parts), which are built at once with the table and the host extension; a
+  part called that was not built yet is built then, from the table's library calling back into
+  :class:`ChainParts` (so a chain's first call compiles the two or three parts it runs, not all
+  ten; ``python -m gemmfuse warmup`` builds every part).
 
-A chain's first call builds what the cache lacks, the two pieces at once (with the plain GEMM's
-library beside them where the call needs it: ``extensions_for``), and says so on stderr
-(build.py). ``extension_for`` is called on every forward: after the first call it is a dict
-lookup. Standalone exports build differently (one load_inline library: sources.extension_for).
+Each build says so on stderr when it starts and ends (build.py). ``extension_for`` is called on
+every forward: after the first call it is a dict lookup and a set comparison. Standalone exports
+build differently (one load_inline library holding every part: sources.extension_for).
 """
 
 import ctypes
 import os
 import shutil
 import subprocess
+import sys
 import threading
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache, partial
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +39,7 @@ from gemmfuse.build import (
     CXX_FLAGS,
     BuildError,
     arch_flags,
+    cache_dir,
     cached_library,
     compiler_errors,
     digest,
@@ -42,57 +49,89 @@ from gemmfuse.epilogue import Epilogue, cuda_epilogue
 from gemmfuse.kernel_files import read_csrc
 from gemmfuse.sources import ChainKernels, check_constants, flatten
 
-# The parts of a chain's library, each a translation unit of csrc/ (fused_linear.cu, an
-# export's one translation unit, includes them all).
-CHAIN_PARTS = ("chain_table.cu", "chain_sm90_split.cu", "chain_sm90_one_pass.cu",
+# The parts of a chain, each a translation unit of csrc/ (fused_linear.cu, an export's one
+# translation unit, includes them all); the table's first.
+TABLE_PART = "chain_table.cu"
+CHAIN_PARTS = (TABLE_PART, "chain_sm90_split.cu", "chain_sm90_one_pass.cu",
                "chain_sm90_fp16.cu", "chain_sm90_bf16.cu", "chain_sm80.cu", "chain_epilogue.cu",
                "chain_epilogue_16bit.cu", "chain_gemv.cu", "chain_backward.cu")  # fmt: skip
 HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_backward.cpp",
                 "host_plan.cpp", "host_autograd.cpp", "bind_splits.cpp",
-                "bind_epilogue.cpp", "bind_backward.cpp", "bind_plan.cpp", "bind_plan_call.cpp",
+                "bind_epilogue.cpp", "bind_backward.cpp", "bind_split_cache.cpp", "bind_plan.cpp",
+                "bind_launch.cpp", "bind_plan_call.cpp", "bind_plan_run.cpp",
                 "host_module.cpp",
                 "host_tail.cpp", "split.cu", "sparse_products.cu", "column_sums.cu",
                 "outer_binary.cu")  # fmt: skip
-# The parts' host code goes into a shared library.
-_PART_FLAGS = ("-Xcompiler=-fPIC",)
+# Each part is a shared library of its own, reaching the others through the table's
+# (part_entries.h).
+_PART_FLAGS = ("-Xcompiler=-fPIC", "-DGEMMFUSE_PARTS_APART")
+# The table library's callback type: int load_part(const char* part).
+_LOADER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
 _KERNELS: dict[tuple, ChainKernels] = {}
 
 
-def extension_for(epilogue: Epilogue) -> ChainKernels:
-    """The kernels of this chain's structure on the current GPU (built once, then cached)."""
-    return _kernels(epilogue.structure, arch_flags())
+def extension_for(epilogue: Epilogue, parts: Iterable[str] = ()) -> ChainKernels:
+    """The kernels of this chain's structure on the current GPU (built once, then cached), with
+    ``parts`` (files of CHAIN_PARTS: those the caller is about to run) built and loaded; any
+    other part is built when first called."""
+    return extensions_for(epilogue, parts=(parts,))[0]
 
 
-def extensions_for(*epilogues: Epilogue) -> list[ChainKernels]:
-    """extension_for of each, the libraries not yet loaded built at once (a thread each; each
-    build's compilers run in processes of their own): a call that needs two chains' libraries
-    (a chain run apart needs the plain GEMM's too) waits for the slower build, not for both in
-    turn. The host extension is built once whichever thread asks first."""
+def extensions_for(*epilogues: Epilogue, parts: tuple = ()) -> list[ChainKernels]:
+    """extension_for of each (``parts[i]`` the parts of ``epilogues[i]``; none where ``parts``
+    is shorter), all that is missing built at once (a thread each; each build's compilers run in
+    processes of their own): a call that needs two chains' parts (a chain run apart needs the
+    plain GEMM's too) waits for the slowest build, not for each in turn. The host extension is
+    built once whichever thread asks first."""
     arch = arch_flags()
-    missing = {e.structure for e in epilogues if (e.structure, arch) not in _KERNELS}
-    if len(missing) > 1:
-        with ThreadPoolExecutor(len(missing)) as pool:
-            list(pool.map(lambda structure: _kernels(structure, arch), missing))
-    return [_kernels(e.structure, arch) for e in epilogues]
+    wanted = [tuple(parts[i]) if i < len(parts) else () for i in range(len(epilogues))]
+    ready = [_ready(e.structure, arch, w) for e, w in zip(epilogues, wanted, strict=True)]
+    if all(k is not None for k in ready):
+        return ready
+    work = [(e.structure, w) for e, w, k in zip(epilogues, wanted, ready, strict=True) if k is None]
+    if len(work) > 1:
+        with ThreadPoolExecutor(len(work)) as pool:
+            list(pool.map(lambda item: _kernels(*item, arch), work))
+    return [_kernels(e.structure, w, arch) for e, w in zip(epilogues, wanted, strict=True)]
 
 
-def _kernels(structure: Epilogue, arch: tuple[str, ...]) -> ChainKernels:
+def _ready(structure: Epilogue, arch: tuple, parts: tuple) -> ChainKernels | None:
+    """The chain's kernels if they and ``parts`` are loaded already (every forward's case)."""
     kernels = _KERNELS.get((structure, arch))
-    if kernels is None:
-        kernels = _KERNELS.setdefault((structure, arch), _load(structure, arch))
+    if kernels is None or not kernels.parts.loaded(parts):
+        return None
     return kernels
 
 
-def _load(structure: Epilogue, arch: tuple[str, ...]) -> ChainKernels:
-    """The host extension and the chain's library, building what the cache lacks at once."""
-    with ThreadPoolExecutor(1) as pool:
+_LOAD_LOCKS: dict[tuple, threading.Lock] = {}
+_LOAD_LOCKS_LOCK = threading.Lock()
+
+
+def _kernels(structure: Epilogue, parts: tuple, arch: tuple) -> ChainKernels:
+    """The chain's kernels with ``parts`` loaded; one thread loads a chain, once (its table
+    library keeps the part builder it was given)."""
+    key = (structure, arch)
+    with _LOAD_LOCKS_LOCK:
+        lock = _LOAD_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        kernels = _KERNELS.get(key)
+        if kernels is None:
+            kernels = _KERNELS[key] = _load(structure, parts, arch)
+    kernels.parts.ensure(parts)
+    return kernels
+
+
+def _load(structure: Epilogue, parts: tuple, arch: tuple) -> ChainKernels:
+    """The host extension, the chain's table and ``parts``, building what the cache lacks at
+    once."""
+    chain = ChainParts(structure, arch)
+    wanted = list(dict.fromkeys((TABLE_PART, *parts)))
+    with ThreadPoolExecutor(1 + len(wanted)) as pool:
         host = pool.submit(host_extension, arch)
-        path = chain_library(structure, arch)
+        for built in [pool.submit(chain.build, part) for part in wanted]:
+            built.result()
         host = host.result()
-    library = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
-    table_of = library.gemmfuse_chain_table
-    table_of.restype = ctypes.c_void_p
-    return ChainKernels(host, table_of(), path, keep=library)
+    return ChainKernels(host, chain.open_table(), chain.library(TABLE_PART), parts=chain)
 
 
 _HOST_LOCK = threading.Lock()
@@ -157,37 +196,103 @@ def nvcc() -> str:
     return on_path
 
 
-def chain_library(structure: Epilogue, arch: tuple[str, ...]) -> Path:
-    """The path of this chain's library for this architecture, built if the cache lacks it."""
-    files = read_csrc()
-    generated = cuda_epilogue(structure)
-    parts = {name: flatten(files, name, generated) for name in CHAIN_PARTS}
-    flags = (*CUDA_FLAGS, *_PART_FLAGS, *arch)
-    name = f"gemmfuse_chain_{digest(*parts.values(), *flags)}"
-    what = f"the kernels of {structure} ({name})"
-    return cached_library(name, f"lib{name}.so", what, partial(_compile_parts, parts, flags))
+class ChainParts:
+    """A chain's parts on one architecture, each a library of its own in the chain's cache
+    directory, built (under build.py's lock) and loaded once, when first needed."""
+
+    def __init__(self, structure: Epilogue, arch: tuple[str, ...]):
+        files = read_csrc()
+        generated = cuda_epilogue(structure)
+        self.sources = {name: flatten(files, name, generated) for name in CHAIN_PARTS}
+        self.flags = (*CUDA_FLAGS, *_PART_FLAGS, *arch)
+        self.name = f"gemmfuse_chain_{digest(*self.sources.values(), *self.flags)}"
+        self.structure = structure
+        self._handles: dict[str, ctypes.CDLL] = {}  # part -> its loaded library
+        self._failed: dict[str, str] = {}  # part -> why it could not be built or loaded
+        self._locks = {part: threading.Lock() for part in CHAIN_PARTS}
+        self._loader = _LOADER(self._load_called)  # kept alive while the table may call it
+
+    def library(self, part: str) -> Path:
+        """Where the library of ``part`` is (or will be) kept."""
+        return cache_dir() / self.name / f"lib{self.name}_{Path(part).stem}.so"
+
+    def build(self, part: str) -> Path:
+        """The library of ``part``, built if the cache lacks it."""
+        library = self.library(part)
+        what = f"{part} of {self.structure} ({self.name})"
+
+        def compile_part(build_dir: Path, target: Path) -> None:
+            _compile_part(part, self.sources[part], self.flags, build_dir, target)
+
+        return cached_library(self.name, library.name, what, compile_part)
+
+    def open_table(self) -> int:
+        """Loads the table's library (built already), hands it this chain's part builder and
+        returns the address of its table."""
+        handle = ctypes.CDLL(str(self.library(TABLE_PART)), mode=os.RTLD_LOCAL)
+        handle.gemmfuse_chain_set_loader(self._loader)
+        self._handles[TABLE_PART] = handle
+        handle.gemmfuse_chain_table.restype = ctypes.c_void_p
+        return handle.gemmfuse_chain_table()
+
+    def loaded(self, parts: tuple) -> bool:
+        return all(part in self._handles for part in parts)
+
+    def ensure(self, parts: Iterable[str]) -> None:
+        """Builds the parts not loaded yet at once, then loads them; raises BuildError."""
+        missing = [p for p in dict.fromkeys(parts) if p not in self._handles]
+        if len(missing) > 1:
+            with ThreadPoolExecutor(len(missing)) as pool:
+                list(pool.map(self.build, missing))
+        for part in missing:
+            self.load(part)
+
+    def load(self, part: str) -> None:
+        """Builds (where the cache lacks it) and loads ``part``, which then publishes its entry
+        points to the table's library; raises BuildError."""
+        if part not in CHAIN_PARTS or part == TABLE_PART:
+            raise ValueError(f"gemmfuse: {part!r} is not a part of a chain ({CHAIN_PARTS[1:]})")
+        with self._locks[part]:
+            if part in self._handles:
+                return
+            self.build(part)
+            handle = ctypes.CDLL(str(self.library(part)), mode=os.RTLD_LOCAL)
+            entries = self._handles[TABLE_PART].gemmfuse_chain_entries
+            entries.restype = ctypes.c_void_p
+            handle.gemmfuse_part_entries(ctypes.c_void_p(entries()))
+            self._handles[part] = handle  # loaded() only once its entries are published
+
+    def _load_called(self, part: bytes) -> int:
+        """The table library's callback for a part called before it was loaded: 1 once it is,
+        0 (and why, on stderr, once) where it cannot be. Never raises (ctypes would only print)."""
+        name = part.decode(errors="replace")
+        if name in self._failed:
+            return 0
+        try:
+            self.load(name)
+            return 1
+        except Exception as error:  # noqa: BLE001  (a callback from C: reported, not raised)
+            self._failed[name] = str(error)
+            print(f"gemmfuse: {name} of {self.structure} could not be built or loaded, so the "
+                  f"calls that need it fail:\n{error}", file=sys.stderr)  # fmt: skip
+            return 0
 
 
-def _compile_parts(parts: dict[str, str], flags: tuple, build_dir: Path, library: Path) -> None:
-    """nvcc -c of every part at once, then one link; the library appears only when complete."""
-    compiler = nvcc()
-    jobs = []
-    for file, text in parts.items():
-        (build_dir / file).write_text(text)
-        command = [compiler, *flags, "-c", file, "-o", f"{file}.o"]
-        jobs.append((file, subprocess.Popen(command, cwd=build_dir, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True)))  # fmt: skip
-    logs = {file: job.communicate()[0] for file, job in jobs}
-    failed = [f"{file}:\n{compiler_errors(logs[file])}" for file, job in jobs if job.returncode]
-    if failed:
-        errors = "\n".join(failed)
-        raise BuildError(f"gemmfuse: compiling the parts in {build_dir} failed:\n{errors}")
+def part_library(epilogue: Epilogue, part: str) -> Path:
+    """The library file of one part of this chain (built first if it is not): for inspection
+    (cuobjdump, ncu)."""
+    return extension_for(epilogue, parts=(part,)).parts.library(part)
+
+
+def _compile_part(part: str, text: str, flags: tuple, build_dir: Path, library: Path) -> None:
+    """nvcc of one part into a shared library; the library appears only when complete."""
+    (build_dir / part).write_text(text)
     partial = build_dir / f"{library.name}.partial"
-    link = [compiler, *flags, "-shared", "-cudart", "shared", "-o", partial.name,
-            *(f"{file}.o" for file in parts)]  # fmt: skip
-    linked = subprocess.run(link, cwd=build_dir, capture_output=True, text=True, check=False)
-    if linked.returncode:
+    command = [nvcc(), *flags, "-shared", "-cudart", "shared", "-o", partial.name, part]
+    built = subprocess.run(command, cwd=build_dir, capture_output=True, text=True, check=False)
+    if built.returncode:
         raise BuildError(
-            f"gemmfuse: linking {library} failed:\n{compiler_errors(linked.stdout + linked.stderr)}"
+            f"gemmfuse: compiling {part} in {build_dir} failed:\n"
+            f"{compiler_errors(built.stdout + built.stderr)}"
         )
     os.replace(partial, library)

@@ -35,6 +35,7 @@ from gemmfuse.dispatch import (
     PRECISIONS,
     backward_products,
     chain_apart,
+    forward_parts,
     fused_k_splits,
     fused_kernel_code,
     gemv_fits,
@@ -45,7 +46,7 @@ from gemmfuse.epilogue import Epilogue, column_sum_slots, per_element
 from gemmfuse.jit import extension_for, extensions_for
 
 MAX_PLANS = 4  # per weight cache: the kinds of call one module meets (a last, shorter batch...)
-# What a plan takes (csrc/host/bind_plan.cpp): a call with a tensor subclass is decided afresh
+# What a plan takes (csrc/host/bind_plan_call.cpp): a call with a tensor subclass is decided afresh
 # each time by the Python rules (its own torch function is seen there; the kernels, and the
 # executor's GEMM on the epilogue path, take it as the tensor it holds).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -89,18 +90,24 @@ def forward_spec(path: str, epilogue: Epilogue, x, weight, kernel: str, precisio
     group_size, eps, norm_wide = norm_settings(epilogue, n)
     apart = chain_apart(path, epilogue, x, n, kernel, precision)
     kernel_code = fused_kernel_code(kernel, x)
-    # a chain apart's GEMM is the plain GEMM's library: both built at once on a first call
-    ext, plain = extensions_for(epilogue, PLAIN_GEMM) if apart else (extension_for(epilogue), None)
+    split, gemv = PRECISIONS[precision], gemv_fits(path, x, weight)
+    parts = forward_parts(path, apart, kernel_code, split, x.dtype, norm_wide, gemv)
+    # a chain apart's GEMM is the plain GEMM's library: its parts and the chain's built at once
+    # on a first call
+    if apart:
+        ext, plain = extensions_for(epilogue, PLAIN_GEMM, parts=parts)
+    else:
+        ext, plain = extension_for(epilogue, parts=parts[0]), None
     return dict(
         table=ext.table,
         plain_table=plain.table if plain else 0,
         model16=x.dtype in MODEL16, kernel_code=kernel_code,
-        split=PRECISIONS[precision], scalars=list(epilogue.scalars), group_size=group_size,
+        split=split, scalars=list(epilogue.scalars), group_size=group_size,
         eps=eps, norm_wide=norm_wide,
         keepdim=epilogue.reduce is not None and epilogue.reduce.keepdim,
         channel_params=list(epilogue.channel_params), epilogue_path=path == "epilogue",
         group_stats=group_stats_mode(epilogue, x) if path == "epilogue" else 0,
-        gemv=gemv_fits(path, x, weight), chain_apart=apart,
+        gemv=gemv, chain_apart=apart,
         k_splits=fused_k_splits(path, x, n, kernel_code, precision),
     )  # fmt: skip
 

@@ -93,11 +93,13 @@ def check_constants(host: ModuleType) -> None:
 class ChainKernels:
     """A chain's entry points: the host extension's functions, the chain's table bound first.
 
-    ``library`` is the file holding the chain's kernels (for inspection: cuobjdump, ncu);
-    ``host`` the host extension's module and ``table`` the chain's table (plans take both).
+    ``library`` is the file holding the chain's table (an export's: every kernel too; the
+    package's parts are libraries of their own: gemmfuse.jit.part_library); ``host`` the host
+    extension's module and ``table`` the chain's table (plans take both); ``parts`` the
+    package's gemmfuse.jit.ChainParts (None in an export), which also keeps the libraries loaded.
     """
 
-    def __init__(self, host: ModuleType, table: int, library: Path, keep=None):
+    def __init__(self, host: ModuleType, table: int, library: Path, parts=None):
         host.check_table(table)
         self.host = host
         self.table = table
@@ -106,7 +108,7 @@ class ChainKernels:
         for name in SHARED_FUNCTIONS:
             setattr(self, name, getattr(host, name))
         self.library = library
-        self._keep = keep  # what keeps the library loaded (the package's ctypes handle)
+        self.parts = parts
 
 
 @cache
@@ -123,15 +125,16 @@ def _kernels_of(module: ModuleType) -> ChainKernels:
     return ChainKernels(module, module.linked_chain_table(), Path(module.__spec__.origin))
 
 
-def extension_for(epilogue: Epilogue) -> ChainKernels:
+def extension_for(epilogue: Epilogue, parts=()) -> ChainKernels:
     """A standalone export's kernels of this chain: binding and kernels in one load_inline
-    library (built once, then cached). The package's own is gemmfuse.jit.extension_for."""
+    library (built once, then cached), every part in it (``parts`` is the package's
+    gemmfuse.jit.extension_for's, which builds parts apart)."""
     structure = epilogue.structure
     module = load_extension("gemmfuse_fused", *extension_sources(structure), label=structure)
     return _kernels_of(module)
 
 
-def extensions_for(*epilogues: Epilogue) -> list[ChainKernels]:
+def extensions_for(*epilogues: Epilogue, parts: tuple = ()) -> list[ChainKernels]:
     """extension_for of each, in turn (gemmfuse.jit.extensions_for builds a package's
     libraries at once; an export's load_inline builds stay one at a time)."""
     return [extension_for(e) for e in epilogues]

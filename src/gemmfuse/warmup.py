@@ -23,11 +23,12 @@ from gemmfuse.modules import FusedLinear
 
 # The child's program: the structure arrives as its repr (an expression of gemmfuse.epilogue's
 # names), and build.py prints "gemmfuse: building ..." on stderr only when it compiles. {builder}:
-# the package's (gemmfuse.jit) or a standalone export's (gemmfuse.sources: one load_inline
-# library, which an exported file then finds in the cache).
+# the package's (gemmfuse.jit: every part of the chain, where a call builds those it runs) or a
+# standalone export's (gemmfuse.sources: one load_inline library holding every part, which an
+# exported file then finds in the cache).
 _BUILD_ONE = (
-    "import sys\nfrom gemmfuse.epilogue import *\nfrom {builder} import extension_for\n"
-    "extension_for(eval(sys.argv[1]))"
+    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.jit import CHAIN_PARTS\n"
+    "from {builder} import extension_for\nextension_for(eval(sys.argv[1]), parts=CHAIN_PARTS[1:])"
 )
 
 

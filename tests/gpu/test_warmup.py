@@ -10,9 +10,11 @@ from gemmfuse.warmup import structures_for
 
 pytestmark = pytest.mark.gpu
 
+# every part of each structure (a call loads only the parts it runs)
 LOAD_ALL = (
-    "from gemmfuse.jit import extension_for\nfrom gemmfuse.warmup import structures_for\n"
-    "for s in structures_for('62'):\n    extension_for(s)\n"
+    "from gemmfuse.jit import CHAIN_PARTS, extension_for\n"
+    "from gemmfuse.warmup import structures_for\n"
+    "for s in structures_for('62'):\n    extension_for(s, parts=CHAIN_PARTS[1:])\n"
 )
 
 

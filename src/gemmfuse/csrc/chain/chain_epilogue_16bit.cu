@@ -23,3 +23,10 @@ cudaError_t tile_epilogue_16bit(const FusedArgs& args, cudaStream_t stream) {
 
 }  // namespace parts
 }  // namespace gemmfuse
+
+#ifdef GEMMFUSE_PARTS_APART
+extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+  gemmfuse::publish(entries->finalize_16bit, &gemmfuse::parts::finalize_16bit);
+  gemmfuse::publish(entries->tile_epilogue_16bit, &gemmfuse::parts::tile_epilogue_16bit);
+}
+#endif

@@ -18,3 +18,10 @@ int gemv_slice(int K, int N) {
 
 }  // namespace parts
 }  // namespace gemmfuse
+
+#ifdef GEMMFUSE_PARTS_APART
+extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+  gemmfuse::publish(entries->gemv, &gemmfuse::parts::gemv);
+  gemmfuse::publish(entries->gemv_slice, &gemmfuse::parts::gemv_slice);
+}
+#endif

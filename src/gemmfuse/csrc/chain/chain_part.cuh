@@ -1,11 +1,13 @@
 // What every part of a chain's library starts with: the argument structs, the pointwise
 // derivatives the generated code calls, the generated epilogue (GeneratedEpilogueFor) and the
-// parts' entry points, which chain_table.cu's dispatch calls.
+// parts' entry points, which chain_table.cu's dispatch calls (through part_entries.h's
+// PartEntries where each part is a library of its own).
 #pragma once
 #include "fused_args.h"
 #include "pointwise_grad.cuh"
 #include "epilogue_generated.cuh"
 #include "chain_table.h"
+#include "part_entries.h"
 
 namespace gemmfuse {
 namespace parts {

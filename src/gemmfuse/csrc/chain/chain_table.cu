@@ -2,6 +2,88 @@
 // extension launches through (chain_table.h). Host code only: it compiles in a moment.
 #include "chain_part.cuh"
 
+#ifdef GEMMFUSE_PARTS_APART
+namespace gemmfuse {
+namespace {
+
+PartEntries entries;  // each part's library publishes its own (gemmfuse_part_entries)
+// The package's builder (gemmfuse/jit.py): builds and loads the part in file `part` (which then
+// publishes its entries) and returns 1, or says why it could not on stderr and returns 0.
+std::atomic<int (*)(const char* part)> load_part{};
+// What an entry of a part that could not be built or loaded returns (the builder said why).
+constexpr cudaError_t kPartMissing = cudaErrorSharedObjectInitFailed;
+
+// The entry `slot` of the part in file `part`, that part built and loaded first if it is not yet;
+// nullptr if it could not be.
+template <class Fn>
+Fn entry(std::atomic<Fn> PartEntries::*slot, const char* part) {
+  Fn fn = (entries.*slot).load(std::memory_order_acquire);
+  if (fn != nullptr) return fn;
+  int (*load)(const char*) = load_part.load(std::memory_order_acquire);
+  if (load == nullptr || !load(part)) return nullptr;
+  return (entries.*slot).load(std::memory_order_acquire);
+}
+
+}  // namespace
+
+// The parts' entry points as the dispatch below calls them: each through its part's library.
+namespace parts {
+
+#define GEMMFUSE_FORWARD_TO_PART(name, file)                                  \
+  cudaError_t name(const FusedArgs& args, cudaStream_t stream) {              \
+    auto fn = entry(&PartEntries::name, file);                                \
+    return fn != nullptr ? fn(args, stream) : kPartMissing;                   \
+  }
+GEMMFUSE_FORWARD_TO_PART(sm90_split, "chain_sm90_split.cu")
+GEMMFUSE_FORWARD_TO_PART(sm90_one_pass, "chain_sm90_one_pass.cu")
+GEMMFUSE_FORWARD_TO_PART(sm90_fp16, "chain_sm90_fp16.cu")
+GEMMFUSE_FORWARD_TO_PART(sm90_bf16, "chain_sm90_bf16.cu")
+GEMMFUSE_FORWARD_TO_PART(sm80, "chain_sm80.cu")
+GEMMFUSE_FORWARD_TO_PART(finalize, "chain_epilogue.cu")
+GEMMFUSE_FORWARD_TO_PART(tile_epilogue, "chain_epilogue.cu")
+GEMMFUSE_FORWARD_TO_PART(finalize_16bit, "chain_epilogue_16bit.cu")
+GEMMFUSE_FORWARD_TO_PART(tile_epilogue_16bit, "chain_epilogue_16bit.cu")
+#undef GEMMFUSE_FORWARD_TO_PART
+
+// Without its part the chain kernel runs after the GEMM (0: it does not follow).
+int follows_tiles(const FusedArgs& args) {
+  auto fn = entry(&PartEntries::follows_tiles, "chain_epilogue.cu");
+  return fn != nullptr ? fn(args) : 0;
+}
+
+cudaError_t gemv(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream) {
+  auto fn = entry(&PartEntries::gemv, "chain_gemv.cu");
+  return fn != nullptr ? fn(args, gemv, stream) : kPartMissing;
+}
+
+// Without its part: one slice of all of K (the launch that follows then fails, kPartMissing).
+int gemv_slice(int K, int N) {
+  auto fn = entry(&PartEntries::gemv_slice, "chain_gemv.cu");
+  return fn != nullptr ? fn(K, N) : (K > 0 ? K : 1);
+}
+
+// Without its part: a plan that does not fit (row_blocks 0), which the host refuses.
+BackwardPlan backward_plan(int M, int N, int group_size, int model16) {
+  auto fn = entry(&PartEntries::backward_plan, "chain_backward.cu");
+  return fn != nullptr ? fn(M, N, group_size, model16) : BackwardPlan{};
+}
+
+cudaError_t backward(const BackwardArgs& args, const BackwardPlan& plan, cudaStream_t stream) {
+  auto fn = entry(&PartEntries::backward, "chain_backward.cu");
+  return fn != nullptr ? fn(args, plan, stream) : kPartMissing;
+}
+
+}  // namespace parts
+}  // namespace gemmfuse
+
+// What the package's builder reaches in this library (by dlsym): the entries each part's
+// library fills, and the builder of a part not yet loaded.
+extern "C" gemmfuse::PartEntries* gemmfuse_chain_entries() { return &gemmfuse::entries; }
+extern "C" void gemmfuse_chain_set_loader(int (*loader)(const char* part)) {
+  gemmfuse::load_part.store(loader, std::memory_order_release);
+}
+#endif  // GEMMFUSE_PARTS_APART
+
 namespace gemmfuse {
 namespace {
 

@@ -8,5 +8,8 @@
 void bind_splits(pybind11::module_& m);
 void bind_epilogue(pybind11::module_& m);
 void bind_backward(pybind11::module_& m);
+void bind_split_cache(pybind11::module_& m);
 void bind_plan(pybind11::module_& m);
+void bind_launch(pybind11::module_& m);
 void bind_plan_call(pybind11::module_& m);
+void bind_plan_run(pybind11::module_& m);

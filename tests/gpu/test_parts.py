@@ -1,0 +1,100 @@
+"""A chain's parts, each a library of its own built when first needed (gemmfuse/jit.py,
+csrc/abi/part_entries.h): an entry point the host reaches through the table's library before its
+part is loaded builds and loads that part first, from a thread that does not hold the GIL too (a
+backward on autograd's thread), once however many threads call it at once; the kernels it then
+runs give the bits of the part loaded ahead."""
+
+import ctypes
+import threading
+
+import pytest
+import torch
+
+from gemmfuse import Epilogue, GroupNormSpec, Pointwise
+from gemmfuse.epilogue_op import fused_epilogue
+from gemmfuse.jit import extension_for
+from gemmfuse.reference import apply_epilogue
+
+pytestmark = pytest.mark.gpu
+
+
+class TableHead(ctypes.Structure):
+    """The head of csrc/abi/chain_table.h's ChainTable, up to gemv_slice: int gemv_slice(int, int)
+    is an entry a plain C call can reach (through the table's library, like the host's calls)."""
+
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "version", "table_bytes", "fused_args_bytes", "backward_args_bytes", "gemv_args_bytes",
+        "reduce_kind", "is_plain", "column_sums")] + [
+        (name, ctypes.c_void_p) for name in (
+            "launch_fused", "launch_epilogue_only", "follows_tiles", "launch_gemv")] + [
+        ("gemv_slice", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int))]  # fmt: skip
+
+
+def fresh_chain(tag: int) -> Epilogue:
+    """A chain structure no other test uses (this process has loaded none of its parts)."""
+    ops = [Pointwise("tanh"), Pointwise("sigmoid"), Pointwise("relu"), Pointwise("gelu")]
+    pre, post = (tuple(ops[(tag + i) % 4] for i in range(length)) for length in (5, 3))
+    return Epilogue(pre=pre, norm=GroupNormSpec(8), post=post)
+
+
+def test_an_entry_called_without_the_gil_builds_its_part_once_from_many_threads():
+    ext = extension_for(fresh_chain(0))
+    assert not ext.parts.loaded(("chain_gemv.cu",))
+    head = TableHead.from_address(ext.table)
+    slices, errors = [], []
+
+    def call():  # ctypes releases the GIL for the call: the builder takes it back
+        try:
+            slices.append(head.gemv_slice(8192, 1024))
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors and len(slices) == 4 and len(set(slices)) == 1 and slices[0] > 0
+    assert ext.parts.loaded(("chain_gemv.cu",))
+    assert head.gemv_slice(8192, 1024) == slices[0]
+
+
+def test_a_part_built_on_first_call_gives_the_bits_of_one_loaded_ahead():
+    chain = fresh_chain(1)
+    torch.manual_seed(0)
+    z = torch.randn(256, 512, device="cuda")
+    params = dict(gn_weight=torch.rand(512, device="cuda"), gn_bias=torch.randn(512, device="cuda"))
+    assert not extension_for(chain).parts.loaded(("chain_epilogue.cu",))
+    first = fused_epilogue(z, chain, **params)  # builds chain_epilogue.cu through the table
+    assert extension_for(chain).parts.loaded(("chain_epilogue.cu",))
+    again = fused_epilogue(z, chain, **params)
+    assert torch.equal(first, again) and torch.isfinite(first).all()
+    reference = apply_epilogue(z.double(), chain, *(v.double() for v in params.values()), [])
+    torch.testing.assert_close(first.double(), reference, atol=1e-4, rtol=1e-4)
+
+
+def test_a_backward_on_autograds_thread_builds_the_part_it_reaches(monkeypatch):
+    """The chain backward's part, left unbuilt by fused_epilogue's forward, is built when the
+    backward (on autograd's thread) reaches it through the table."""
+    chain = fresh_chain(2)
+    ext = extension_for(chain)
+    assert not ext.parts.loaded(("chain_backward.cu",))
+    loads, load = [], ext.parts.load
+    monkeypatch.setattr(ext.parts, "load", lambda part: (
+        loads.append((part, threading.current_thread())), load(part))[1])  # fmt: skip
+    torch.manual_seed(1)
+    z = torch.randn(128, 512, device="cuda", requires_grad=True)
+    gn_weight = torch.rand(512, device="cuda", requires_grad=True)
+    gn_bias = torch.randn(512, device="cuda", requires_grad=True)
+    out = fused_epilogue(z, chain, gn_weight=gn_weight, gn_bias=gn_bias)
+    grad = torch.randn_like(out)
+    assert loads == []  # the forward needed the chain kernel's part alone
+    out.backward(grad)
+    assert ext.parts.loaded(("chain_backward.cu",))
+    assert [part for part, _ in loads] == ["chain_backward.cu"]
+    assert loads[0][1] is not threading.main_thread()
+    zd = z.detach().double().requires_grad_()
+    wd, bd = (t.detach().double().requires_grad_() for t in (gn_weight, gn_bias))
+    apply_epilogue(zd, chain, wd, bd, []).backward(grad.double())
+    for ours, theirs in ((z, zd), (gn_weight, wd), (gn_bias, bd)):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=1e-4, rtol=1e-4)
