@@ -183,7 +183,8 @@ BACKWARD = "chain_backward.cu"
         ("fused", 64, "fp32", "hopper", torch.float16, [("chain_sm90_fp16.cu", BACKWARD)]),
         ("epilogue", 64, "fp32", "auto", torch.float32, [("chain_epilogue.cu", BACKWARD)]),
         ("epilogue", 64, "fp32", "auto", torch.float16, [("chain_epilogue_16bit.cu", BACKWARD)]),
-        ("epilogue", 2, "fp32", "auto", torch.float32, [("chain_gemv.cu", BACKWARD)]),
+        ("epilogue", 2, "fp32", "auto", torch.float32,
+         [("chain_gemv.cu", "chain_epilogue.cu", BACKWARD)]),
     ],
 )  # fmt: skip
 def test_forward_spec_builds_the_parts_the_call_runs(fake_ext, path, m, precision, kernel,
@@ -195,6 +196,21 @@ def test_forward_spec_builds_the_parts_the_call_runs(fake_ext, path, m, precisio
     gemmfuse.plan.forward_spec(path, chain, x, w, kernel, precision)
     assert fake_ext == parts
     assert all(p in CHAIN_PARTS for request in parts for p in request)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "finalize"),
+    [(torch.float32, "chain_epilogue.cu"), (torch.float16, "chain_epilogue_16bit.cu")],
+)
+def test_a_wide_groupnorm_builds_its_finalize_part(fake_ext, dtype, finalize):
+    """Groups wider than a tile: the fused kernel, then the finalize pass of the chain kernel's
+    part for the model's dtype (chain_table.cu's launch_fused)."""
+    x, w = torch.randn(64, 8192).to(dtype), torch.randn(8192, 8192).to(dtype)
+    chain = Epilogue(pre=(Pointwise("relu"),), norm=GroupNormSpec(8))
+    spec = gemmfuse.plan.forward_spec("fused", chain, x, w, "hopper", "tf32")
+    assert spec["norm_wide"]
+    gemm = "chain_sm90_fp16.cu" if dtype == torch.float16 else "chain_sm90_one_pass.cu"
+    assert fake_ext == [(gemm, finalize, BACKWARD)]
 
 
 def test_chain_apart_needs_sm90_float32_and_a_chain(monkeypatch):

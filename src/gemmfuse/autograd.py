@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from gemmfuse.build import BuildError
 from gemmfuse.dispatch import (
     BACKWARD_DTYPES,
     MODEL16,
@@ -192,9 +193,16 @@ def kernel_plan(
 ) -> list[int]:
     """[column slabs, row blocks, 1 for the register kernel or 0 for the shared-memory one] of
     the chain backward for an (m, n) chain of ``dtype`` tensors; 0 row blocks where a slab's
-    working set exceeds a block's shared memory."""
+    working set exceeds a block's shared memory. Raises BuildError where the chain backward's
+    part could not be built (rather than reading as a plan that does not fit)."""
     with torch.cuda.device(device):
-        return extension_for(structure).chain_backward_plan(m, n, group_size, dtype in MODEL16)
+        plan = extension_for(structure).chain_backward_plan(m, n, group_size, dtype in MODEL16)
+    if plan[1] < 0:
+        raise BuildError(
+            f"gemmfuse: the chain backward's part of {structure} could not be built (the "
+            "compiler's errors are on stderr)"
+        )
+    return plan
 
 
 def _float32(t: torch.Tensor | None) -> torch.Tensor | None:

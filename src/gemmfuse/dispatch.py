@@ -319,8 +319,8 @@ def forward_parts(
     call time, never its result."""
     epilogue_part = "chain_epilogue_16bit.cu" if dtype in MODEL16 else "chain_epilogue.cu"
     backward = "chain_backward.cu"
-    if path == "epilogue":
-        return ("chain_gemv.cu" if gemv else epilogue_part, backward), ()
+    if path == "epilogue":  # a few-rows call that saves z runs the chain kernel after the GEMM
+        return ("chain_gemv.cu", epilogue_part, backward) if gemv else (epilogue_part, backward), ()
     if apart:
         return ("chain_epilogue.cu", backward), ("chain_sm90_split.cu",)
     if dtype == torch.bfloat16:

@@ -22,6 +22,7 @@ every forward: after the first call it is a dict lookup and a set comparison. St
 build differently (one load_inline library holding every part: sources.extension_for).
 """
 
+import atexit
 import ctypes
 import os
 import shutil
@@ -68,6 +69,12 @@ _PART_FLAGS = ("-Xcompiler=-fPIC", "-DGEMMFUSE_PARTS_APART")
 # The table library's callback type: int load_part(const char* part).
 _LOADER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
 _KERNELS: dict[tuple, ChainKernels] = {}
+
+
+@atexit.register
+def _detach_builders() -> None:
+    for kernels in list(_KERNELS.values()):
+        kernels.parts.detach()
 
 
 def extension_for(epilogue: Epilogue, parts: Iterable[str] = ()) -> ChainKernels:
@@ -239,8 +246,12 @@ class ChainParts:
         return all(part in self._handles for part in parts)
 
     def ensure(self, parts: Iterable[str]) -> None:
-        """Builds the parts not loaded yet at once, then loads them; raises BuildError."""
+        """Builds the parts not loaded yet at once, then loads them; raises BuildError. A part
+        whose build failed when the table called for it is tried again here (the failure may
+        have passed: a compiler killed for memory), and its error raised if it fails again."""
         missing = [p for p in dict.fromkeys(parts) if p not in self._handles]
+        for part in missing:
+            self._failed.pop(part, None)
         if len(missing) > 1:
             with ThreadPoolExecutor(len(missing)) as pool:
                 list(pool.map(self.build, missing))
@@ -262,17 +273,26 @@ class ChainParts:
             handle.gemmfuse_part_entries(ctypes.c_void_p(entries()))
             self._handles[part] = handle  # loaded() only once its entries are published
 
+    def detach(self) -> None:
+        """Takes this chain's part builder back from its table's library (at exit: a call
+        through an entry still empty then fails with kPartMissing rather than calling into
+        a finalising interpreter)."""
+        table = self._handles.get(TABLE_PART)
+        if table is not None:
+            table.gemmfuse_chain_set_loader(None)
+
     def _load_called(self, part: bytes) -> int:
         """The table library's callback for a part called before it was loaded: 1 once it is,
-        0 (and why, on stderr, once) where it cannot be. Never raises (ctypes would only print)."""
+        0 (and why, on stderr, once; ``ensure`` tries it again) where it cannot be. Never raises
+        (ctypes would only print)."""
         name = part.decode(errors="replace")
         if name in self._failed:
             return 0
         try:
             self.load(name)
             return 1
-        except Exception as error:  # noqa: BLE001  (a callback from C: reported, not raised)
-            self._failed[name] = str(error)
+        except BaseException as error:  # noqa: BLE001  (a callback from C: reported, not raised)
+            self._failed[name] = str(error) or type(error).__name__
             print(f"gemmfuse: {name} of {self.structure} could not be built or loaded, so the "
                   f"calls that need it fail:\n{error}", file=sys.stderr)  # fmt: skip
             return 0

@@ -1,7 +1,9 @@
 // The interface between the host extension (binding.cpp and split.cu: built once per torch
-// version, CUDA version and GPU architecture) and a chain's library (the chain_*.cu parts: built
-// per epilogue structure). The library exports gemmfuse_chain_table(); the binding launches
-// through the table it returns, after checking that both sides were built from one layout.
+// version, CUDA version and GPU architecture) and a chain's kernels (the chain_*.cu parts: built
+// per epilogue structure). chain_table.cu's library exports gemmfuse_chain_table() (the package
+// builds each other part as a library of its own, reached through it: part_entries.h); the
+// binding launches through the table it returns, after checking that both sides were built from
+// one layout.
 #pragma once
 #include "fused_args.h"
 

@@ -24,10 +24,9 @@ Fn entry(std::atomic<Fn> PartEntries::*slot, const char* part) {
   return (entries.*slot).load(std::memory_order_acquire);
 }
 
-}  // namespace
-
-// The parts' entry points as the dispatch below calls them: each through its part's library.
-namespace parts {
+// The parts' entry points as the dispatch below calls them: each through its part's library
+// (internal linkage: the parts' own functions of these names are theirs alone).
+namespace through_entries {
 
 #define GEMMFUSE_FORWARD_TO_PART(name, file)                                  \
   cudaError_t name(const FusedArgs& args, cudaStream_t stream) {              \
@@ -62,10 +61,14 @@ int gemv_slice(int K, int N) {
   return fn != nullptr ? fn(K, N) : (K > 0 ? K : 1);
 }
 
-// Without its part: a plan that does not fit (row_blocks 0), which the host refuses.
+// Without its part: row_blocks -1, which the host and gemmfuse.autograd refuse with an error
+// (0 would read as a plan that does not fit, and the backward would quietly run in PyTorch).
 BackwardPlan backward_plan(int M, int N, int group_size, int model16) {
   auto fn = entry(&PartEntries::backward_plan, "chain_backward.cu");
-  return fn != nullptr ? fn(M, N, group_size, model16) : BackwardPlan{};
+  if (fn != nullptr) return fn(M, N, group_size, model16);
+  BackwardPlan missing;
+  missing.row_blocks = -1;
+  return missing;
 }
 
 cudaError_t backward(const BackwardArgs& args, const BackwardPlan& plan, cudaStream_t stream) {
@@ -73,7 +76,9 @@ cudaError_t backward(const BackwardArgs& args, const BackwardPlan& plan, cudaStr
   return fn != nullptr ? fn(args, plan, stream) : kPartMissing;
 }
 
-}  // namespace parts
+}  // namespace through_entries
+}  // namespace
+namespace part_calls = through_entries;
 }  // namespace gemmfuse
 
 // What the package's builder reaches in this library (by dlsym): the entries each part's
@@ -82,6 +87,10 @@ extern "C" gemmfuse::PartEntries* gemmfuse_chain_entries() { return &gemmfuse::e
 extern "C" void gemmfuse_chain_set_loader(int (*loader)(const char* part)) {
   gemmfuse::load_part.store(loader, std::memory_order_release);
 }
+#else
+namespace gemmfuse {
+namespace part_calls = parts;  // one library: the parts' functions themselves
+}  // namespace gemmfuse
 #endif  // GEMMFUSE_PARTS_APART
 
 namespace gemmfuse {
@@ -120,29 +129,29 @@ cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream)
     return cudaErrorInvalidValue;
   const bool model16 = args.params.model16 != kFloat32Model;
   if (args.bf16)
-    err = parts::sm90_bf16(args, stream);
+    err = part_calls::sm90_bf16(args, stream);
   else if (kernel == kHopperKernel && args.split)
-    err = parts::sm90_split(args, stream);
+    err = part_calls::sm90_split(args, stream);
   else if (kernel == kHopperKernel)  // one pass: precision="tf32", or a float16 model
-    err = args.params.model16 == kFp16Model ? parts::sm90_fp16(args, stream)
-                                            : parts::sm90_one_pass(args, stream);
+    err = args.params.model16 == kFp16Model ? part_calls::sm90_fp16(args, stream)
+                                            : part_calls::sm90_one_pass(args, stream);
   else
-    err = parts::sm80(args, stream);
+    err = part_calls::sm80(args, stream);
   if (err != cudaSuccess || !args.norm_wide) return err;
-  return model16 ? parts::finalize_16bit(args, stream) : parts::finalize(args, stream);
+  return model16 ? part_calls::finalize_16bit(args, stream) : part_calls::finalize(args, stream);
 }
 
 // A 16-bit model's z (args.epilogue_in16) takes its dtype's instance, a float32 z float32's.
 cudaError_t launch_epilogue_only(const FusedArgs& args, cudaStream_t stream) {
   if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
   if (args.epilogue_in16 != nullptr && args.params.model16 != kFloat32Model)
-    return parts::tile_epilogue_16bit(args, stream);
-  return parts::tile_epilogue(args, stream);
+    return part_calls::tile_epilogue_16bit(args, stream);
+  return part_calls::tile_epilogue(args, stream);
 }
 
 cudaError_t launch_gemv(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream) {
   if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
-  return parts::gemv(args, gemv, stream);
+  return part_calls::gemv(args, gemv, stream);
 }
 
 }  // namespace
@@ -163,11 +172,11 @@ extern "C" const gemmfuse::ChainTable* gemmfuse_chain_table() {
       GeneratedEpilogue::kColumnSums,
       launch_fused,
       launch_epilogue_only,
-      parts::follows_tiles,
+      part_calls::follows_tiles,
       launch_gemv,
-      parts::gemv_slice,
-      parts::backward_plan,
-      parts::backward,
+      part_calls::gemv_slice,
+      part_calls::backward_plan,
+      part_calls::backward,
   };
   return &table;
 }

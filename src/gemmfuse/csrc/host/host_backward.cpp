@@ -45,6 +45,8 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
                       : dtype == at::kHalf   ? gemmfuse::kFp16Model
                                              : gemmfuse::kFloat32Model;
   const gemmfuse::BackwardPlan plan = t.backward_plan(chain.M, chain.N, chain.group_size, model16);
+  TORCH_CHECK(plan.row_blocks != -1,
+              "gemmfuse: the chain backward's part could not be built (its errors are on stderr)");
   TORCH_CHECK(plan.row_blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_plan)");
   // The register kernel reads four columns at once (a view of a larger z may start unaligned)
   if (plan.in_registers && reinterpret_cast<uintptr_t>(z.data_ptr()) % 16 != 0) z = z.clone();
@@ -89,7 +91,8 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
 
 // How chain_backward cuts an M x N chain in groups of group_size (model16: of 16-bit tensors,
 // bfloat16 or float16) on this device: [slabs, row blocks, in registers (1) or shared memory (0)]; row blocks 0 where a
-// slab does not fit a block (the backward then runs in PyTorch).
+// slab does not fit a block (the backward then runs in PyTorch), -1 where the chain backward's
+// part could not be built.
 std::vector<int64_t> chain_backward_plan(int64_t table, int64_t M, int64_t N, int64_t group_size,
                                          bool model16) {
   TORCH_CHECK(M >= 1 && M < (int64_t{1} << 31) && N >= 1 && N < (int64_t{1} << 31) &&

@@ -44,7 +44,7 @@ inline bool same(py::handle a, const py::object& b) {
 
 // A Plan with the Python-side part of its key: the epilogue (the same object, or an equal one),
 // kernel and precision.
-class PlanCall {
+class __attribute__((visibility("hidden"))) PlanCall {
  public:
   PlanCall(std::shared_ptr<SplitCache> cache, py::object epilogue, py::object kernel,
            py::object precision, const std::vector<std::optional<at::Tensor>>& tensors,
