@@ -14,23 +14,12 @@ Usage: python scripts/cold_build_profile.py [62] [75]   (on the GPU machine; PYT
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
-# gpu_check's first call, printing the wall clock at which the call began.
-FIRST_CALL = (
-    "import sys, time, torch; from gemmfuse.kernelbench.registry import get_problem; "
-    "p = get_problem(sys.argv[1]); m = p.load(); torch.manual_seed(0); "
-    "model = p.model_new(*m.get_init_inputs()).cuda(); "
-    "x = [t.cuda() for t in m.get_inputs()]; torch.cuda.synchronize(); "
-    "print(f'begin {time.time():.3f}'); t = time.perf_counter(); "
-    "model(*x); torch.cuda.synchronize(); print(f'first call {time.perf_counter() - t:.1f} s')"
-)
+from gpu_check import ENV, FIRST_CALL_SNIPPET, ROOT  # this folder is on sys.path
 
 
 def ninja_jobs(build_dir: Path, begin: float) -> list[tuple[float, float, str]]:
@@ -63,7 +52,7 @@ def profile(number: str, cache: Path) -> list[str]:
     """Runs one first call over ``cache``; returns the timeline's lines."""
     env = {**ENV, "GEMMFUSE_CACHE_DIR": str(cache)}
     before = {d.name for d in cache.iterdir() if d.is_dir()}
-    proc = subprocess.run([sys.executable, "-c", FIRST_CALL, number], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", FIRST_CALL_SNIPPET, number], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     begins = [ln for ln in proc.stdout.splitlines() if ln.startswith("begin ")]
     if proc.returncode or not begins:

@@ -45,12 +45,14 @@ LOAD_SNIPPET = (
     "print(f'{t2 - t1:.2f} s after import torch ({t1 - t0:.2f} s)')"
 )
 # A fresh process's first call of a shipped problem's ModelNew at KernelBench's size, autograd
-# on as KernelBench times it (the build included).
+# on as KernelBench times it (the build included); it prints the wall clock at which the call
+# began (scripts/cold_build_profile.py's origin), then the call's seconds.
 FIRST_CALL_SNIPPET = (
     "import sys, time, torch; from gemmfuse.kernelbench.registry import get_problem; "
     "p = get_problem(sys.argv[1]); m = p.load(); torch.manual_seed(0); "
     "model = p.model_new(*m.get_init_inputs()).cuda(); "
-    "x = [t.cuda() for t in m.get_inputs()]; torch.cuda.synchronize(); t = time.perf_counter(); "
+    "x = [t.cuda() for t in m.get_inputs()]; torch.cuda.synchronize(); "
+    "print(f'begin {time.time():.3f}'); t = time.perf_counter(); "
     "model(*x); torch.cuda.synchronize(); print(f'first call {time.perf_counter() - t:.1f} s')"
 )
 
@@ -153,7 +155,8 @@ def cold_builds() -> str:
                                   env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
             done = [ln for ln in proc.stderr.splitlines() if ln.startswith("gemmfuse: built")]
             built = [ln.removeprefix("gemmfuse: built ").split(",")[0] for ln in done]
-            result = proc.stdout.strip() or f"FAILED (rc {proc.returncode}): {proc.stderr[-400:]}"
+            calls = [ln for ln in proc.stdout.splitlines() if ln.startswith("first call")]
+            result = calls[-1] if calls else f"FAILED (rc {proc.returncode}): {proc.stderr[-400:]}"
             lines.append(f"#{number} {result} (built: {', '.join(built) or 'nothing'})")
     return "cold (fresh process, empty cache): " + "; ".join(lines)
 
