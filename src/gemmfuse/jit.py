@@ -132,11 +132,9 @@ def _load(structure: Epilogue, parts: tuple, arch: tuple) -> ChainKernels:
     """The host extension, the chain's table and ``parts``, building what the cache lacks at
     once."""
     chain = ChainParts(structure, arch)
-    wanted = list(dict.fromkeys((TABLE_PART, *parts)))
-    with ThreadPoolExecutor(1 + len(wanted)) as pool:
+    with ThreadPoolExecutor(1) as pool:
         host = pool.submit(host_extension, arch)
-        for built in [pool.submit(chain.build, part) for part in wanted]:
-            built.result()
+        chain.build_all((TABLE_PART, *parts))
         host = host.result()
     return ChainKernels(host, chain.open_table(), chain.library(TABLE_PART), parts=chain)
 
@@ -233,6 +231,15 @@ class ChainParts:
 
         return cached_library(self.name, library.name, what, compile_part)
 
+    def build_all(self, parts: Iterable[str]) -> None:
+        """build() of each part at once (a thread each; nvcc runs in a process of its own)."""
+        parts = list(dict.fromkeys(parts))
+        if len(parts) > 1:
+            with ThreadPoolExecutor(len(parts)) as pool:
+                list(pool.map(self.build, parts))
+        elif parts:
+            self.build(parts[0])
+
     def open_table(self) -> int:
         """Loads the table's library (built already), hands it this chain's part builder and
         returns the address of its table."""
@@ -252,9 +259,7 @@ class ChainParts:
         missing = [p for p in dict.fromkeys(parts) if p not in self._handles]
         for part in missing:
             self._failed.pop(part, None)
-        if len(missing) > 1:
-            with ThreadPoolExecutor(len(missing)) as pool:
-                list(pool.map(self.build, missing))
+        self.build_all(missing)
         for part in missing:
             self.load(part)
 

@@ -37,9 +37,11 @@ def fresh_chain(tag: int) -> Epilogue:
     return Epilogue(pre=pre, norm=GroupNormSpec(8), post=post)
 
 
-def test_an_entry_called_without_the_gil_builds_its_part_once_from_many_threads(capfd):
+def test_an_entry_called_without_the_gil_builds_its_part_once_from_many_threads(capfd, monkeypatch):
     ext = extension_for(fresh_chain(0))
     capfd.readouterr()
+    builds, build = [], ext.parts.build
+    monkeypatch.setattr(ext.parts, "build", lambda part: (builds.append(part), build(part))[1])
     assert not ext.parts.loaded(("chain_gemv.cu",))
     head = TableHead.from_address(ext.table)
     slices, errors = [], []
@@ -58,7 +60,8 @@ def test_an_entry_called_without_the_gil_builds_its_part_once_from_many_threads(
     assert not errors and len(slices) == 4 and len(set(slices)) == 1 and slices[0] > 0
     assert ext.parts.loaded(("chain_gemv.cu",))
     assert head.gemv_slice(8192, 1024) == slices[0]
-    # built at most once (not at all where an earlier process left it in the disk cache)
+    # one thread built (or found in the disk cache) and loaded it; the others waited for it
+    assert builds == ["chain_gemv.cu"]
     assert capfd.readouterr().err.count("building chain_gemv.cu") <= 1
 
 
