@@ -32,7 +32,7 @@ def test_every_host_source_parses(tmp_path):
 
     import torch.utils.cpp_extension as cpp
 
-    from gemmfuse.jit import HOST_SOURCES
+    from gemmfuse.jit import HOST_CXX_FLAGS, HOST_SOURCES
     from gemmfuse.kernel_files import csrc_paths, include_dirs
 
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
@@ -41,7 +41,8 @@ def test_every_host_source_parses(tmp_path):
     includes = [tmp_path, *cpp.include_paths(), sysconfig.get_paths()["include"], *include_dirs()]
     cuda_home = cpp.CUDA_HOME or "/usr/local/cuda"
     includes.append(Path(cuda_home) / "include")
-    flags = ["g++", "-std=c++17", "-fsyntax-only", *(f"-I{p}" for p in includes)]
+    defines = [f for f in HOST_CXX_FLAGS if f.startswith("-D")]  # the build's: which headers
+    flags = ["g++", "-std=c++17", "-fsyntax-only", *defines, *(f"-I{p}" for p in includes)]
 
     def parse(name: str) -> tuple[str, subprocess.CompletedProcess]:
         cmd = [*flags, str(csrc_paths()[name])]

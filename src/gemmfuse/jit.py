@@ -63,6 +63,12 @@ HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_b
                 "host_module.cpp",
                 "host_tail.cpp", "split.cu", "sparse_products.cu", "column_sums.cu",
                 "outer_binary.cu")  # fmt: skip
+# The host's C++ units include each ATen operator's own header (ATen/ops/<op>.h), not all of them:
+# torch's autograd headers otherwise reach ATen/Functions.h (every operator) through
+# ATen/ExpandUtils.h, seconds of parsing in each unit that includes them (host_autograd.cpp:
+# 7.8 -> 6.4 s of CPU on the 2-core development machine). The export's torch/extension.h
+# includes every operator either way: its load_inline build keeps CXX_FLAGS.
+HOST_CXX_FLAGS = (*CXX_FLAGS, "-DAT_PER_OPERATOR_HEADERS")
 # Each part is a shared library of its own, reaching the others through the table's
 # (part_entries.h).
 _PART_FLAGS = ("-Xcompiler=-fPIC", "-DGEMMFUSE_PARTS_APART")
@@ -154,7 +160,7 @@ def _host_extension(arch: tuple[str, ...]) -> ModuleType:
     files = read_csrc()
     sources = {name: flatten(files, name) for name in HOST_SOURCES}
     cuda_flags = (*CUDA_FLAGS, *arch)
-    name = f"gemmfuse_host_{digest(*sources.values(), *cuda_flags, *CXX_FLAGS)}"
+    name = f"gemmfuse_host_{digest(*sources.values(), *cuda_flags, *HOST_CXX_FLAGS)}"
 
     def build(build_dir: Path, _: Path) -> None:
         for file, text in sources.items():
@@ -176,7 +182,7 @@ def _build_host(name: str, sources: list[Path], cuda_flags: tuple, build_dir: Pa
         cpp_extension.load(
             name,
             [str(s) for s in sources],
-            extra_cflags=list(CXX_FLAGS),
+            extra_cflags=list(HOST_CXX_FLAGS),
             extra_cuda_cflags=list(cuda_flags),
             build_directory=str(build_dir),
         )
