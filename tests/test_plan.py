@@ -198,6 +198,25 @@ def test_forward_spec_builds_the_parts_the_call_runs(fake_ext, path, m, precisio
     assert all(p in CHAIN_PARTS for request in parts for p in request)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_dtypes_parts_hold_every_part_its_forwards_run(dtype):
+    """warmup's parts for a model's dtype (dispatch.parts_for_dtypes) cover what every forward
+    of that dtype runs, whatever its path (dispatch.forward_parts), and leave out the other
+    16-bit dtypes' instances."""
+    import itertools
+
+    dispatch = gemmfuse.dispatch
+    kept = dispatch.parts_for_dtypes(CHAIN_PARTS[1:], [dtype])
+    for path, apart, code, split, wide, gemv in itertools.product(
+        ("fused", "epilogue"), (False, True), (dispatch.HOPPER_KERNEL, 1), (False, True),
+        (False, True), (False, True),
+    ):  # fmt: skip
+        chain, plain = dispatch.forward_parts(path, apart, code, split, dtype, wide, gemv)
+        assert set(chain) | set(plain) <= set(kept), (path, apart, code, split, wide, gemv)
+    left_out = set(CHAIN_PARTS[1:]) - set(kept)
+    assert left_out == {p for p, ds in dispatch.SIXTEEN_BIT_PARTS.items() if dtype not in ds}
+
+
 @pytest.mark.parametrize(
     ("dtype", "finalize"),
     [(torch.float32, "chain_epilogue.cu"), (torch.float16, "chain_epilogue_16bit.cu")],

@@ -72,13 +72,40 @@ def test_cli_builds_several_targets_together_each_structure_once(monkeypatch, ca
     """62 and 75 share the plain GEMM's structure: one pool builds it once with both chains."""
     built = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    asked = []
     monkeypatch.setattr(
-        warmup, "build_in_processes", lambda s, jobs, on_done: built.extend(s) or []
-    )
+        warmup, "build_in_processes",
+        lambda s, jobs, on_done, dtypes: built.extend(s) or asked.append(dtypes) or [],
+    )  # fmt: skip
     assert main(["warmup", "62", "75", "--jobs", "3"]) == 0
     want = list(dict.fromkeys(warmup.structures_for("62") + warmup.structures_for("75")))
     assert built == want and len(want) == 3
-    assert f"{len(want)} kernel structure(s), 3 at a time" in capsys.readouterr().err
+    assert asked == [[torch.float32]]  # a KernelBench problem's own dtype
+    err = capsys.readouterr().err
+    assert f"{len(want)} kernel structure(s) for float32 models, 3 at a time" in err
+    assert main(["warmup", "62", "--dtype", "bfloat16", "--dtype", "float32"]) == 0
+    assert asked[-1] == [torch.bfloat16, torch.float32]
+    with pytest.raises(SystemExit):
+        main(["warmup", "62", "--dtype", "float64"])
+    assert "invalid choice: 'float64'" in capsys.readouterr().err
+
+
+def test_each_child_builds_the_parts_of_the_dtypes_asked(monkeypatch):
+    """The child program hears the parts to build: every part by default, and for float32
+    models none of the 16-bit instances."""
+    heard = []
+
+    class Ran:
+        returncode, stderr = 0, ""
+
+    monkeypatch.setattr(warmup.subprocess, "run", lambda argv, **_: heard.append(argv) or Ran())
+    warmup.build_in_processes(["a"], jobs=1)
+    warmup.build_in_processes(["a"], jobs=1, dtypes=[torch.float32])
+    every, fp32 = heard[0][4:], heard[1][4:]
+    assert heard[0][3] == "a" and tuple(every) == warmup.CHAIN_PARTS[1:]
+    assert set(every) - set(fp32) == {
+        "chain_sm90_bf16.cu", "chain_sm90_fp16.cu", "chain_epilogue_16bit.cu"
+    }  # fmt: skip
 
 
 class _ScaledBatchNorm(torch.nn.Module):

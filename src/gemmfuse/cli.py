@@ -10,6 +10,8 @@ from pathlib import Path
 
 from gemmfuse.kernelbench.registry import PROBLEMS, get_problem
 
+WARMUP_DTYPES = ("float32", "bfloat16", "float16")
+
 
 def _problem(text: str) -> int:
     try:
@@ -70,10 +72,15 @@ def parser() -> argparse.ArgumentParser:
         "--jobs", type=int, default=os.cpu_count() or 4,
         help="builds at once (default: one per core)",
     )  # fmt: skip
+    warmup.add_argument(
+        "--dtype", action="append", choices=WARMUP_DTYPES, dest="dtypes",
+        help="a dtype the model will run in, once per dtype (default: float32, a KernelBench "
+        "problem's own); a kernel part for a dtype not named is built at its first call",
+    )  # fmt: skip
     return p
 
 
-def _warmup(p: argparse.ArgumentParser, targets: list[str], jobs: int) -> int:
+def _warmup(p: argparse.ArgumentParser, targets: list[str], jobs: int, dtypes: list | None) -> int:
     import torch
 
     from gemmfuse.kernelbench.export import ExportError
@@ -98,14 +105,17 @@ def _warmup(p: argparse.ArgumentParser, targets: list[str], jobs: int) -> int:
             file=sys.stderr,
         )
         return 2
-    print(f"gemmfuse warmup: {len(structures)} kernel structure(s), {jobs} at a time",
-          file=sys.stderr)  # fmt: skip
+    names = list(dict.fromkeys(dtypes or ["float32"]))
+    print(f"gemmfuse warmup: {len(structures)} kernel structure(s) for {', '.join(names)} "
+          f"models, {jobs} at a time", file=sys.stderr)  # fmt: skip
     start = time.perf_counter()
 
     def done(structure: str, outcome: str, seconds: float) -> None:
         print(f"gemmfuse warmup: {outcome} in {seconds:.1f} s: {structure}", file=sys.stderr)
 
-    errors = build_in_processes(structures, jobs, on_done=done)
+    errors = build_in_processes(
+        structures, jobs, on_done=done, dtypes=[getattr(torch, name) for name in names]
+    )
     for error in errors:
         print(error, file=sys.stderr)
     print(f"gemmfuse warmup: {len(structures) - len(errors)} of {len(structures)} ready in "
@@ -143,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(p, args.problem)
     if args.command == "warmup":
-        return _warmup(p, args.targets, args.jobs)
+        return _warmup(p, args.targets, args.jobs, args.dtypes)
     if args.iters < 30 or args.seeds < 1:
         parser().error("--iters must be >= 30 and --seeds >= 1")
     from gemmfuse.bench_cli import main as bench_main

@@ -302,6 +302,22 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
     )  # fmt: skip
 
 
+# The chain parts that only models of these dtypes run (forward_parts picks them for those
+# dtypes alone): a warmup for float32 models need not build them.
+SIXTEEN_BIT_PARTS = {
+    "chain_sm90_bf16.cu": (torch.bfloat16,),
+    "chain_sm90_fp16.cu": (torch.float16,),
+    "chain_epilogue_16bit.cu": MODEL16,
+}
+
+
+def parts_for_dtypes(parts: tuple[str, ...], dtypes) -> tuple[str, ...]:
+    """Those of ``parts`` that calls of a model in ``dtypes`` can run: all but the 16-bit
+    instances of the dtypes not named."""
+    wanted = set(dtypes)
+    return tuple(p for p in parts if wanted.intersection(SIXTEEN_BIT_PARTS.get(p, wanted)))
+
+
 def forward_parts(
     path: str,
     apart: bool,

@@ -17,18 +17,22 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
+from gemmfuse.dispatch import parts_for_dtypes
 from gemmfuse.epilogue import Epilogue
+from gemmfuse.jit import CHAIN_PARTS
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.modules import FusedLinear
 
 # The child's program: the structure arrives as its repr (an expression of gemmfuse.epilogue's
-# names), and build.py prints "gemmfuse: building ..." on stderr only when it compiles. {builder}:
-# the package's (gemmfuse.jit: every part of the chain, where a call builds those it runs) or a
-# standalone export's (gemmfuse.sources: one load_inline library holding every part, which an
-# exported file then finds in the cache).
+# names), the parts to build as their names, and build.py prints "gemmfuse: building ..." on
+# stderr only when it compiles. {builder}: the package's (gemmfuse.jit: the parts named, where a
+# call builds those it runs) or a standalone export's (gemmfuse.sources: one load_inline library
+# holding every part, which an exported file then finds in the cache).
 _BUILD_ONE = (
-    "import sys\nfrom gemmfuse.epilogue import *\nfrom gemmfuse.jit import CHAIN_PARTS\n"
-    "from {builder} import extension_for\nextension_for(eval(sys.argv[1]), parts=CHAIN_PARTS[1:])"
+    "import sys\nfrom gemmfuse.epilogue import *\n"
+    "from {builder} import extension_for\nextension_for(eval(sys.argv[1]), parts=sys.argv[2:])"
 )
 
 
@@ -57,16 +61,20 @@ def build_in_processes(
     env: dict | None = None,
     on_done: Callable[[str, str, float], None] | None = None,
     standalone: bool = False,
+    dtypes: Iterable[torch.dtype] | None = None,
 ) -> list[str]:
     """Builds each structure (an Epilogue or its repr) into the disk cache in its own process,
     ``jobs`` at a time (default: one per core); ``on_done(structure, outcome, seconds)`` hears
     of each as it ends, outcome "built", "cached" or "FAILED". ``standalone``: build them as a
-    standalone export does. Returns an error message per failed build."""
+    standalone export does. ``dtypes``: build only the parts that models in these dtypes run
+    (dispatch.parts_for_dtypes; default: every part). Returns an error message per failed
+    build."""
     program = _BUILD_ONE.format(builder="gemmfuse.sources" if standalone else "gemmfuse.jit")
+    parts = CHAIN_PARTS[1:] if dtypes is None else parts_for_dtypes(CHAIN_PARTS[1:], dtypes)
 
     def build(structure: str) -> str:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", program, structure], env=env,
+        proc = subprocess.run([sys.executable, "-c", program, structure, *parts], env=env,
                               capture_output=True, text=True)  # fmt: skip
         if proc.returncode:
             outcome = "FAILED"

@@ -1,5 +1,6 @@
 """``python -m gemmfuse warmup`` on the GPU: every kernel #62 needs is ready in the cache after
-it, and a fresh process then loads them all without building."""
+it, and a fresh process then loads them all, and runs a forward and backward, without
+building."""
 
 import subprocess
 import sys
@@ -10,11 +11,20 @@ from gemmfuse.warmup import structures_for
 
 pytestmark = pytest.mark.gpu
 
-# every part of each structure (a call loads only the parts it runs)
+# every float32 part of each structure (a call loads only the parts it runs), then a call
 LOAD_ALL = (
+    "import torch\n"
+    "from gemmfuse.dispatch import parts_for_dtypes\n"
     "from gemmfuse.jit import CHAIN_PARTS, extension_for\n"
     "from gemmfuse.warmup import structures_for\n"
-    "for s in structures_for('62'):\n    extension_for(s, parts=CHAIN_PARTS[1:])\n"
+    "for s in structures_for('62'):\n"
+    "    extension_for(s, parts=parts_for_dtypes(CHAIN_PARTS[1:], [torch.float32]))\n"
+    "from gemmfuse.bench import cuda_pair\n"
+    "_, module, _, new = cuda_pair(62)\n"
+    "x = module.get_inputs()[0].cuda().requires_grad_()\n"
+    "new(x).sum().backward()\n"
+    "torch.cuda.synchronize()\n"
+    "assert x.grad is not None and torch.isfinite(x.grad).all()\n"
 )
 
 
