@@ -198,23 +198,29 @@ def test_forward_spec_builds_the_parts_the_call_runs(fake_ext, path, m, precisio
     assert all(p in CHAIN_PARTS for request in parts for p in request)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_dtypes_parts_hold_every_part_its_forwards_run(dtype):
-    """warmup's parts for a model's dtype (dispatch.parts_for_dtypes) cover what every forward
-    of that dtype runs, whatever its path (dispatch.forward_parts), and leave out the other
-    16-bit dtypes' instances."""
+def test_a_models_parts_hold_every_part_its_forwards_run(dtype, precision):
+    """warmup's parts for a model's dtype and precision (dispatch.parts_for_models) are exactly
+    those its forwards run on some path (dispatch.forward_parts, as forward_spec asks it) or
+    that every model may (the portable and few-rows kernels, the epilogue path, the backward)."""
     import itertools
 
     dispatch = gemmfuse.dispatch
-    kept = dispatch.parts_for_dtypes(CHAIN_PARTS[1:], [dtype])
-    for path, apart, code, split, wide, gemv in itertools.product(
-        ("fused", "epilogue"), (False, True), (dispatch.HOPPER_KERNEL, 1), (False, True),
+    kept = dispatch.parts_for_models(CHAIN_PARTS[1:], [dtype], [precision])
+    run = set()
+    for path, apart, code, wide, gemv in itertools.product(
+        ("fused", "epilogue"), (False, True), (dispatch.HOPPER_KERNEL, dispatch.PORTABLE_KERNEL),
         (False, True), (False, True),
     ):  # fmt: skip
+        split = dispatch.PRECISIONS[precision]
         chain, plain = dispatch.forward_parts(path, apart, code, split, dtype, wide, gemv)
-        assert set(chain) | set(plain) <= set(kept), (path, apart, code, split, wide, gemv)
-    left_out = set(CHAIN_PARTS[1:]) - set(kept)
-    assert left_out == {p for p, ds in dispatch.SIXTEEN_BIT_PARTS.items() if dtype not in ds}
+        run |= set(chain) | set(plain)
+    assert run <= set(kept)
+    # apart's plain GEMM is split, which forward_spec asks only at precision fp32
+    assert set(kept) - run <= {"chain_sm90_split.cu"}
+    if precision == "fp32" or dtype != torch.float32:
+        assert "chain_sm90_one_pass.cu" not in kept
 
 
 @pytest.mark.parametrize(

@@ -75,16 +75,19 @@ def test_cli_builds_several_targets_together_each_structure_once(monkeypatch, ca
     asked = []
     monkeypatch.setattr(
         warmup, "build_in_processes",
-        lambda s, jobs, on_done, dtypes: built.extend(s) or asked.append(dtypes) or [],
+        lambda s, jobs, on_done, dtypes, precisions: (
+            built.extend(s) or asked.append((dtypes, precisions)) or []
+        ),
     )  # fmt: skip
     assert main(["warmup", "62", "75", "--jobs", "3"]) == 0
     want = list(dict.fromkeys(warmup.structures_for("62") + warmup.structures_for("75")))
     assert built == want and len(want) == 3
-    assert asked == [[torch.float32]]  # a KernelBench problem's own dtype
+    assert asked == [([torch.float32], ["fp32"])]  # a KernelBench problem's own, optimize's own
     err = capsys.readouterr().err
-    assert f"{len(want)} kernel structure(s) for float32 models, 3 at a time" in err
-    assert main(["warmup", "62", "--dtype", "bfloat16", "--dtype", "float32"]) == 0
-    assert asked[-1] == [torch.bfloat16, torch.float32]
+    assert f"{len(want)} kernel structure(s) for float32 models (precision fp32), 3 at" in err
+    assert main(["warmup", "62", "--dtype", "bfloat16", "--dtype", "float32",
+                 "--precision", "tf32"]) == 0  # fmt: skip
+    assert asked[-1] == ([torch.bfloat16, torch.float32], ["tf32"])
     with pytest.raises(SystemExit):
         main(["warmup", "62", "--dtype", "float64"])
     assert "invalid choice: 'float64'" in capsys.readouterr().err
@@ -92,7 +95,7 @@ def test_cli_builds_several_targets_together_each_structure_once(monkeypatch, ca
 
 def test_each_child_builds_the_parts_of_the_dtypes_asked(monkeypatch):
     """The child program hears the parts to build: every part by default, and for float32
-    models none of the 16-bit instances."""
+    models at precision fp32 none of the 16-bit instances nor the one-pass GEMM."""
     heard = []
 
     class Ran:
@@ -104,7 +107,8 @@ def test_each_child_builds_the_parts_of_the_dtypes_asked(monkeypatch):
     every, fp32 = heard[0][4:], heard[1][4:]
     assert heard[0][3] == "a" and tuple(every) == warmup.CHAIN_PARTS[1:]
     assert set(every) - set(fp32) == {
-        "chain_sm90_bf16.cu", "chain_sm90_fp16.cu", "chain_epilogue_16bit.cu"
+        "chain_sm90_bf16.cu", "chain_sm90_fp16.cu", "chain_epilogue_16bit.cu",
+        "chain_sm90_one_pass.cu",
     }  # fmt: skip
 
 

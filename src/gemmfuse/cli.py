@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from gemmfuse.dispatch import PRECISIONS
 from gemmfuse.kernelbench.registry import PROBLEMS, get_problem
 
 WARMUP_DTYPES = ("float32", "bfloat16", "float16")
@@ -77,15 +78,21 @@ def parser() -> argparse.ArgumentParser:
         help="a dtype the model will run in, once per dtype (default: float32, a KernelBench "
         "problem's own); a kernel part for a dtype not named is built at its first call",
     )  # fmt: skip
+    warmup.add_argument(
+        "--precision", action="append", choices=tuple(PRECISIONS), dest="precisions",
+        help="optimize's precision of its float32 models, once per precision (default: fp32, "
+        "optimize's own)",
+    )  # fmt: skip
     return p
 
 
-def _warmup(p: argparse.ArgumentParser, targets: list[str], jobs: int, dtypes: list | None) -> int:
+def _warmup(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from gemmfuse.kernelbench.export import ExportError
     from gemmfuse.warmup import build_in_processes, structures_for
 
+    jobs, targets = args.jobs, args.targets
     if jobs < 1:
         p.error(f"--jobs must be at least 1, got {jobs}")
     structures = []
@@ -105,16 +112,21 @@ def _warmup(p: argparse.ArgumentParser, targets: list[str], jobs: int, dtypes: l
             file=sys.stderr,
         )
         return 2
-    names = list(dict.fromkeys(dtypes or ["float32"]))
-    print(f"gemmfuse warmup: {len(structures)} kernel structure(s) for {', '.join(names)} "
-          f"models, {jobs} at a time", file=sys.stderr)  # fmt: skip
+    names = list(dict.fromkeys(args.dtypes or ["float32"]))
+    precisions = list(dict.fromkeys(args.precisions or ["fp32"]))
+    print(
+        f"gemmfuse warmup: {len(structures)} kernel structure(s) for {', '.join(names)} "
+        f"models (precision {', '.join(precisions)}), {jobs} at a time",
+        file=sys.stderr,
+    )
     start = time.perf_counter()
 
     def done(structure: str, outcome: str, seconds: float) -> None:
         print(f"gemmfuse warmup: {outcome} in {seconds:.1f} s: {structure}", file=sys.stderr)
 
+    dtypes = [getattr(torch, name) for name in names]
     errors = build_in_processes(
-        structures, jobs, on_done=done, dtypes=[getattr(torch, name) for name in names]
+        structures, jobs, on_done=done, dtypes=dtypes, precisions=precisions
     )
     for error in errors:
         print(error, file=sys.stderr)
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(p, args.problem)
     if args.command == "warmup":
-        return _warmup(p, args.targets, args.jobs, args.dtypes)
+        return _warmup(p, args)
     if args.iters < 30 or args.seeds < 1:
         parser().error("--iters must be >= 30 and --seeds >= 1")
     from gemmfuse.bench_cli import main as bench_main

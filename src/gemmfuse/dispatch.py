@@ -302,20 +302,22 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
     )  # fmt: skip
 
 
-# The chain parts that only models of these dtypes run (forward_parts picks them for those
-# dtypes alone): a warmup for float32 models need not build them.
-SIXTEEN_BIT_PARTS = {
-    "chain_sm90_bf16.cu": (torch.bfloat16,),
-    "chain_sm90_fp16.cu": (torch.float16,),
-    "chain_epilogue_16bit.cu": MODEL16,
-}
-
-
-def parts_for_dtypes(parts: tuple[str, ...], dtypes) -> tuple[str, ...]:
-    """Those of ``parts`` that calls of a model in ``dtypes`` can run: all but the 16-bit
-    instances of the dtypes not named."""
-    wanted = set(dtypes)
-    return tuple(p for p in parts if wanted.intersection(SIXTEEN_BIT_PARTS.get(p, wanted)))
+def parts_for_models(parts: tuple[str, ...], dtypes, precisions=("fp32",)) -> tuple[str, ...]:
+    """Those of ``parts`` (files of csrc/chain/) that calls of models in ``dtypes`` at these
+    ``precisions`` (optimize's) can run, as forward_parts picks them: all but the 16-bit
+    instances of the dtypes not named, the portable kernel for bfloat16 alone, and the one-pass
+    float32 GEMM unless a float32 model runs at a precision that does not split (warmup builds
+    these)."""
+    dtypes = set(dtypes)
+    one_pass = torch.float32 in dtypes and not all(PRECISIONS[p] for p in precisions)
+    needed = {
+        "chain_sm90_bf16.cu": torch.bfloat16 in dtypes,
+        "chain_sm90_fp16.cu": torch.float16 in dtypes,
+        "chain_epilogue_16bit.cu": bool(dtypes.intersection(MODEL16)),
+        "chain_sm90_one_pass.cu": one_pass,
+        "chain_sm80.cu": bool(dtypes - {torch.bfloat16}),  # bf16 runs its own kernel or none
+    }
+    return tuple(p for p in parts if needed.get(p, True))
 
 
 def forward_parts(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from gemmfuse.dispatch import parts_for_dtypes
+from gemmfuse.dispatch import parts_for_models
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.jit import CHAIN_PARTS
 from gemmfuse.kernelbench.registry import get_problem
@@ -62,15 +62,18 @@ def build_in_processes(
     on_done: Callable[[str, str, float], None] | None = None,
     standalone: bool = False,
     dtypes: Iterable[torch.dtype] | None = None,
+    precisions: Iterable[str] = ("fp32",),
 ) -> list[str]:
     """Builds each structure (an Epilogue or its repr) into the disk cache in its own process,
     ``jobs`` at a time (default: one per core); ``on_done(structure, outcome, seconds)`` hears
     of each as it ends, outcome "built", "cached" or "FAILED". ``standalone``: build them as a
-    standalone export does. ``dtypes``: build only the parts that models in these dtypes run
-    (dispatch.parts_for_dtypes; default: every part). Returns an error message per failed
-    build."""
+    standalone export does. ``dtypes``: build only the parts that models in these dtypes, at
+    these ``precisions``, run (dispatch.parts_for_models; default: every part). Returns an
+    error message per failed build."""
     program = _BUILD_ONE.format(builder="gemmfuse.sources" if standalone else "gemmfuse.jit")
-    parts = CHAIN_PARTS[1:] if dtypes is None else parts_for_dtypes(CHAIN_PARTS[1:], dtypes)
+    parts = CHAIN_PARTS[1:]
+    if dtypes is not None:
+        parts = parts_for_models(parts, dtypes, tuple(precisions))
 
     def build(structure: str) -> str:
         start = time.perf_counter()

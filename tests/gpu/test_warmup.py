@@ -14,11 +14,11 @@ pytestmark = pytest.mark.gpu
 # every float32 part of each structure (a call loads only the parts it runs), then a call
 LOAD_ALL = (
     "import torch\n"
-    "from gemmfuse.dispatch import parts_for_dtypes\n"
+    "from gemmfuse.dispatch import parts_for_models\n"
     "from gemmfuse.jit import CHAIN_PARTS, extension_for\n"
     "from gemmfuse.warmup import structures_for\n"
     "for s in structures_for('62'):\n"
-    "    extension_for(s, parts=parts_for_dtypes(CHAIN_PARTS[1:], [torch.float32]))\n"
+    "    extension_for(s, parts=parts_for_models(CHAIN_PARTS[1:], [torch.float32]))\n"
     "from gemmfuse.bench import cuda_pair\n"
     "_, module, _, new = cuda_pair(62)\n"
     "x = module.get_inputs()[0].cuda().requires_grad_()\n"
