@@ -305,9 +305,9 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
 def parts_for_models(parts: tuple[str, ...], dtypes, precisions=("fp32",)) -> tuple[str, ...]:
     """Those of ``parts`` (files of csrc/chain/) that calls of models in ``dtypes`` at these
     ``precisions`` (optimize's) can run, as forward_parts picks them: all but the 16-bit
-    instances of the dtypes not named, the portable kernel for bfloat16 alone, and the one-pass
-    float32 GEMM unless a float32 model runs at a precision that does not split (warmup builds
-    these)."""
+    instances of the dtypes not named, the portable kernel for bfloat16 alone, and
+    chain_sm90_one_pass.cu unless a float32 model runs at a precision that does not split
+    (warmup builds these)."""
     dtypes = set(dtypes)
     one_pass = torch.float32 in dtypes and not all(PRECISIONS[p] for p in precisions)
     needed = {
