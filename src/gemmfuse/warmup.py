@@ -6,7 +6,8 @@ builds them in parallel child processes into the disk cache that later processes
 cached one is found, not rebuilt): the structures of a shipped problem, or those ``optimize``
 swaps into a KernelBench problem file's Model (built on the meta device), and always the plain
 GEMM's, on which the backward's products run (and the forward's GEMM of a chain run apart,
-dispatch.chain_apart).
+dispatch.chain_apart); of each, the parts that models of the dtypes and precisions asked for
+run (dispatch.parts_for_models; the CLI's default float32 at fp32).
 """
 
 import os
