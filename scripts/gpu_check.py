@@ -12,8 +12,10 @@ at once as there are cores, times a second process's load from the cache, runs t
 tests/gpu and --skip-files all but those, so that the suite can be split over calls that fit
 the device's 10 minutes; --workers runs N pytest-xdist processes sharing the GPU, where xdist
 is installed (1117 tests in 196 s with 8 on the H100 machine; not for test_optimize.py, whose
-module fixture then builds every export in parallel processes in each worker at once, which
-ran past 510 s); --test-timeout bounds pytest's seconds (540), and a run it cuts short lists
+module fixture then built every export in parallel processes in each worker at once, which
+ran past 510 s, and under -n 12 past 420 s on two H200s in session 44; since then each worker
+takes its share of the cores and starts at its own place in the list, not yet timed on a
+GPU); --test-timeout bounds pytest's seconds (540), and a run it cuts short lists
 the tests still running in the summary (pytest -v names each as it finishes; a test past 300 s,
 or 80% of a shorter limit, dumps its threads' stacks into the log's stderr part); --no-cold
 skips the cold builds,

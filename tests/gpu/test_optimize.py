@@ -10,6 +10,8 @@ PyTorch.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from model_files import FIT, build, load, path_of
@@ -43,8 +45,20 @@ def built_extensions():
     for name in FIT:
         _, model, inputs = build(name)
         structures |= {repr(s) for s in model_structures(optimize(model, inputs)[0])}
-    build_in_processes(sorted(structures))
-    build_in_processes(sorted(structures), standalone=True)
+    order, jobs = _worker_share(sorted(structures))
+    build_in_processes(order, jobs)
+    build_in_processes(order, jobs, standalone=True)
+
+
+def _worker_share(structures: list[str]) -> tuple[list[str], int]:
+    """Under pytest-xdist every worker runs this module's fixture: each takes its share of the
+    cores and starts at its own place in the list (a structure another worker is building is
+    waited for on its lock, then found cached), so the workers build apart, not all at once."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    start = worker * len(structures) // max(workers, 1)
+    jobs = max(1, (os.cpu_count() or 4) // workers)
+    return structures[start:] + structures[:start], jobs
 
 
 def check(name, ref, new, x, fused_modules):
