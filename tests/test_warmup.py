@@ -91,6 +91,9 @@ def test_cli_builds_several_targets_together_each_structure_once(monkeypatch, ca
     with pytest.raises(SystemExit):
         main(["warmup", "62", "--dtype", "float64"])
     assert "invalid choice: 'float64'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["warmup", "62", "--dtype", "bfloat16", "--precision", "tf32"])
+    assert "--precision is optimize's precision of float32 models" in capsys.readouterr().err
 
 
 def test_each_child_builds_the_parts_of_the_dtypes_asked(monkeypatch):

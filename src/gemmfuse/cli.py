@@ -95,6 +95,9 @@ def _warmup(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     jobs, targets = args.jobs, args.targets
     if jobs < 1:
         p.error(f"--jobs must be at least 1, got {jobs}")
+    names = list(dict.fromkeys(args.dtypes or ["float32"]))
+    if args.precisions and "float32" not in names:
+        p.error("--precision is optimize's precision of float32 models: add --dtype float32")
     structures = []
     for target in targets:
         try:
@@ -112,7 +115,6 @@ def _warmup(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    names = list(dict.fromkeys(args.dtypes or ["float32"]))
     precisions = list(dict.fromkeys(args.precisions or ["fp32"]))
     print(
         f"gemmfuse warmup: {len(structures)} kernel structure(s) for {', '.join(names)} "

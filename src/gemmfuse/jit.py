@@ -15,7 +15,8 @@
   (dispatch.forward_parts), which are built at once with the table and the host extension; a
   part called that was not built yet is built then, from the table's library calling back into
   :class:`ChainParts` (so a chain's first call compiles the two or three parts it runs, not all
-  ten; ``python -m gemmfuse warmup`` builds every part a model of its dtypes can run).
+  ten; ``python -m gemmfuse warmup`` builds every part a model of its dtypes and
+  precisions can run).
 
 Each build says so on stderr when it starts and ends (build.py). ``extension_for`` is called on
 every forward: after the first call it is a dict lookup and a set comparison. Standalone exports

@@ -63,7 +63,7 @@ def build_in_processes(
     on_done: Callable[[str, str, float], None] | None = None,
     standalone: bool = False,
     dtypes: Iterable[torch.dtype] | None = None,
-    precisions: Iterable[str] = ("fp32",),
+    precisions: Iterable[str] | str = ("fp32",),
 ) -> list[str]:
     """Builds each structure (an Epilogue or its repr) into the disk cache in its own process,
     ``jobs`` at a time (default: one per core); ``on_done(structure, outcome, seconds)`` hears
@@ -74,7 +74,7 @@ def build_in_processes(
     program = _BUILD_ONE.format(builder="gemmfuse.sources" if standalone else "gemmfuse.jit")
     parts = CHAIN_PARTS[1:]
     if dtypes is not None:
-        parts = parts_for_models(parts, dtypes, tuple(precisions))
+        parts = parts_for_models(parts, dtypes, precisions)
 
     def build(structure: str) -> str:
         start = time.perf_counter()
