@@ -1,13 +1,13 @@
 """Building a model's kernels ahead of time: ``python -m gemmfuse warmup 62|75|FILE.py``.
 
-A chain's first call builds its CUDA extension (tens of seconds), and the builds of one process
-run one at a time (build.py's lock). ``warmup`` finds every kernel structure a model needs and
-builds them in parallel child processes into the disk cache that later processes load from (a
-cached one is found, not rebuilt): the structures of a shipped problem, or those ``optimize``
-swaps into a KernelBench problem file's Model (built on the meta device), and always the plain
-GEMM's, on which the backward's products run (and the forward's GEMM of a chain run apart,
-dispatch.chain_apart); of each, the parts that models of the dtypes and precisions asked for
-run (dispatch.parts_for_models; the CLI's default float32 at fp32).
+A chain's first call builds the parts of its library that it runs (seconds of nvcc each, beside
+the host extension's build on a machine's first call). ``warmup`` finds every kernel structure a
+model needs and builds them in parallel child processes into the disk cache that later processes
+load from (a cached one is found, not rebuilt): the structures of a shipped problem, or those
+``optimize`` swaps into a KernelBench problem file's Model (built on the meta device), and always
+the plain GEMM's, on which the backward's products run (and the forward's GEMM of a chain run
+apart, dispatch.chain_apart); of each, the parts that models of the dtypes and precisions asked
+for run (dispatch.parts_for_models; the CLI's default float32 at fp32).
 """
 
 import os
