@@ -7,7 +7,7 @@ translation unit's start and end, the link) and each chain's parts that the call
 part's source is written just before its nvcc starts, its library when nvcc ends). Prints
 one line per job, in seconds from the moment the first call began, and the call's total.
 Its figures for commits since the parts became libraries of their own (gemmfuse/jit.py) are in
-docs/measurements/cold_builds_session43.txt.
+docs/measurements/cold_builds_session43.txt and cold_builds_session44.txt.
 
 Usage: python scripts/cold_build_profile.py [62] [75]   (on the GPU machine; PYTHONPATH=src)
 """

@@ -198,54 +198,6 @@ def test_forward_spec_builds_the_parts_the_call_runs(fake_ext, path, m, precisio
     assert all(p in CHAIN_PARTS for request in parts for p in request)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_models_parts_hold_every_part_its_forwards_run(dtype, precision):
-    """warmup's parts for a model's dtype and precision (dispatch.parts_for_models) are exactly
-    those its forwards run on some path (dispatch.forward_parts, as forward_spec asks it) and
-    a float32 backward's products (the plain GEMM's split or one-pass instance, as the host's
-    gemm_split takes the spec's split)."""
-    dispatch = gemmfuse.dispatch
-    kept = dispatch.parts_for_models(CHAIN_PARTS[1:], [dtype], [precision])
-    split = dispatch.PRECISIONS[precision]
-    assert set(kept) == _parts_run(dtype, split)
-    if precision == "fp32" or dtype != torch.float32:
-        assert "chain_sm90_one_pass.cu" not in kept
-
-
-def _parts_run(dtype, split: bool) -> set:
-    """Every part a forward (any path) or a backward's products of a model in ``dtype`` runs."""
-    import itertools
-
-    dispatch = gemmfuse.dispatch
-    run = {"chain_sm90_split.cu" if split else "chain_sm90_one_pass.cu"} if (
-        dtype == torch.float32) else set()  # fmt: skip
-    for path, apart, code, wide, gemv in itertools.product(
-        ("fused", "epilogue"), (False, True), (dispatch.HOPPER_KERNEL, dispatch.PORTABLE_KERNEL),
-        (False, True), (False, True),
-    ):  # fmt: skip
-        chain, plain = dispatch.forward_parts(path, apart, code, split, dtype, wide, gemv)
-        run |= set(chain) | set(plain)
-    return run
-
-
-def test_models_of_several_dtypes_and_precisions_keep_each_ones_parts():
-    """Several dtypes and precisions: the union of each one's parts; a bare precision string
-    is one precision."""
-    dispatch, every = gemmfuse.dispatch, CHAIN_PARTS[1:]
-    kept = dispatch.parts_for_models(every, [torch.bfloat16, torch.float32], ["fp32", "tf32"])
-    want = set()
-    for dtype in (torch.bfloat16, torch.float32):
-        for precision in ("fp32", "tf32"):
-            want |= set(dispatch.parts_for_models(every, [dtype], [precision]))
-    assert set(kept) == want and "chain_sm80.cu" in kept and "chain_sm90_one_pass.cu" in kept
-    assert dispatch.parts_for_models(every, [torch.float32], "tf32") == dispatch.parts_for_models(
-        every, [torch.float32], ["tf32"]
-    )
-    with pytest.raises(ValueError, match="precision 'fp64'"):
-        dispatch.parts_for_models(every, [torch.float32], ["fp64"])
-
-
 @pytest.mark.parametrize(
     ("dtype", "finalize"),
     [(torch.float32, "chain_epilogue.cu"), (torch.float16, "chain_epilogue_16bit.cu")],

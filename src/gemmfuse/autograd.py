@@ -197,7 +197,7 @@ def kernel_plan(
     part could not be built (rather than reading as a plan that does not fit)."""
     with torch.cuda.device(device):
         plan = extension_for(structure).chain_backward_plan(m, n, group_size, dtype in MODEL16)
-    if plan[1] < 0:
+    if plan[1] < 0:  # row_blocks kBackwardPartMissing (csrc/abi/fused_args.h)
         raise BuildError(
             f"gemmfuse: the chain backward's part of {structure} could not be built (the "
             "compiler's errors are on stderr)"

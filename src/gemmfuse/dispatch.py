@@ -6,8 +6,7 @@ docstring says what each runs) from its tensors, the GPU and ``kernel=``, and
 ``fused_pays`` holds the size thresholds of ``kernel="auto"``, ``chain_apart`` whether a fused
 call's chain runs in the GEMM's epilogue or in the chain kernel after it, ``gemv_fits`` whether
 an epilogue-path call runs the one-or-two-rows kernel, ``forward_parts`` which parts of a
-chain's library a forward runs, ``parts_for_models`` which a model of given dtypes and
-precisions can run (warmup's); ``backward_products`` says which backward
+chain's library a forward runs; ``backward_products`` says which backward
 products run on the sparse kernels (a dz zero but for a few groups a row) or the split
 tensor-core kernel. Not yet here: the launch's own choices (which chain kernel and second sweep
 a wide GroupNorm takes, in csrc/epilogue/norm_finalize.cuh; whether the chain backward kernel
@@ -301,30 +300,6 @@ def chain_apart(path: str, epilogue: Epilogue, x, n: int, kernel: str, precision
         and _capability(x.device.index) == (9, 0)
         and epilogue.structure != PLAIN_GEMM
     )  # fmt: skip
-
-
-def parts_for_models(parts: tuple[str, ...], dtypes, precisions=("fp32",)) -> tuple[str, ...]:
-    """Those of ``parts`` (files of csrc/chain/) that calls of models in ``dtypes`` at these
-    ``precisions`` (optimize's; a sequence, or one name) can run, as forward_parts picks them,
-    and a float32 backward's products: all but the 16-bit instances of the dtypes not named,
-    the portable kernel for bfloat16 alone, and chain_sm90_one_pass.cu unless a float32 model
-    runs at a precision that does not split (warmup builds these)."""
-    precisions = (precisions,) if isinstance(precisions, str) else tuple(precisions)
-    for p in precisions:
-        if p not in PRECISIONS:
-            raise ValueError(f"gemmfuse: precision {p!r} is not one of {tuple(PRECISIONS)}")
-    dtypes = set(dtypes)
-    one_pass = torch.float32 in dtypes and not all(PRECISIONS[p] for p in precisions)
-    needed = {
-        "chain_sm90_bf16.cu": torch.bfloat16 in dtypes,
-        "chain_sm90_fp16.cu": torch.float16 in dtypes,
-        "chain_epilogue_16bit.cu": bool(dtypes.intersection(MODEL16)),
-        "chain_sm90_one_pass.cu": one_pass,
-        # forward_parts sends bf16 to its own kernel whatever the kernel code (float16 off the
-        # Hopper kernel too, where select_path gives such calls to PyTorch: kept, as it asks)
-        "chain_sm80.cu": bool(dtypes - {torch.bfloat16}),
-    }
-    return tuple(p for p in parts if needed.get(p, True))
 
 
 def forward_parts(

@@ -19,7 +19,8 @@
   precisions can run).
 
 Each build says so on stderr when it starts and ends (build.py). ``extension_for`` is called on
-every forward: after the first call it is a dict lookup and a set comparison. Standalone exports
+every forward: after the first call it is a dict lookup and a check that the parts named are
+loaded (``_ready``). Standalone exports
 build differently (one load_inline library holding every part: sources.extension_for).
 """
 
@@ -88,7 +89,8 @@ def extension_for(epilogue: Epilogue, parts: Iterable[str] = ()) -> ChainKernels
     """The kernels of this chain's structure on the current GPU (built once, then cached), with
     ``parts`` (files of CHAIN_PARTS: those the caller is about to run) built and loaded; any
     other part is built when first called."""
-    return extensions_for(epilogue, parts=(parts,))[0]
+    ready = _ready(epilogue.structure, arch_flags(), tuple(parts))  # every call after the first
+    return ready if ready is not None else extensions_for(epilogue, parts=(parts,))[0]
 
 
 def extensions_for(*epilogues: Epilogue, parts: tuple = ()) -> list[ChainKernels]:
@@ -220,8 +222,8 @@ class ChainParts:
         self.name = f"gemmfuse_chain_{digest(*self.sources.values(), *self.flags)}"
         self.structure = structure
         self._handles: dict[str, ctypes.CDLL] = {}  # part -> its loaded library
-        self._failed: dict[str, str] = {}  # part -> why it could not be built or loaded
-        self._locks = {part: threading.Lock() for part in CHAIN_PARTS}
+        self._failed: set[str] = set()  # parts that could not be built or loaded
+        self._locks = {part: threading.Lock() for part in CHAIN_PARTS[1:]}
         self._loader = _LOADER(self._load_called)  # kept alive while the table may call it
 
     def library(self, part: str) -> Path:
@@ -265,7 +267,7 @@ class ChainParts:
         have passed: a compiler killed for memory), and its error raised if it fails again."""
         missing = [p for p in dict.fromkeys(parts) if p not in self._handles]
         for part in missing:
-            self._failed.pop(part, None)
+            self._failed.discard(part)
         self.build_all(missing)
         for part in missing:
             self.load(part)
@@ -304,7 +306,7 @@ class ChainParts:
             self.load(name)
             return 1
         except BaseException as error:  # noqa: BLE001  (a callback from C: reported, not raised)
-            self._failed[name] = str(error) or type(error).__name__
+            self._failed.add(name)
             print(f"gemmfuse: {name} of {self.structure} could not be built or loaded, so the "
                   f"calls that need it fail:\n{error}", file=sys.stderr)  # fmt: skip
             return 0

@@ -8,10 +8,10 @@ so an export builds a kernel for any epilogue structure exactly as the package d
 
 :class:`ChainKernels` is what ``extension_for`` returns, in the package and in an export alike:
 the host extension's entry points with the chain library's table bound. The package's
-``extension_for`` is gemmfuse/jit.py's (a host extension built once, a chain's parts compiled
-in parallel); a standalone export bundles this module's instead, which builds the binding and
-every part as one ``load_inline`` library (a KernelBench rule), and ops.py and autograd.py call
-whichever the file they run in defines.
+``extension_for`` is gemmfuse/jit.py's (a host extension built once, a chain's parts each a
+library of its own, built when first needed); a standalone export bundles this module's instead,
+which builds the binding and every part as one ``load_inline`` library (a KernelBench rule), and
+ops.py and autograd.py call whichever the file they run in defines.
 
 This module imports only torch and the standard library (plus the package's own standalone-safe
 modules): ``gemmfuse export`` inlines it into standalone files.

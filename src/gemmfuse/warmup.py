@@ -7,7 +7,7 @@ load from (a cached one is found, not rebuilt): the structures of a shipped prob
 ``optimize`` swaps into a KernelBench problem file's Model (built on the meta device), and always
 the plain GEMM's, on which the backward's products run (and the forward's GEMM of a chain run
 apart, dispatch.chain_apart); of each, the parts that models of the dtypes and precisions asked
-for run (dispatch.parts_for_models; the CLI's default float32 at fp32).
+for run (parts_for_models; the CLI's default float32 at fp32).
 """
 
 import os
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gemmfuse.dispatch import parts_for_models
+from gemmfuse.dispatch import MODEL16, PRECISIONS
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.jit import CHAIN_PARTS
 from gemmfuse.kernelbench.registry import get_problem
@@ -56,6 +56,32 @@ def model_structures(model) -> list[Epilogue]:
     return [s for m in model.modules() if isinstance(m, FusedLinear) for s in m.kernel_structures]
 
 
+def parts_for_models(parts: tuple[str, ...], dtypes, precisions=("fp32",)) -> tuple[str, ...]:
+    """Those of ``parts`` (files of csrc/chain/) that calls of models in ``dtypes`` at these
+    ``precisions`` (optimize's; a sequence, or one name) may run: each that
+    dispatch.forward_parts picks for such a dtype and precision on some path, and a float32
+    backward's products. So all but the 16-bit instances of the dtypes not named, the portable
+    kernel for bfloat16 alone, and chain_sm90_one_pass.cu unless a float32 model runs at a
+    precision that does not split. (forward_parts' paths, not forward_spec's: a 16-bit model
+    keeps the few-rows and apart parts, which only float32 calls reach.)"""
+    precisions = (precisions,) if isinstance(precisions, str) else tuple(precisions)
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ValueError(f"gemmfuse: precision {p!r} is not one of {tuple(PRECISIONS)}")
+    dtypes = set(dtypes)
+    one_pass = torch.float32 in dtypes and not all(PRECISIONS[p] for p in precisions)
+    needed = {
+        "chain_sm90_bf16.cu": torch.bfloat16 in dtypes,
+        "chain_sm90_fp16.cu": torch.float16 in dtypes,
+        "chain_epilogue_16bit.cu": bool(dtypes.intersection(MODEL16)),
+        "chain_sm90_one_pass.cu": one_pass,
+        # forward_parts sends bf16 to its own kernel whatever the kernel code (float16 off the
+        # Hopper kernel too, where select_path gives such calls to PyTorch: kept, as it asks)
+        "chain_sm80.cu": bool(dtypes - {torch.bfloat16}),
+    }
+    return tuple(p for p in parts if needed.get(p, True))
+
+
 def build_in_processes(
     structures: Iterable[Epilogue | str],
     jobs: int | None = None,
@@ -69,7 +95,7 @@ def build_in_processes(
     ``jobs`` at a time (default: one per core); ``on_done(structure, outcome, seconds)`` hears
     of each as it ends, outcome "built", "cached" or "FAILED". ``standalone``: build them as a
     standalone export does. ``dtypes``: build only the parts that models in these dtypes, at
-    these ``precisions``, run (dispatch.parts_for_models; default: every part). Returns an
+    these ``precisions``, run (parts_for_models; default: every part). Returns an
     error message per failed build."""
     program = _BUILD_ONE.format(builder="gemmfuse.sources" if standalone else "gemmfuse.jit")
     parts = CHAIN_PARTS[1:]

@@ -2,6 +2,7 @@
 it, and a fresh process then loads them all, and runs a forward and backward, without
 building."""
 
+import os
 import subprocess
 import sys
 
@@ -14,9 +15,8 @@ pytestmark = pytest.mark.gpu
 # every float32 part of each structure (a call loads only the parts it runs), then a call
 LOAD_ALL = (
     "import torch\n"
-    "from gemmfuse.dispatch import parts_for_models\n"
     "from gemmfuse.jit import CHAIN_PARTS, extension_for\n"
-    "from gemmfuse.warmup import structures_for\n"
+    "from gemmfuse.warmup import parts_for_models, structures_for\n"
     "for s in structures_for('62'):\n"
     "    extension_for(s, parts=parts_for_models(CHAIN_PARTS[1:], [torch.float32]))\n"
     "from gemmfuse.bench import cuda_pair\n"
@@ -28,10 +28,13 @@ LOAD_ALL = (
 )
 
 
-def test_warmup_readies_every_structure_of_a_problem():
+def test_warmup_readies_every_structure_of_a_problem(tmp_path):
+    """Over a cache of its own: what the fresh process finds there is warmup's alone, not what
+    the suite's other tests built."""
+    env = {**os.environ, "GEMMFUSE_CACHE_DIR": str(tmp_path)}
     n = len(structures_for("62"))
     proc = subprocess.run([sys.executable, "-m", "gemmfuse", "warmup", "62", "--jobs", "4"],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert f"{n} of {n} ready" in proc.stderr, proc.stderr
     assert (
@@ -39,6 +42,6 @@ def test_warmup_readies_every_structure_of_a_problem():
         == n
     ), proc.stderr
     load = subprocess.run([sys.executable, "-c", LOAD_ALL], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+                          timeout=300, env=env)  # fmt: skip
     assert load.returncode == 0, load.stderr
     assert "gemmfuse: building" not in load.stderr, load.stderr

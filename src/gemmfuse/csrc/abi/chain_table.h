@@ -34,7 +34,8 @@ struct ChainTable {
   // groups wider than a tile); args.bias is W's bias.
   cudaError_t (*launch_gemv)(const FusedArgs& args, const GemvArgs& gemv, cudaStream_t stream);
   int (*gemv_slice)(int K, int N);  // K per gemv block on the current device
-  // How the chain's backward cuts M x N (row_blocks 0: it does not fit) for float32 or
+  // How the chain's backward cuts M x N (row_blocks 0: it does not fit; kBackwardPartMissing:
+  // its part could not be built) for float32 or
   // (model16 != 0) 16-bit tensors, and its launch (args.model16 must be the plan's kind).
   BackwardPlan (*backward_plan)(int M, int N, int group_size, int model16);
   cudaError_t (*launch_backward)(const BackwardArgs& args, const BackwardPlan& plan,

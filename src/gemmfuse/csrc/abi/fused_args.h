@@ -197,8 +197,10 @@ struct BackwardArgs {
 };
 
 // How a chain backward runs (chain_backward_plan.cuh): the columns cut into `slabs`
-// (group-aligned), the rows over `row_blocks` (0: it does not fit a block's shared memory),
-// smem_bytes per block; in_registers: the register kernel (narrow groups, 1024-column slabs).
+// (group-aligned), the rows over `row_blocks` (0: it does not fit a block's shared memory;
+// kBackwardPartMissing: the chain backward's part could not be built), smem_bytes per block;
+// in_registers: the register kernel (narrow groups, 1024-column slabs).
+constexpr int kBackwardPartMissing = -1;
 struct BackwardPlan {
   int slabs = 0, row_blocks = 0;
   size_t smem_bytes = 0;

@@ -61,13 +61,14 @@ int gemv_slice(int K, int N) {
   return fn != nullptr ? fn(K, N) : (K > 0 ? K : 1);
 }
 
-// Without its part: row_blocks -1, which the host and gemmfuse.autograd refuse with an error
-// (0 would read as a plan that does not fit, and the backward would quietly run in PyTorch).
+// Without its part: row_blocks kBackwardPartMissing, which the host and gemmfuse.autograd
+// refuse with an error (0 would read as a plan that does not fit, and the backward would
+// quietly run in PyTorch).
 BackwardPlan backward_plan(int M, int N, int group_size, int model16) {
   auto fn = entry(&PartEntries::backward_plan, "chain_backward.cu");
   if (fn != nullptr) return fn(M, N, group_size, model16);
   BackwardPlan missing;
-  missing.row_blocks = -1;
+  missing.row_blocks = gemmfuse::kBackwardPartMissing;
   return missing;
 }
 

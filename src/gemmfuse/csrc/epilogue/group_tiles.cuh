@@ -157,16 +157,20 @@ cudaError_t launch_group_tiles_for(const FusedArgs& args, cudaStream_t stream) {
 
 // group_tiles_kernel for a call group_tiles_serves, args.tile_flags the GEMM's counts. Where it
 // cannot run or its launch fails, the counts are zeroed (the next call starts from zero) and
-// the result is cudaErrorNotSupported or the launch's error: launch_tile_epilogue then runs the
-// chain kernel after the GEMM, as without counts.
+// the result is cudaErrorNotSupported (launch_tile_epilogue then runs the chain kernel after
+// the GEMM, as without counts) or the launch's error.
 template <class Epi>
 cudaError_t launch_group_tiles(const FusedArgs& args, cudaStream_t stream) {
   cudaError_t err = cudaErrorNotSupported;
   if constexpr (Epi::kNorm && Epi::kPool == 1 && Epi::kModelDtype == kFloat32Model &&
                 Epi::kReduce == 0) {
-    if (group_tiles_serves<Epi>(args))
-      err = args.group_size == 8 ? launch_group_tiles_for<Epi, 8>(args, stream)
-                                 : launch_group_tiles_for<Epi, 16>(args, stream);
+    if (group_tiles_serves<Epi>(args)) {
+      switch (args.group_size) {  // the sizes group_tiles_serves takes, each its own kernel
+        case 8: err = launch_group_tiles_for<Epi, 8>(args, stream); break;
+        case 16: err = launch_group_tiles_for<Epi, 16>(args, stream); break;
+        default: break;
+      }
+    }
   }
   if (err == cudaSuccess) return err;
   const int tiles = TileWalk::of(args.M, args.N, kTile, kTile).tiles;

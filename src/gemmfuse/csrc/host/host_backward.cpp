@@ -45,7 +45,7 @@ std::vector<at::Tensor> chain_backward(int64_t table, at::Tensor z, at::Tensor g
                       : dtype == at::kHalf   ? gemmfuse::kFp16Model
                                              : gemmfuse::kFloat32Model;
   const gemmfuse::BackwardPlan plan = t.backward_plan(chain.M, chain.N, chain.group_size, model16);
-  TORCH_CHECK(plan.row_blocks != -1,
+  TORCH_CHECK(plan.row_blocks != gemmfuse::kBackwardPartMissing,
               "gemmfuse: the chain backward's part could not be built (its errors are on stderr)");
   TORCH_CHECK(plan.row_blocks > 0, "gemmfuse: the chain backward does not fit a block (chain_backward_plan)");
   // The register kernel reads four columns at once (a view of a larger z may start unaligned)

@@ -26,6 +26,9 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
               "gemmfuse: malformed weight split");
   TORCH_CHECK(x.size(1) <= k_padded && k_padded - x.size(1) < 64, "gemmfuse: x and weight K differ");
   check_vector(w_inv_scale, N, "w_inv_scale");
+  // checked before the launch: a followed GEMM counts its tiles, which only the follower zeroes
+  TORCH_CHECK(tile_flags == nullptr || keep != nullptr,
+              "gemmfuse: a GEMM whose tiles are followed keeps its inputs");
   gemmfuse::FusedArgs args = chain_args(M, N, bias, gn_weight, gn_bias, vec_params, scalar_params,
                                         group_size, eps, norm_wide);
   c10::cuda::CUDAGuard guard(x.device());
@@ -61,10 +64,13 @@ at::Tensor fused_forward(int64_t table, at::Tensor x, at::Tensor w_hi, at::Tenso
     // A kernel launched behind this one runs beside it (group_tiles.cuh), so what the GEMM reads
     // must not go back to the allocator, whose next block on this stream (the chain kernel's
     // output) would be written while the GEMM still reads it: the caller keeps them until that
-    // kernel is launched.
-    TORCH_CHECK(keep != nullptr, "gemmfuse: a GEMM whose tiles are followed keeps its inputs");
+    // kernel is launched (the weight's split and the vectors too, whoever else holds them).
     keep->insert(keep->end(), a.begin(), a.end());
     keep->insert(keep->end(), outputs.begin() + 1, outputs.end());
+    keep->insert(keep->end(), {w_hi, w_lo, w_inv_scale});
+    for (const auto& v : {bias, gn_weight, gn_bias})
+      if (v) keep->push_back(*v);
+    keep->insert(keep->end(), vec_params.begin(), vec_params.end());
   }
   return outputs.front();
 }
@@ -180,10 +186,13 @@ at::Tensor epilogue_forward_following(int64_t table, at::Tensor y,
                         false, in_place, 0, tile_flags);
   } catch (...) {
     // The GEMM has counted its tiles and no kernel will zero them: zeroed here (in stream
-    // order, after the GEMM), so that the next call on this stream starts from zero.
+    // order, after the GEMM), so that the next call on this stream starts from zero. A failed
+    // memset's error is cleared, not left for the next launch's check to report as its own.
+    c10::cuda::CUDAGuard guard(y.device());
     const int64_t tiles = output_tiles(y.size(0), y.size(1));
-    cudaMemsetAsync(tile_flags, 0, (tiles + gemmfuse::kTileFollowExtra) * sizeof(int),
-                    c10::cuda::getCurrentCUDAStream());
+    if (cudaMemsetAsync(tile_flags, 0, (tiles + gemmfuse::kTileFollowExtra) * sizeof(int),
+                        c10::cuda::getCurrentCUDAStream(y.get_device())) != cudaSuccess)
+      (void)cudaGetLastError();
     throw;
   }
 }
