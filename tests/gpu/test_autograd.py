@@ -73,6 +73,15 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   gives a zero weight gradient, ours and PyTorch's fp32 ops from our z alike give 5.70e-3
   (987 elements off; an element of z within ~1e-7 of the saturation point rounds into the
   tie in fp32), eager 0 (its z has no such element). Each report line prints both draws.
+  Random chains (the only test whose data can be drawn again): where one draw misses this
+  rule, the verdict is the same counts summed over 8 draws of the data for the same chain
+  (the first included), the single draw's counts kept in the message. One draw's count is no
+  estimate of a rate: the kept example below (pool chain 1, M = 1024, K = 2048, 16 channels,
+  forced Hopper kernel, seed 615720) put 9 elements of dW off against eager's 5 and 6 from
+  PyTorch's ops on our z, and failed from f028e38 to 89f96f4; over 100 seeds of that chain and
+  shape (H200, 2026-11-28, 89f96f4; a development script, not kept) ours averaged 95.3 off
+  against eager's 174.9 and 175.8 from our z, relative L2 1.38e-6 against 1.79e-6, and
+  exceeded both draws at 2 of the 100 seeds (the epilogue path, auto's: 92.9 and 2).
 - bfloat16 and float16 models: gradients no further from float64 (relative L2) than 1.5x eager's
   in that dtype.
 """
@@ -237,9 +246,10 @@ def saved_z(out):
     raise AssertionError("the output was not computed by FusedLinearFunction")
 
 
-def check_gradients(chain, grad, kernel, label, names, bar_on=True):
+def check_gradients(chain, grad, kernel, label, names, bar_on=True, redraw=None):
     """Asserts the module docstring's bars for every gradient; returns the path taken and the
-    report lines."""
+    report lines. ``redraw(r)`` gives (chain, grad) of the same chain's r-th further data draw,
+    where the test has one: the allclose count's verdict after a single draw misses it."""
     ours, z_ours, path = chain.fused(grad, kernel)
     eager, z_eager = chain.eager(grad)
     ref_ours, ref_eager = chain.given_z(z_ours, grad), chain.given_z(z_eager, grad)
@@ -292,8 +302,31 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True):
         if bar_on:
             assert err <= err_eager + floor + 3 * sigma, line
         draws = [off_allclose(eager[i], ref_eager[i]), off_allclose(torch_ours[i], ref_ours[i])]
-        assert off_allclose(g, ref_ours[i]) <= max(draws), line
+        off = off_allclose(g, ref_ours[i])
+        if off > max(draws) and redraw is not None:
+            off, draws = counts_over_draws(redraw, kernel, i, [off, *draws])
+            line += f"; one draw missed, over {REDRAWS + 1} draws off {off}, the fp32 draws {draws}"
+        assert off <= max(draws), line
     return path, lines
+
+
+REDRAWS = 7  # further data draws of the allclose count (module docstring)
+
+
+def counts_over_draws(redraw, kernel, i, first):
+    """Gradient i's allclose counts (ours, [eager's, PyTorch's fp32 ops from our z]) summed
+    over ``first`` and REDRAWS further draws of the data."""
+    totals = list(first)
+    for r in range(1, REDRAWS + 1):
+        chain, grad = redraw(r)
+        ours, z_ours, _ = chain.fused(grad, kernel)
+        eager, z_eager = chain.eager(grad)
+        ref_ours, ref_eager = chain.given_z(z_ours, grad), chain.given_z(z_eager, grad)
+        torch_ours = chain.given_z(z_ours, grad, torch.float32)
+        totals[0] += off_allclose(ours[i], ref_ours[i])
+        totals[1] += off_allclose(eager[i], ref_eager[i])
+        totals[2] += off_allclose(torch_ours[i], ref_ours[i])
+    return totals[0], totals[1:]
 
 
 def model_grads(model, x, grad):
@@ -408,18 +441,26 @@ def test_hard_data_gradients(data):
 # Found at f028e38 on an H200 (2026-11-25), failing the allclose count alone: the Hopper kernel
 # forced on N = 16, dW of 16 x 2048 off allclose in 8 entries against eager's draw of 5, its
 # relative L2 error 6.9e-7 against eager's 8.3e-7 and its largest error 3.0e-4 against 3.9e-4
-# (not yet looked into; no pooling in this chain)
+# (no pooling in this chain). One draw's count at par: the module docstring's 100 seeds.
 @example(index=1, m=1024, k=2048, group_size=16, groups=1, seed=615720, kernel="hopper")
 def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     spec = POOL[index]
-    gen = torch.Generator().manual_seed(seed)
     n = group_size * groups
-    epilogue, params = spec.instantiate(gen, n, groups, 1e-5)
-    x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, k, n))
-    gn = (gn_w, gn_b) if spec.norm and spec.affine else (None, None)
-    chain = Chain(x, w, b, epilogue, gn, [p.to(CUDA) for p in params])
-    out = chain.run_from_z(F.linear(x, w, b), list(gn), chain.params)
-    grad = torch.randn(out.shape, generator=gen).to(CUDA)
+
+    def draw(r):
+        """(chain, grad): draw 0 the example's data, r > 0 fresh data for the same chain."""
+        gen = torch.Generator().manual_seed(seed)
+        epilogue, params = spec.instantiate(gen, n, groups, 1e-5)
+        if r:
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + r) % 2**63)
+        x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, k, n))
+        gn = (gn_w, gn_b) if spec.norm and spec.affine else (None, None)
+        chain = Chain(x, w, b, epilogue, gn, [p.to(CUDA) for p in params])
+        out = chain.run_from_z(F.linear(x, w, b), list(gn), chain.params)
+        return chain, torch.randn(out.shape, generator=gen).to(CUDA)
+
+    chain, grad = draw(0)
+    epilogue = chain.epilogue
     names = ["x", "weight", "bias"] + [f"leaf {i}" for i in range(3, len(chain.leaves()))]
     label = f"{spec.describe()} | {epilogue} | kernel={kernel} m={m} k={k}"
     # A forced kernel on these small shapes is held to the allclose count alone, as the forward
@@ -427,7 +468,7 @@ def test_random_chain_gradients(index, m, k, group_size, groups, seed, kernel):
     # forced on M = 5, N = 48, K = 2048 (a pool chain with three kinks) at 6.0e-5 relative
     # against a bar of 4.9e-5.
     bar_on = kernel in ("auto", "epilogue")  # the epilogue path's GEMM is eager's own
-    path, _ = check_gradients(chain, grad, kernel, label, names, bar_on=bar_on)
+    path, _ = check_gradients(chain, grad, kernel, label, names, bar_on=bar_on, redraw=draw)
     auto = "fused" if fused_pays(m, n, k) else "epilogue"
     assert path == {"auto": auto, "epilogue": "epilogue"}.get(kernel, "fused")
 
