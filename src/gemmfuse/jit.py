@@ -72,8 +72,8 @@ HOST_SOURCES = ("host_split.cpp", "host_sparse.cpp", "host_forward.cpp", "host_b
 # includes every operator either way: its load_inline build keeps CXX_FLAGS.
 HOST_CXX_FLAGS = (*CXX_FLAGS, "-DAT_PER_OPERATOR_HEADERS")
 # Each part is a shared library of its own, reaching the others through the table's
-# (part_entries.h).
-_PART_FLAGS = ("-Xcompiler=-fPIC", "-DGEMMFUSE_PARTS_APART")
+# (part_entries.h); it exports its C entry points alone (chain_table.h's GEMMFUSE_EXPORT).
+_PART_FLAGS = ("-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden", "-DGEMMFUSE_PARTS_APART")
 # The table library's callback type: int load_part(const char* part).
 _LOADER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
 _KERNELS: dict[tuple, ChainKernels] = {}

@@ -5,6 +5,8 @@ backward on autograd's thread), once however many threads call it at once; the k
 runs match the float64 reference."""
 
 import ctypes
+import shutil
+import subprocess
 import threading
 
 import pytest
@@ -105,3 +107,27 @@ def test_a_backward_on_autograds_thread_builds_the_part_it_reaches(monkeypatch):
     apply_epilogue(zd, chain, wd, bd, []).backward(grad.double())
     for ours, theirs in ((z, zd), (gn_weight, wd), (gn_bias, bd)):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_a_parts_library_exports_its_entry_points_alone():
+    """Each part's library is built with -fvisibility=hidden (jit._PART_FLAGS): of the package's
+    own symbols it exports only its C entry points (chain_table.h's GEMMFUSE_EXPORT), so that what
+    every chain's library defines under one name (GeneratedEpilogueFor<...>'s kernels and their
+    launches' per-device caches) binds within its own library, however the libraries are
+    loaded."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    ext = extension_for(fresh_chain(3))
+    exported = {}
+    for part in ("chain_table.cu", "chain_epilogue.cu"):
+        library = ext.parts.build(part)
+        listing = subprocess.run([nm, "-D", "--defined-only", "-C", str(library)],
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+        exported[part] = {line.split(maxsplit=2)[-1] for line in listing.splitlines()
+                          if "gemmfuse" in line or "GeneratedEpilogue" in line}  # fmt: skip
+    assert exported == {
+        "chain_table.cu": {"gemmfuse_chain_table", "gemmfuse_chain_entries",
+                           "gemmfuse_chain_set_loader"},
+        "chain_epilogue.cu": {"gemmfuse_part_entries"},
+    }  # fmt: skip

@@ -7,6 +7,13 @@
 #pragma once
 #include "fused_args.h"
 
+// A chain library's C entry points, found by name (dlsym): of the package's own symbols, the
+// only ones its libraries export. The package compiles each part with -fvisibility=hidden
+// (jit._PART_FLAGS), so that what every chain's library defines under the same name (the
+// GeneratedEpilogueFor<...> instances, their launches' caches) binds within its own library
+// whatever else is loaded.
+#define GEMMFUSE_EXPORT extern "C" __attribute__((visibility("default")))
+
 namespace gemmfuse {
 
 // Bump when ChainTable or an argument struct changes meaning without changing size.

@@ -23,7 +23,7 @@ cudaError_t backward(const BackwardArgs& args, const BackwardPlan& plan, cudaStr
 }  // namespace gemmfuse
 
 #ifdef GEMMFUSE_PARTS_APART
-extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+GEMMFUSE_EXPORT void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
   gemmfuse::publish(entries->backward_plan, &gemmfuse::parts::backward_plan);
   gemmfuse::publish(entries->backward, &gemmfuse::parts::backward);
 }

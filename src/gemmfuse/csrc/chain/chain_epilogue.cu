@@ -28,7 +28,7 @@ int follows_tiles(const FusedArgs& args) {
 }  // namespace gemmfuse
 
 #ifdef GEMMFUSE_PARTS_APART
-extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+GEMMFUSE_EXPORT void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
   gemmfuse::publish(entries->finalize, &gemmfuse::parts::finalize);
   gemmfuse::publish(entries->tile_epilogue, &gemmfuse::parts::tile_epilogue);
   gemmfuse::publish(entries->follows_tiles, &gemmfuse::parts::follows_tiles);

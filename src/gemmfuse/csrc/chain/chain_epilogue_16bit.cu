@@ -25,7 +25,7 @@ cudaError_t tile_epilogue_16bit(const FusedArgs& args, cudaStream_t stream) {
 }  // namespace gemmfuse
 
 #ifdef GEMMFUSE_PARTS_APART
-extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+GEMMFUSE_EXPORT void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
   gemmfuse::publish(entries->finalize_16bit, &gemmfuse::parts::finalize_16bit);
   gemmfuse::publish(entries->tile_epilogue_16bit, &gemmfuse::parts::tile_epilogue_16bit);
 }

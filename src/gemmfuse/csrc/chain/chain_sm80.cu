@@ -13,7 +13,7 @@ cudaError_t sm80(const FusedArgs& args, cudaStream_t stream) {
 }  // namespace gemmfuse
 
 #ifdef GEMMFUSE_PARTS_APART
-extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+GEMMFUSE_EXPORT void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
   gemmfuse::publish(entries->sm80, &gemmfuse::parts::sm80);
 }
 #endif

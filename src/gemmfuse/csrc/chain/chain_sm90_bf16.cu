@@ -13,7 +13,7 @@ cudaError_t sm90_bf16(const FusedArgs& args, cudaStream_t stream) {
 }  // namespace gemmfuse
 
 #ifdef GEMMFUSE_PARTS_APART
-extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+GEMMFUSE_EXPORT void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
   gemmfuse::publish(entries->sm90_bf16, &gemmfuse::parts::sm90_bf16);
 }
 #endif

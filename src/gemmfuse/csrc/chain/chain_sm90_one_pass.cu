@@ -16,7 +16,7 @@ cudaError_t sm90_one_pass(const FusedArgs& args, cudaStream_t stream) {
 }  // namespace gemmfuse
 
 #ifdef GEMMFUSE_PARTS_APART
-extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+GEMMFUSE_EXPORT void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
   gemmfuse::publish(entries->sm90_one_pass, &gemmfuse::parts::sm90_one_pass);
 }
 #endif

@@ -14,7 +14,7 @@ cudaError_t sm90_split(const FusedArgs& args, cudaStream_t stream) {
 }  // namespace gemmfuse
 
 #ifdef GEMMFUSE_PARTS_APART
-extern "C" void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
+GEMMFUSE_EXPORT void gemmfuse_part_entries(gemmfuse::PartEntries* entries) {
   gemmfuse::publish(entries->sm90_split, &gemmfuse::parts::sm90_split);
 }
 #endif

@@ -1,6 +1,7 @@
 // A part of a chain's library: the dispatch among the other parts and the table the host
 // extension launches through (chain_table.h). Host code only: it compiles in a moment.
 #include "chain_part.cuh"
+#include "device_cache.h"
 
 #ifdef GEMMFUSE_PARTS_APART
 namespace gemmfuse {
@@ -84,8 +85,8 @@ namespace part_calls = through_entries;
 
 // What the package's builder reaches in this library (by dlsym): the entries each part's
 // library fills, and the builder of a part not yet loaded.
-extern "C" gemmfuse::PartEntries* gemmfuse_chain_entries() { return &gemmfuse::entries; }
-extern "C" void gemmfuse_chain_set_loader(int (*loader)(const char* part)) {
+GEMMFUSE_EXPORT gemmfuse::PartEntries* gemmfuse_chain_entries() { return &gemmfuse::entries; }
+GEMMFUSE_EXPORT void gemmfuse_chain_set_loader(int (*loader)(const char* part)) {
   gemmfuse::load_part.store(loader, std::memory_order_release);
 }
 #else
@@ -100,17 +101,17 @@ namespace {
 // Whether this device is sm_90 (asked once per device): a check of the launch code the caller
 // decided (gemmfuse/dispatch.py's fused_kernel_code), not a choice.
 cudaError_t is_hopper(int device, bool& hopper) {
-  static int known[64] = {};  // 0 unknown, 1 sm_90, 2 another
-  if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
-  if (known[device] == 0) {
+  static DeviceCache known;  // 1 sm_90, 2 another
+  int kind = 0;
+  const cudaError_t err = known.get(device, kind, [](int d, int& found) {
     int major = 0, minor = 0;
-    cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    if (err != cudaSuccess) return err;
-    known[device] = major == 9 && minor == 0 ? 1 : 2;
-  }
-  hopper = known[device] == 1;
-  return cudaSuccess;
+    cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d);
+    found = major == 9 && minor == 0 ? 1 : 2;
+    return e;
+  });
+  hopper = kind == 1;
+  return err;
 }
 
 // kernel: kHopperKernel or kPortableKernel, as dispatch.fused_kernel_code decided it.
@@ -158,9 +159,9 @@ cudaError_t launch_gemv(const FusedArgs& args, const GemvArgs& gemv, cudaStream_
 }  // namespace
 }  // namespace gemmfuse
 
-// The library's one exported symbol (C linkage: found by name with dlsym, or linked directly
-// into a standalone export's single library).
-extern "C" const gemmfuse::ChainTable* gemmfuse_chain_table() {
+// The table (C linkage: found by name with dlsym, or linked directly into a standalone export's
+// single library).
+GEMMFUSE_EXPORT const gemmfuse::ChainTable* gemmfuse_chain_table() {
   using namespace gemmfuse;
   static const ChainTable table = {
       kChainTableVersion,

@@ -22,6 +22,7 @@
 #pragma once
 #include <algorithm>
 
+#include "device_cache.h"
 #include "group_rows.cuh"
 #include "tile_walk.h"
 
@@ -37,14 +38,13 @@ bool group_tiles_serves(const FusedArgs& args) {
   if constexpr (Epi::kModelDtype != kFloat32Model || Epi::kReduce != 0) {
     return false;
   } else {
-    static int major[64] = {};  // per device, asked once
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
-    if (major[device] == 0 &&
-        cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device) !=
-            cudaSuccess)
-      return false;
-    return major[device] >= 9 && (args.group_size == 8 || args.group_size == 16) &&
+    static DeviceCache majors;  // per device, asked once
+    int major = 0;
+    const cudaError_t err = majors.current(major, [](int device, int& found) {
+      return cudaDeviceGetAttribute(&found, cudaDevAttrComputeCapabilityMajor, device);
+    });
+    if (err != cudaSuccess) return false;  // the chain kernel runs after the GEMM instead
+    return major >= 9 && (args.group_size == 8 || args.group_size == 16) &&
            group_rows_serves<Epi>(args) && args.bias == nullptr && args.a_inv_scale == nullptr &&
            args.b_inv_scale == nullptr && args.epilogue_in16 == nullptr &&
            serves_model<Epi>(args.params);
@@ -129,24 +129,22 @@ __global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Ep
 template <class Epi, int kGs>
 cudaError_t launch_group_tiles_for(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = group_tiles_kernel<Epi, kGs>;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device >= 64) return cudaErrorInvalidDevice;
-  static int resident[64] = {};  // blocks resident at once on the device, found once
-  if (resident[device] == 0) {
+  static DeviceCache residents;  // blocks resident at once on the device, found once
+  int resident = 0;
+  cudaError_t err = residents.current(resident, [kernel](int device, int& found) {
     int per_sm = 0, sms = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGroupRowsThreads, 0);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-    resident[device] = std::max(1, per_sm * sms);
-  }
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGroupRowsThreads, 0);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    found = std::max(1, per_sm * sms);
+    return e;
+  });
+  if (err != cudaSuccess) return err;
   const TileWalk walk = TileWalk::of(args.M, args.N, kTile, kTile);
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(std::min(walk.tiles, resident[device])));
+  config.gridDim = dim3(static_cast<unsigned>(std::min(walk.tiles, resident)));
   config.blockDim = dim3(kGroupRowsThreads);
   config.dynamicSmemBytes = 0;
   config.stream = stream;

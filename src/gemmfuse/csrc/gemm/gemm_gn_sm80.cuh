@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cuda_fp16.h>
 
+#include "device_cache.h"
 #include "fused_args.h"
 #include "mma_sm80.cuh"
 #include "smem_limit.h"
@@ -190,10 +191,11 @@ template <class Epi>
 cudaError_t launch_fused_gemm_gn(const FusedArgs& args, cudaStream_t stream) {
   if (args.M == 0 || args.N == 0) return cudaSuccess;
   if (!serves_model<Epi>(args.params)) return cudaErrorInvalidValue;
-  int device = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  static DeviceCache optins;  // the device's opt-in shared memory a block, asked once
+  int optin = 0;
+  cudaError_t err = optins.current(optin, [](int device, int& found) {
+    return cudaDeviceGetAttribute(&found, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  });
   if (err != cudaSuccess) return err;
   const dim3 grid((args.M + kBlockM - 1) / kBlockM, (args.N + kBlockN - 1) / kBlockN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;

@@ -38,6 +38,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_fp16.h>
 
+#include "device_cache.h"
 #include "fused_args.h"
 #include "smem_limit.h"
 #include "tile_walk.h"
@@ -597,7 +598,6 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= 64) return cudaErrorInvalidDevice;
   err = raise_smem_once(reinterpret_cast<const void*>(kernel), V::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int m_tiles = (args.M + kTile - 1) / kTile;
@@ -609,15 +609,17 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
   if constexpr (V::kPersistent) {
     // As many blocks as can be resident at once (per device, found once): each walks every
     // grid-th tile.
-    static int resident[64] = {};
-    if (resident[device] == 0) {
+    static DeviceCache residents;
+    int resident = 0;
+    err = residents.get(device, resident, [kernel](int d, int& found) {
       int per_sm = 0, sms = 0;
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, V::kSmemBytes);
-      if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-      if (err != cudaSuccess) return err;
-      resident[device] = std::max(1, per_sm * sms);
-    }
-    blocks = std::min(blocks, resident[device]);
+      cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, V::kSmemBytes);
+      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d);
+      found = std::max(1, per_sm * sms);
+      return e;
+    });
+    if (err != cudaSuccess) return err;
+    blocks = std::min(blocks, resident);
   }
   kernel<<<blocks, kThreads, V::kSmemBytes, stream>>>(maps[0], maps[1], maps[2], maps[3], args, walk);
   return cudaGetLastError();

@@ -1,0 +1,44 @@
+// A value per device that a launch decides by (an attribute, an occupancy), found once by a CUDA
+// call and kept for the process. The launches' plain static arrays that this replaces were
+// written by whichever host threads launched first on a device, unsynchronised: a data race.
+#pragma once
+#include <atomic>
+
+#include <cuda_runtime.h>
+
+namespace gemmfuse {
+
+class DeviceCache {
+ public:
+  static constexpr int kDevices = 64;  // a device past these is asked at every call
+
+  // The value for `device`: `find(device, value)` (CUDA calls, returning their cudaError_t)
+  // asked the first time, its answer kept; every value kept is positive (0 marks "not yet
+  // found"). Two threads may both ask at first; they store the same answer.
+  template <class Find>
+  cudaError_t get(int device, int& value, Find&& find) {
+    if (device < 0) return cudaErrorInvalidDevice;
+    int known = device < kDevices ? slots_[device].load(std::memory_order_relaxed) : 0;
+    if (known <= 0) {
+      const cudaError_t err = find(device, known);
+      if (err != cudaSuccess) return err;
+      if (known <= 0) return cudaErrorInvalidValue;
+      if (device < kDevices) slots_[device].store(known, std::memory_order_relaxed);
+    }
+    value = known;
+    return cudaSuccess;
+  }
+
+  // The same for the current device.
+  template <class Find>
+  cudaError_t current(int& value, Find&& find) {
+    int device = 0;
+    const cudaError_t err = cudaGetDevice(&device);
+    return err != cudaSuccess ? err : get(device, value, static_cast<Find&&>(find));
+  }
+
+ private:
+  std::atomic<int> slots_[kDevices] = {};
+};
+
+}  // namespace gemmfuse
