@@ -75,18 +75,23 @@ run from *its own* z (same branches), and report the end-to-end errors in the me
   tie in fp32), eager 0 (its z has no such element). Each report line prints both draws.
   Random chains (the only test whose data can be drawn again): where one draw misses this
   rule, the verdict is the same counts summed over 8 draws of the data for the same chain
-  (the first included), the single draw's counts kept in the message. One draw's count is no
+  (the first included); the single draw's counts and the sums go to the message and, when the
+  sums pass, to a warning (pytest's warnings summary), so a pass so decided shows. A sum lets
+  one large draw weigh most (the counts are heavy-tailed: 0 at most seeds below), and a
+  regression that shows on one draw in eight is averaged away. One draw's count is no
   estimate of a rate: the kept example below (pool chain 1, M = 1024, K = 2048, 16 channels,
   forced Hopper kernel, seed 615720) put 9 elements of dW off against eager's 5 and 6 from
   PyTorch's ops on our z, and failed from f028e38 to 89f96f4; over 100 seeds of that chain and
-  shape (H200, 2026-11-28, 89f96f4; a development script, not kept) ours averaged 95.3 off
-  against eager's 174.9 and 175.8 from our z, relative L2 1.38e-6 against 1.79e-6, and
-  exceeded both draws at 2 of the 100 seeds (the epilogue path, auto's: 92.9 and 2).
+  shape (H200, 2026-11-28, 89f96f4; docs/measurements/kept_example_seeds_session45_h200.txt)
+  ours averaged 95.3 off against eager's 174.9 and 175.8 from our z, relative L2 1.38e-6
+  against 1.79e-6, and exceeded both draws at 2 of the 100 seeds (the epilogue path, auto's:
+  92.9 and 2).
 - bfloat16 and float16 models: gradients no further from float64 (relative L2) than 1.5x eager's
   in that dtype.
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -306,6 +311,8 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True, redraw=None)
         if off > max(draws) and redraw is not None:
             off, draws = counts_over_draws(redraw, kernel, i, [off, *draws])
             line += f"; one draw missed, over {REDRAWS + 1} draws off {off}, the fp32 draws {draws}"
+            assert off <= max(draws), line
+            warnings.warn(f"judged over {REDRAWS + 1} data draws: {line}", stacklevel=2)
         assert off <= max(draws), line
     return path, lines
 

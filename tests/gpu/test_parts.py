@@ -120,7 +120,7 @@ def test_a_parts_library_exports_its_entry_points_alone():
         pytest.skip("binutils' nm is not installed")
     ext = extension_for(fresh_chain(3))
     exported = {}
-    for part in ("chain_table.cu", "chain_epilogue.cu"):
+    for part in ("chain_table.cu", "chain_epilogue.cu", "chain_sm90_split.cu"):
         library = ext.parts.build(part)
         listing = subprocess.run([nm, "-D", "--defined-only", "-C", str(library)],
                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
@@ -130,4 +130,5 @@ def test_a_parts_library_exports_its_entry_points_alone():
         "chain_table.cu": {"gemmfuse_chain_table", "gemmfuse_chain_entries",
                            "gemmfuse_chain_set_loader"},
         "chain_epilogue.cu": {"gemmfuse_part_entries"},
+        "chain_sm90_split.cu": {"gemmfuse_part_entries"},
     }  # fmt: skip
