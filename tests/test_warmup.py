@@ -1,6 +1,8 @@
 """gemmfuse.warmup and ``python -m gemmfuse warmup`` on the CPU: which structures a model needs,
 the parallel builds' outcomes (with a stand-in child program), and the CLI's errors."""
 
+import itertools
+
 import pytest
 import torch
 from model_files import build, path_of
@@ -148,9 +150,8 @@ def test_a_models_parts_hold_every_part_its_forwards_run(dtype, precision):
     """warmup's parts for a model's dtype and precision are exactly those dispatch.forward_parts
     picks for them on some path, and a float32 backward's products (the plain GEMM's split or
     one-pass instance, as the host's gemm_split takes the spec's split)."""
-    dispatch = gemmfuse.dispatch
     kept = warmup.parts_for_models(CHAIN_PARTS[1:], [dtype], [precision])
-    split = dispatch.PRECISIONS[precision]
+    split = gemmfuse.dispatch.PRECISIONS[precision]
     assert set(kept) == _parts_run(dtype, split)
     if precision == "fp32" or dtype != torch.float32:
         assert "chain_sm90_one_pass.cu" not in kept
@@ -158,8 +159,6 @@ def test_a_models_parts_hold_every_part_its_forwards_run(dtype, precision):
 
 def _parts_run(dtype, split: bool) -> set:
     """Every part a forward (any path) or a backward's products of a model in ``dtype`` runs."""
-    import itertools
-
     dispatch = gemmfuse.dispatch
     run = {"chain_sm90_split.cu" if split else "chain_sm90_one_pass.cu"} if (
         dtype == torch.float32) else set()  # fmt: skip
