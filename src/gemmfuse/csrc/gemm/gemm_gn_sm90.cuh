@@ -595,10 +595,7 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
                           cudaStream_t stream) {
   using V = Variant<kSplit, direct_store<Epi, kSplit>()>;
   auto kernel = fused_gemm_gn_sm90_kernel<Epi, kSplit, kBf16>;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = raise_smem_once(reinterpret_cast<const void*>(kernel), V::kSmemBytes);
+  cudaError_t err = raise_smem_once(reinterpret_cast<const void*>(kernel), V::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int m_tiles = (args.M + kTile - 1) / kTile;
   const int n_tiles = (args.N + V::kBlockN - 1) / V::kBlockN;
@@ -611,7 +608,7 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
     // grid-th tile.
     static DeviceCache residents;
     int resident = 0;
-    err = residents.get(device, resident, [kernel](int d, int& found) {
+    err = residents.current(resident, [kernel](int d, int& found) {
       int per_sm = 0, sms = 0;
       cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, V::kSmemBytes);
       if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d);
