@@ -9,7 +9,7 @@ from model_files import build, path_of
 
 import gemmfuse.dispatch
 import gemmfuse.warmup as warmup
-from gemmfuse import Epilogue, FusedLinear, optimize
+from gemmfuse import Epilogue, FusedLinear, GroupNormSpec, optimize
 from gemmfuse.cli import main
 from gemmfuse.epilogue import split_epilogue
 from gemmfuse.jit import CHAIN_PARTS
@@ -148,27 +148,50 @@ def test_a_batch_statistics_chain_needs_its_two_halves():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_models_parts_hold_every_part_its_forwards_run(dtype, precision):
     """warmup's parts for a model's dtype and precision are exactly those dispatch.forward_parts
-    picks for them on some path, and a float32 backward's products (the plain GEMM's split or
-    one-pass instance, as the host's gemm_split takes the spec's split)."""
+    picks for them on some path that such a call can take, and a float32 backward's products
+    (the plain GEMM's split or one-pass instance, as the host's gemm_split takes the spec's
+    split)."""
     kept = warmup.parts_for_models(CHAIN_PARTS[1:], [dtype], [precision])
     split = gemmfuse.dispatch.PRECISIONS[precision]
     assert set(kept) == _parts_run(dtype, split)
     if precision == "fp32" or dtype != torch.float32:
         assert "chain_sm90_one_pass.cu" not in kept
+    if dtype != torch.float32:  # the float32 calls' parts: 16-bit models never run them
+        assert not {"chain_gemv.cu", "chain_epilogue.cu", "chain_sm90_split.cu"} & set(kept)
 
 
 def _parts_run(dtype, split: bool) -> set:
-    """Every part a forward (any path) or a backward's products of a model in ``dtype`` runs."""
+    """Every part a forward (any path it can take) or a backward's products of a model in
+    ``dtype`` runs: the few-rows kernel only where x is float32, a chain apart only where x is
+    float32 and the precision splits (test_calls_of_other_dtypes_take_neither)."""
     dispatch = gemmfuse.dispatch
-    run = {"chain_sm90_split.cu" if split else "chain_sm90_one_pass.cu"} if (
-        dtype == torch.float32) else set()  # fmt: skip
+    float32 = dtype == torch.float32
+    run = {"chain_sm90_split.cu" if split else "chain_sm90_one_pass.cu"} if float32 else set()
     for path, apart, code, wide, gemv in itertools.product(
-        ("fused", "epilogue"), (False, True), (dispatch.HOPPER_KERNEL, dispatch.PORTABLE_KERNEL),
-        (False, True), (False, True),
+        ("fused", "epilogue"), (False, True) if float32 and split else (False,),
+        (dispatch.HOPPER_KERNEL, dispatch.PORTABLE_KERNEL), (False, True),
+        (False, True) if float32 else (False,),
     ):  # fmt: skip
         chain, plain = dispatch.forward_parts(path, apart, code, split, dtype, wide, gemv)
         run |= set(chain) | set(plain)
     return run
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_calls_of_other_dtypes_take_neither(dtype):
+    """The paths _parts_run leaves out: a 16-bit call never takes the few-rows kernel nor runs
+    its chain apart, and a float32 call at a precision that does not split runs no chain apart
+    (each refused before the device is asked)."""
+    dispatch, chain = gemmfuse.dispatch, Epilogue(norm=GroupNormSpec(16))
+    x, w = torch.randn(1, 64), torch.randn(64, 64)
+    assert dispatch.gemv_fits("epilogue", x, w)  # the float32 call that fits
+    assert not dispatch.gemv_fits("epilogue", x.to(dtype), w.to(dtype))
+
+    def big(of):  # KernelBench's sizes, without their memory
+        return torch.empty(1, dtype=of).expand(4096, 8192)
+
+    assert not dispatch.chain_apart("fused", chain, big(dtype), 8192, "auto", "fp32")
+    assert not dispatch.chain_apart("fused", chain, big(torch.float32), 8192, "auto", "tf32")
 
 
 def test_models_of_several_dtypes_and_precisions_keep_each_ones_parts():

@@ -89,8 +89,9 @@ def extension_for(epilogue: Epilogue, parts: Iterable[str] = ()) -> ChainKernels
     """The kernels of this chain's structure on the current GPU (built once, then cached), with
     ``parts`` (files of CHAIN_PARTS: those the caller is about to run) built and loaded; any
     other part is built when first called."""
-    ready = _ready(epilogue.structure, arch_flags(), tuple(parts))  # every call after the first
-    return ready if ready is not None else extensions_for(epilogue, parts=(parts,))[0]
+    arch, parts = arch_flags(), tuple(parts)
+    ready = _ready(epilogue.structure, arch, parts)  # every call after the first
+    return ready if ready is not None else _kernels(epilogue.structure, parts, arch)
 
 
 def extensions_for(*epilogues: Epilogue, parts: tuple = ()) -> list[ChainKernels]:

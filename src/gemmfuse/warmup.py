@@ -62,15 +62,22 @@ def parts_for_models(parts: tuple[str, ...], dtypes, precisions=("fp32",)) -> tu
     dispatch.forward_parts picks for such a dtype and precision on some path, and a float32
     backward's products. So all but the 16-bit instances of the dtypes not named, the portable
     kernel for bfloat16 alone, and chain_sm90_one_pass.cu unless a float32 model runs at a
-    precision that does not split. (forward_parts' paths, not forward_spec's: a 16-bit model
-    keeps the few-rows and apart parts, which only float32 calls reach.)"""
+    precision that does not split. forward_parts' flags as forward_spec sets them: the few-rows
+    kernel runs float32 calls alone (dispatch.gemv_fits), and a chain runs apart on float32 calls
+    at precision="fp32" alone (dispatch.chain_apart), so the parts that only those and a float32
+    model's epilogue path run are kept for float32, the split GEMM for a float32 model that
+    splits."""
     precisions = (precisions,) if isinstance(precisions, str) else tuple(precisions)
     for p in precisions:
         if p not in PRECISIONS:
             raise ValueError(f"gemmfuse: precision {p!r} is not one of {tuple(PRECISIONS)}")
     dtypes = set(dtypes)
-    one_pass = torch.float32 in dtypes and not all(PRECISIONS[p] for p in precisions)
+    float32 = torch.float32 in dtypes
+    one_pass = float32 and not all(PRECISIONS[p] for p in precisions)
     needed = {
+        "chain_gemv.cu": float32,
+        "chain_epilogue.cu": float32,
+        "chain_sm90_split.cu": float32 and any(PRECISIONS[p] for p in precisions),
         "chain_sm90_bf16.cu": torch.bfloat16 in dtypes,
         "chain_sm90_fp16.cu": torch.float16 in dtypes,
         "chain_epilogue_16bit.cu": bool(dtypes.intersection(MODEL16)),

@@ -14,14 +14,19 @@ class DeviceCache {
 
   // The value for `device`: `find(device, value)` (CUDA calls, returning their cudaError_t)
   // asked the first time, its answer kept; every value kept is positive (0 marks "not yet
-  // found"). Two threads may both ask at first; they store the same answer.
+  // found"). Two threads may both ask at first; they store the same answer. A failed query's
+  // error is returned here and cleared from the thread's last error (where it is not sticky),
+  // so that a later launch's cudaGetLastError does not report it a second time.
   template <class Find>
   cudaError_t get(int device, int& value, Find&& find) {
     if (device < 0) return cudaErrorInvalidDevice;
     int known = device < kDevices ? slots_[device].load(std::memory_order_relaxed) : 0;
     if (known <= 0) {
       const cudaError_t err = find(device, known);
-      if (err != cudaSuccess) return err;
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        return err;
+      }
       if (known <= 0) return cudaErrorInvalidValue;
       if (device < kDevices) slots_[device].store(known, std::memory_order_relaxed);
     }

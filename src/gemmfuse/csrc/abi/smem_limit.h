@@ -14,8 +14,11 @@ namespace gemmfuse {
 // us against it in each bf16 #75 forward, H200, 2026-11-26, when the chain kernel called it
 // before every launch; not timed on its own). Keyed by the kernel's address, not
 // a template static: every chain's library instantiates the kernels with a struct of the same
-// name (GeneratedEpilogueFor<...>), and such a static may be one object for the whole process
-// (chain_backward_plan.cuh's resident_blocks says how that failed once).
+// name (GeneratedEpilogueFor<...>), and such a static was once one object for the whole process
+// (chain_backward_plan.cuh's resident_blocks says how that failed). The part libraries now keep
+// their statics to themselves (-fno-gnu-unique, and -fvisibility=hidden since 2bef679, which
+// tests/gpu/test_parts.py checks; DeviceCache's per-kernel statics rely on it); the address key
+// holds however a library is built.
 inline cudaError_t raise_smem_once(const void* kernel, int bytes) {
   int device = 0;
   const cudaError_t got = cudaGetDevice(&device);

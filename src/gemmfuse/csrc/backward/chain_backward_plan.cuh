@@ -14,8 +14,9 @@ namespace gemmfuse {
 // Blocks of `kernel` with `bytes` of dynamic shared memory resident on the current GPU at once
 // (0: they do not fit), queried once per device (the attribute calls cost microseconds each).
 // Keyed by the kernel's own address: every chain's library instantiates these templates with a
-// struct of the same name (GeneratedEpilogueFor<...>), and a template's static may be one object for the
-// whole process (GNU unique symbols; build.py compiles with -fno-gnu-unique as well). Keyed by
+// struct of the same name (GeneratedEpilogueFor<...>), and a template's static could be one object for
+// the whole process (GNU unique symbols; the parts compile with -fno-gnu-unique, and since 2bef679
+// with hidden symbols, so each library now keeps its own; the key holds regardless). Keyed by
 // kind alone, a second chain's kernel found the first one's answer and never had its shared
 // memory limit raised: its launch failed with "invalid argument" (measured, H100, two chains
 // of 4096 channels in one process).
