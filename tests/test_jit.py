@@ -147,3 +147,25 @@ def test_parts_are_libraries_of_one_directory_named_by_every_source():
     assert len(libraries) == len(jit.CHAIN_PARTS)
     assert {lib.parent.name for lib in libraries} == {parts.name}
     assert "-DGEMMFUSE_PARTS_APART" in parts.flags
+
+
+def test_a_part_asks_the_cache_once_per_process(monkeypatch):
+    """A first call's build, ensure and load each want a part's library: the cache and its
+    cross-process lock are asked once, or again after a build that failed."""
+    parts = jit.ChainParts(CHAIN.structure, ARCH)
+    asked, failing = [], {"chain_sm80.cu"}
+
+    def cached_library(name, file_name, what, build):
+        asked.append(file_name)
+        if any(part[:-3] in file_name for part in failing):
+            raise BuildError("gemmfuse: compiling failed")
+
+    monkeypatch.setattr(jit, "cached_library", cached_library)
+    gemv = parts.library("chain_gemv.cu")
+    assert parts.build("chain_gemv.cu") == parts.build("chain_gemv.cu") == gemv
+    parts.build_all(["chain_gemv.cu", "chain_epilogue.cu"])
+    assert asked == [gemv.name, parts.library("chain_epilogue.cu").name]
+    for _ in range(2):
+        with pytest.raises(BuildError):
+            parts.build("chain_sm80.cu")
+    assert asked[2:] == [parts.library("chain_sm80.cu").name] * 2

@@ -224,6 +224,7 @@ class ChainParts:
         self.structure = structure
         self._handles: dict[str, ctypes.CDLL] = {}  # part -> its loaded library
         self._failed: set[str] = set()  # parts that could not be built or loaded
+        self._built: set[str] = set()  # parts this process found or built in the cache
         self._locks = {part: threading.Lock() for part in CHAIN_PARTS[1:]}
         self._loader = _LOADER(self._load_called)  # kept alive while the table may call it
 
@@ -232,14 +233,20 @@ class ChainParts:
         return cache_dir() / self.name / f"lib{self.name}_{Path(part).stem}.so"
 
     def build(self, part: str) -> Path:
-        """The library of ``part``, built if the cache lacks it."""
+        """The library of ``part``, built if the cache lacks it: the cache (and its cross-process
+        lock) asked once per process and part, where a first call's build, ensure and load each
+        ask for it."""
         library = self.library(part)
+        if part in self._built:
+            return library
         what = f"{part} of {self.structure} ({self.name})"
 
         def compile_part(build_dir: Path, target: Path) -> None:
             _compile_part(part, self.sources[part], self.flags, build_dir, target)
 
-        return cached_library(self.name, library.name, what, compile_part)
+        cached_library(self.name, library.name, what, compile_part)
+        self._built.add(part)
+        return library
 
     def build_all(self, parts: Iterable[str]) -> None:
         """build() of each part at once (a thread each; nvcc runs in a process of its own)."""
