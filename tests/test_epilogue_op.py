@@ -4,7 +4,6 @@ and split_epilogue, the chain split that a BatchNorm1d's batch statistics need."
 import pytest
 import torch
 
-import gemmfuse.epilogue_op
 from gemmfuse import (
     Epilogue,
     GroupNormSpec,
@@ -49,28 +48,6 @@ def test_cpu_path_is_the_reference_with_its_gradients():
                                  twins)  # fmt: skip
     for g, e in zip(grads, expect, strict=True):
         assert torch.equal(g, e)
-
-
-def test_the_kernel_path_names_the_parts_it_runs(monkeypatch):
-    """The kernel path (float32 z) asks for the float32 chain kernel and the chain backward with
-    the chain's kernels, so a first call builds them at once (not each when first called)."""
-    asked = []
-
-    class FakeKernels:
-        @staticmethod
-        def epilogue_forward(z, *args):
-            return torch.zeros(z.shape[0], 1)
-
-    def extension_for(epilogue, parts=()):
-        asked.append((epilogue, tuple(parts)))
-        return FakeKernels
-
-    monkeypatch.setattr(gemmfuse.epilogue_op, "extension_for", extension_for)
-    z, gn, params = _tensors(torch.Generator().manual_seed(1))
-    launch = gemmfuse.epilogue_op._epilogue_launcher(CHAIN.untailed)
-    out = launch(z, *gn, params)
-    assert out.shape == (6, 1)
-    assert asked == [(CHAIN.untailed, ("chain_epilogue.cu", "chain_backward.cu"))]
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from gemmfuse.autograd import FusedEpilogueFunction
-from gemmfuse.dispatch import FallbackWarning, forward_parts, select_epilogue_path
+from gemmfuse.dispatch import FallbackWarning, select_epilogue_path
 from gemmfuse.epilogue import Epilogue
 from gemmfuse.jit import extension_for
 from gemmfuse.ops import chain_arguments, records_grad
@@ -85,10 +85,7 @@ def _epilogue_launcher(epilogue: Epilogue):
         m, n = z.shape
         y = z.detach().contiguous()  # read, not written: the kernel writes a new tensor
         gn = [None if t is None else t.detach().contiguous() for t in (gn_weight, gn_bias)]
-        # the chain kernel (float32: select_epilogue_path) and the chain backward, built with
-        # the chain's table on a first call rather than each when first called, in turn
-        parts, _ = forward_parts("epilogue", False, 0, False, z.dtype, False, False)
-        out = extension_for(epilogue, parts=parts).epilogue_forward(
+        out = extension_for(epilogue).epilogue_forward(
             y, *gn, *chain_arguments(epilogue, params, m, n), False
         )
         return out.view(m, 1) if epilogue.reduce is not None and epilogue.reduce.keepdim else out
