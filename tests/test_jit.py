@@ -149,9 +149,11 @@ def test_parts_are_libraries_of_one_directory_named_by_every_source():
     assert "-DGEMMFUSE_PARTS_APART" in parts.flags
 
 
-def test_a_part_asks_the_cache_once_per_process(monkeypatch):
-    """A first call's build, ensure and load each want a part's library: the cache and its
-    cross-process lock are asked once, or again after a build that failed."""
+def test_a_part_asks_the_cache_once_per_process(monkeypatch, tmp_path):
+    """A first call's build_all, ensure and load each want a part's library: the cache and its
+    cross-process lock are asked once, or again after a build that failed or where the library
+    has left the disk."""
+    monkeypatch.setenv("GEMMFUSE_CACHE_DIR", str(tmp_path))
     parts = jit.ChainParts(CHAIN.structure, ARCH)
     asked, failing = [], {"chain_sm80.cu"}
 
@@ -159,6 +161,8 @@ def test_a_part_asks_the_cache_once_per_process(monkeypatch):
         asked.append(file_name)
         if any(part[:-3] in file_name for part in failing):
             raise BuildError("gemmfuse: compiling failed")
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / file_name).touch()
 
     monkeypatch.setattr(jit, "cached_library", cached_library)
     gemv = parts.library("chain_gemv.cu")
@@ -169,3 +173,5 @@ def test_a_part_asks_the_cache_once_per_process(monkeypatch):
         with pytest.raises(BuildError):
             parts.build("chain_sm80.cu")
     assert asked[2:] == [parts.library("chain_sm80.cu").name] * 2
+    gemv.unlink()
+    assert parts.build("chain_gemv.cu") == gemv and asked[4:] == [gemv.name]

@@ -224,7 +224,7 @@ class ChainParts:
         self.structure = structure
         self._handles: dict[str, ctypes.CDLL] = {}  # part -> its loaded library
         self._failed: set[str] = set()  # parts that could not be built or loaded
-        self._built: set[str] = set()  # parts this process found or built in the cache
+        self._built: set[Path] = set()  # libraries this process found or built in the cache
         self._locks = {part: threading.Lock() for part in CHAIN_PARTS[1:]}
         self._loader = _LOADER(self._load_called)  # kept alive while the table may call it
 
@@ -233,11 +233,12 @@ class ChainParts:
         return cache_dir() / self.name / f"lib{self.name}_{Path(part).stem}.so"
 
     def build(self, part: str) -> Path:
-        """The library of ``part``, built if the cache lacks it: the cache (and its cross-process
-        lock) asked once per process and part, where a first call's build, ensure and load each
-        ask for it."""
+        """The library of ``part``, built if the cache lacks it. A first call reaches this from
+        build_all, ensure and load: once a build has found or left the library, the later ones
+        see the file and skip the cache's cross-process lock (a library gone from the disk, or
+        a cache directory changed, is asked for again)."""
         library = self.library(part)
-        if part in self._built:
+        if library in self._built and library.exists():
             return library
         what = f"{part} of {self.structure} ({self.name})"
 
@@ -245,7 +246,7 @@ class ChainParts:
             _compile_part(part, self.sources[part], self.flags, build_dir, target)
 
         cached_library(self.name, library.name, what, compile_part)
-        self._built.add(part)
+        self._built.add(library)
         return library
 
     def build_all(self, parts: Iterable[str]) -> None:

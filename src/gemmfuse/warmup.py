@@ -59,14 +59,14 @@ def model_structures(model) -> list[Epilogue]:
 def parts_for_models(parts: tuple[str, ...], dtypes, precisions=("fp32",)) -> tuple[str, ...]:
     """Those of ``parts`` (files of csrc/chain/) that calls of models in ``dtypes`` at these
     ``precisions`` (optimize's; a sequence, or one name) may run: each that
-    dispatch.forward_parts picks for such a dtype and precision on some path, and a float32
-    backward's products. So all but the 16-bit instances of the dtypes not named, the portable
-    kernel for bfloat16 alone, and chain_sm90_one_pass.cu unless a float32 model runs at a
-    precision that does not split. forward_parts' flags as forward_spec sets them: the few-rows
-    kernel runs float32 calls alone (dispatch.gemv_fits), and a chain runs apart on float32 calls
-    at precision="fp32" alone (dispatch.chain_apart), so the parts that only those and a float32
-    model's epilogue path run are kept for float32, the split GEMM for a float32 model that
-    splits."""
+    dispatch.forward_parts picks for such a dtype and precision on some path such a call can
+    take, and a float32 backward's products. So it leaves out: the 16-bit instances of the
+    dtypes not named; the portable kernel for bfloat16 alone; chain_sm90_one_pass.cu unless a
+    float32 model runs at a precision that does not split; chain_gemv.cu and chain_epilogue.cu
+    unless a model is float32 (the few-rows kernel runs float32 calls alone, dispatch.gemv_fits,
+    as does the float32 chain kernel); chain_sm90_split.cu unless a float32 model runs at a
+    precision that splits (a chain apart, dispatch.chain_apart, and the backward's split
+    products both need one)."""
     precisions = (precisions,) if isinstance(precisions, str) else tuple(precisions)
     for p in precisions:
         if p not in PRECISIONS:

@@ -16,7 +16,8 @@ class DeviceCache {
   // asked the first time, its answer kept; every value kept is positive (0 marks "not yet
   // found"). Two threads may both ask at first; they store the same answer. A failed query's
   // error is returned here and cleared from the thread's last error (where it is not sticky),
-  // so that a later launch's cudaGetLastError does not report it a second time.
+  // so that a later launch's cudaGetLastError does not report it a second time: `find` returns
+  // cudaSuccess or the error of the CUDA call of its own that failed, never one it makes up.
   template <class Find>
   cudaError_t get(int device, int& value, Find&& find) {
     if (device < 0) return cudaErrorInvalidDevice;
@@ -24,7 +25,7 @@ class DeviceCache {
     if (known <= 0) {
       const cudaError_t err = find(device, known);
       if (err != cudaSuccess) {
-        cudaGetLastError();
+        (void)cudaGetLastError();
         return err;
       }
       if (known <= 0) return cudaErrorInvalidValue;
@@ -39,7 +40,11 @@ class DeviceCache {
   cudaError_t current(int& value, Find&& find) {
     int device = 0;
     const cudaError_t err = cudaGetDevice(&device);
-    return err != cudaSuccess ? err : get(device, value, static_cast<Find&&>(find));
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // as get() clears a failed query's
+      return err;
+    }
+    return get(device, value, static_cast<Find&&>(find));
   }
 
  private:
