@@ -163,7 +163,7 @@ def test_a_models_parts_hold_every_part_its_forwards_run(dtype, precision):
 def _parts_run(dtype, split: bool) -> set:
     """Every part a forward (any path it can take) or a backward's products of a model in
     ``dtype`` runs: the few-rows kernel only where x is float32, a chain apart only where x is
-    float32 and the precision splits (test_calls_of_other_dtypes_take_neither)."""
+    float32 and the precision splits (test_the_paths_parts_run_leaves_out_are_refused)."""
     dispatch = gemmfuse.dispatch
     float32 = dtype == torch.float32
     run = {"chain_sm90_split.cu" if split else "chain_sm90_one_pass.cu"} if float32 else set()
@@ -178,7 +178,7 @@ def _parts_run(dtype, split: bool) -> set:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_calls_of_other_dtypes_take_neither(dtype):
+def test_the_paths_parts_run_leaves_out_are_refused(dtype):
     """The paths _parts_run leaves out: a 16-bit call never takes the few-rows kernel nor runs
     its chain apart, and a float32 call at a precision that does not split runs no chain apart
     (each refused before the device is asked)."""
