@@ -72,16 +72,15 @@ def parts_for_models(parts: tuple[str, ...], dtypes, precisions=("fp32",)) -> tu
         if p not in PRECISIONS:
             raise ValueError(f"gemmfuse: precision {p!r} is not one of {tuple(PRECISIONS)}")
     dtypes = set(dtypes)
-    float32 = torch.float32 in dtypes
-    one_pass = float32 and not all(PRECISIONS[p] for p in precisions)
+    float32, splits = torch.float32 in dtypes, {PRECISIONS[p] for p in precisions}
     needed = {
         "chain_gemv.cu": float32,
         "chain_epilogue.cu": float32,
-        "chain_sm90_split.cu": float32 and any(PRECISIONS[p] for p in precisions),
+        "chain_sm90_split.cu": float32 and True in splits,
         "chain_sm90_bf16.cu": torch.bfloat16 in dtypes,
         "chain_sm90_fp16.cu": torch.float16 in dtypes,
         "chain_epilogue_16bit.cu": bool(dtypes.intersection(MODEL16)),
-        "chain_sm90_one_pass.cu": one_pass,
+        "chain_sm90_one_pass.cu": float32 and False in splits,
         # forward_parts sends bf16 to its own kernel whatever the kernel code (float16 off the
         # Hopper kernel too, where select_path gives such calls to PyTorch: kept, as it asks)
         "chain_sm80.cu": bool(dtypes - {torch.bfloat16}),

@@ -2,7 +2,9 @@
 // call and kept for the process. The launches' plain static arrays that this replaces were
 // written by whichever host threads launched first on a device, unsynchronised: a data race.
 #pragma once
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 
 #include <cuda_runtime.h>
 
@@ -50,5 +52,19 @@ class DeviceCache {
  private:
   std::atomic<int> slots_[kDevices] = {};
 };
+
+// A persistent grid's size: the blocks of `kernel` (`threads` a block, `smem` bytes of dynamic
+// shared memory) resident at once on the current device, at least 1, found once per device in
+// `cache` (a static beside the launch).
+template <class Kernel>
+cudaError_t resident_grid(DeviceCache& cache, Kernel kernel, int threads, size_t smem, int& blocks) {
+  return cache.current(blocks, [kernel, threads, smem](int device, int& found) {
+    int per_sm = 0, sms = 0;
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    found = std::max(1, per_sm * sms);
+    return e;
+  });
+}
 
 }  // namespace gemmfuse

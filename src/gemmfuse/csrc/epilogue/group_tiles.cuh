@@ -131,13 +131,7 @@ cudaError_t launch_group_tiles_for(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = group_tiles_kernel<Epi, kGs>;
   static DeviceCache residents;  // blocks resident at once on the device, found once
   int resident = 0;
-  cudaError_t err = residents.current(resident, [kernel](int device, int& found) {
-    int per_sm = 0, sms = 0;
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGroupRowsThreads, 0);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    found = std::max(1, per_sm * sms);
-    return e;
-  });
+  const cudaError_t err = resident_grid(residents, kernel, kGroupRowsThreads, 0, resident);
   if (err != cudaSuccess) return err;
   const TileWalk walk = TileWalk::of(args.M, args.N, kTile, kTile);
   cudaLaunchAttribute attribute[1];

@@ -608,13 +608,7 @@ cudaError_t launch_kernel(const CUtensorMap (&maps)[4], const FusedArgs& args,
     // grid-th tile.
     static DeviceCache residents;
     int resident = 0;
-    err = residents.current(resident, [kernel](int d, int& found) {
-      int per_sm = 0, sms = 0;
-      cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, V::kSmemBytes);
-      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d);
-      found = std::max(1, per_sm * sms);
-      return e;
-    });
+    err = resident_grid(residents, kernel, kThreads, V::kSmemBytes, resident);
     if (err != cudaSuccess) return err;
     blocks = std::min(blocks, resident);
   }
