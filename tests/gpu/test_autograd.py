@@ -251,14 +251,22 @@ def saved_z(out):
     raise AssertionError("the output was not computed by FusedLinearFunction")
 
 
+def drawn_gradients(chain, grad, kernel):
+    """One data draw's gradients: (ours, eager's, the float64 references from our z and from
+    eager's, PyTorch's fp32 ops from our z, our z, the path ours took)."""
+    ours, z_ours, path = chain.fused(grad, kernel)
+    eager, z_eager = chain.eager(grad)
+    ref_ours, ref_eager = chain.given_z(z_ours, grad), chain.given_z(z_eager, grad)
+    torch_ours = chain.given_z(z_ours, grad, torch.float32)
+    return ours, eager, ref_ours, ref_eager, torch_ours, z_ours, path
+
+
 def check_gradients(chain, grad, kernel, label, names, bar_on=True, redraw=None):
     """Asserts the module docstring's bars for every gradient; returns the path taken and the
     report lines. ``redraw(r)`` gives (chain, grad) of the same chain's r-th further data draw,
     where the test has one: the allclose count's verdict after a single draw misses it."""
-    ours, z_ours, path = chain.fused(grad, kernel)
-    eager, z_eager = chain.eager(grad)
-    ref_ours, ref_eager = chain.given_z(z_ours, grad), chain.given_z(z_eager, grad)
-    torch_ours = chain.given_z(z_ours, grad, torch.float32)  # PyTorch's fp32 ops from our z
+    drawn = drawn_gradients(chain, grad, kernel)
+    ours, eager, ref_ours, ref_eager, torch_ours, z_ours, path = drawn
     z_rounded = F.linear(chain.x.double(), chain.w.double(), chain.b.double()).float()
     alone = chain.given_z(z_rounded, grad, torch.float32)
     alone_cpu = chain.to("cpu").given_z(z_rounded.cpu(), grad.cpu(), torch.float32)
@@ -325,11 +333,7 @@ def counts_over_draws(redraw, kernel, i, first):
     over ``first`` and REDRAWS further draws of the data."""
     totals = list(first)
     for r in range(1, REDRAWS + 1):
-        chain, grad = redraw(r)
-        ours, z_ours, _ = chain.fused(grad, kernel)
-        eager, z_eager = chain.eager(grad)
-        ref_ours, ref_eager = chain.given_z(z_ours, grad), chain.given_z(z_eager, grad)
-        torch_ours = chain.given_z(z_ours, grad, torch.float32)
+        ours, eager, ref_ours, ref_eager, torch_ours, _, _ = drawn_gradients(*redraw(r), kernel)
         totals[0] += off_allclose(ours[i], ref_ours[i])
         totals[1] += off_allclose(eager[i], ref_eager[i])
         totals[2] += off_allclose(torch_ours[i], ref_ours[i])
