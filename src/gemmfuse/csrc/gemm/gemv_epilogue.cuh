@@ -16,7 +16,6 @@
 #pragma once
 #include <algorithm>
 
-#include "arrivals.h"
 #include "fused_args.h"
 #include "norm_finalize.cuh"
 #include "row_reduce.cuh"
@@ -145,11 +144,12 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
 
   // The last slice of this column window to finish folds all of them and runs the epilogue.
   __shared__ bool is_last;
+  __threadfence();
   __syncthreads();
-  if (tid == 0)
-    is_last = arrive_counted(g.counter + blockIdx.x) == static_cast<int>(gridDim.y) - 1;
+  if (tid == 0) is_last = atomicAdd(g.counter + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
   __syncthreads();
   if (!is_last) return;
+  __threadfence();
   const int cols_here = min(kTile, N - n0);
   float* tile = xs;  // x's slice is no longer needed
   for (int i = tid; i < M * kTile; i += kGemvThreads) {
@@ -175,11 +175,13 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   // (norm_finalize_kernel's work, without its launch). The rows and moments it reads were
   // written by the other windows' blocks before their arrival and never read by this block.
   __shared__ bool rows_last;
+  __threadfence();
   __syncthreads();
   if (tid == 0)
-    rows_last = arrive_counted(g.counter + gridDim.x) == static_cast<int>(gridDim.x) - 1;
+    rows_last = atomicAdd(g.counter + gridDim.x, 1) == static_cast<int>(gridDim.x) - 1;
   __syncthreads();
   if (!rows_last) return;
+  __threadfence();
   for (int m = 0; m < M; ++m) {
     float* row = args.out + static_cast<int64_t>(m) * N;
     finish_row<Epi>(args.norm_stats + static_cast<int64_t>(m) * gridDim.x * args.stats_per_tile,
