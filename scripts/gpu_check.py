@@ -15,13 +15,17 @@ is installed (1117 tests in 196 s with 8 on the H100 machine; not for test_optim
 module fixture then built every export in parallel processes in each worker at once, which
 ran past 510 s, and under -n 12 past 420 s on two H200s in session 44; since then each worker
 takes its share of the cores and starts at its own place in the list, not yet timed on a
-GPU); --test-timeout bounds pytest's seconds (540), and a run it cuts short lists
+GPU); --split-gpus runs the selected files as one pytest process per visible GPU, the files
+dealt by size (test_parallel.py apart, in a process that sees every GPU), all at once, each
+with its own log and summary line; --test-timeout bounds pytest's seconds (540), and a run it
+cuts short lists
 the tests still running in the summary (pytest -v names each as it finishes; a test past 300 s,
 or 80% of a shorter limit, dumps its threads' stacks into the log's stderr part); --no-cold
 skips the cold builds,
 for a second call on a machine that already ran them. Where the tree travels
 without its own .git (the device tool's copy carries a stale one), set GEMMFUSE_COMMIT to the
-commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
+commit that runs: the benchmark records it (gemmfuse.bench.git_commit). Every log is written
+as its command runs, so a call killed from outside (the device tool's limit) keeps what ran.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -59,25 +64,30 @@ FIRST_CALL_SNIPPET = (
 )
 
 
-def run(cmd: list[str], log: str, timeout: float = 420) -> tuple[int, str]:
-    """Runs cmd, saving its output under OUT; a hang is killed and reported (rc 124)."""
+def run(cmd: list[str], log: str, timeout: float = 420, env: dict | None = None) -> tuple[int, str]:
+    """Runs cmd, its output written under OUT as it comes (stdout to ``log``, stderr beside it
+    until the end), so that a call killed from outside keeps it; a hang is killed and reported
+    (rc 124). Returns the exit status and the log's final text."""
     print("$", " ".join(cmd), flush=True)
-    try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
-        )
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
+    path, err_path = OUT / log, OUT / f"{log}.stderr"
+    with path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=out, stderr=err, text=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+    stdout, stderr = path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    err_path.unlink()
+    if rc is None:
         rc = 124
         # stderr apart: pytest's faulthandler dumps a stuck test's stacks there (kept apart, as
         # merged they could split a test's -v line from its result)
-        text = (
-            f"TIMEOUT after {timeout} s\n"
-            + (exc.stdout or b"").decode(errors="replace")
-            + "\n---- stderr ----\n"
-            + (exc.stderr or b"").decode(errors="replace")
-        )
-    (OUT / log).write_text(text)
+        text = f"TIMEOUT after {timeout} s\n{stdout}\n---- stderr ----\n{stderr}"
+    else:
+        text = stdout + stderr
+    path.write_text(text)
     print(text[-6000:], flush=True)
     return rc, text
 
@@ -217,6 +227,84 @@ def unfinished_tests(log: str) -> list[str]:
     return [name for name in started if name not in finished]
 
 
+def pytest_command(paths: list[str], selection: list[str], timeout: float) -> list[str]:
+    """pytest over `paths` with gpu_check's options: -v names each test as it finishes, so a
+    run cut short by its time limit still says which ones were running; a test (setup included)
+    running past faulthandler's timeout, set within the run's limit, dumps every thread's stack
+    to stderr."""
+    command = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-v", "-rs", "-p",
+               "no:cacheprovider", "-o", f"faulthandler_timeout={min(300, 0.8 * timeout):.0f}",
+               *selection]  # fmt: skip
+    expression = option("-k")
+    return command + ["-k", expression] if expression else command
+
+
+def gpu_file_groups(files: list[Path], gpus: int) -> list[list[Path]]:
+    """The files dealt to `gpus` groups by size: the largest first, each to the group holding
+    the fewest bytes so far (a file's size standing in for its tests' time)."""
+    groups: list[list[Path]] = [[] for _ in range(gpus)]
+    held = [0] * gpus
+    for path in sorted(files, key=lambda p: (-p.stat().st_size, p.name)):
+        at = held.index(min(held))
+        groups[at].append(path)
+        held[at] += path.stat().st_size
+    return groups
+
+
+def split_runs(gpus: int, timeout: float) -> list[tuple[str, list[str], dict]]:
+    """(log, command, environment) of each pytest process of --split-gpus: the selected files
+    (--files, else every tests/gpu/test_*.py; less --skip-files) dealt over the visible GPUs,
+    a process per GPU seeing that one alone, and test_parallel.py, where selected, in a process
+    of its own that sees them all (its cases need two)."""
+    named = option("--files")
+    files = (
+        [ROOT / "tests/gpu" / n for n in named.split(",")]
+        if named
+        else sorted((ROOT / "tests/gpu").glob("test_*.py"))
+    )
+    skipped = set((option("--skip-files") or "").split(","))
+    files = [f for f in files if f.name not in skipped]
+    _, selection = test_selection()  # --workers' -n for each process
+    selection = [a for a in selection if not a.startswith("--ignore")]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+    runs = []
+    apart = [f for f in files if f.name == "test_parallel.py"]
+    spread = [f for f in files if f.name != "test_parallel.py"]
+    for i, group in enumerate(gpu_file_groups(spread, gpus)):
+        if group:
+            paths = [str(f.relative_to(ROOT)) for f in group]
+            env = {**ENV, "CUDA_VISIBLE_DEVICES": ids[i]}
+            runs.append((f"pytest_gpu{i}.log", pytest_command(paths, selection, timeout), env))
+    if apart:
+        paths = [str(apart[0].relative_to(ROOT))]
+        runs.append(("pytest_parallel.log", pytest_command(paths, [], timeout), ENV))
+    return runs
+
+
+def run_tests(summary: list[str], timeout: float) -> int:
+    """Runs the GPU tests (one pytest, or --split-gpus' several at once) and notes each one's
+    counts and the tests its time limit left running; returns the worst exit status."""
+    gpus = torch.cuda.device_count()
+    if "--split-gpus" in sys.argv and gpus > 1:
+        runs = split_runs(gpus, timeout)
+    else:
+        paths, selection = test_selection()
+        runs = [("pytest.log", pytest_command(paths, selection, timeout), ENV)]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        results = list(pool.map(lambda r: run(r[1], r[0], timeout=timeout, env=r[2]), runs))
+    for (log, _, _), (rc, text) in zip(runs, results, strict=True):
+        counts = re.findall(
+            r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
+        )
+        label = "" if log == "pytest.log" else f" ({log})"
+        note(summary, f"GPU tests{label}: {counts[-1] if counts else 'no summary line'} (rc {rc})")
+        running = unfinished_tests(text)
+        if running:
+            note(summary, f"unfinished ({len(running)}): {', '.join(running[:10])}")
+    return max(rc for rc, _ in results)
+
+
 def note(summary: list[str], line: str) -> None:
     """Adds a summary line and prints it at once: a run cut short keeps what it measured."""
     summary.append(line)
@@ -249,28 +337,8 @@ def main() -> int:
     _, load = run([sys.executable, "-c", LOAD_SNIPPET], "load.log")
     note(summary, f"second-process load from cache: {load.strip().splitlines()[-1]}")
 
-    paths, selection = test_selection()
     timeout = float(option("--test-timeout") or 540)
-    # -v names each test as it finishes, so a run cut short by its time limit still says which
-    # ones were running; a test (setup included) running past faulthandler's timeout, set
-    # within the run's limit, dumps every thread's stack to stderr.
-    pytest = [sys.executable, "-m", "pytest", *paths, "-m", "gpu", "-v", "-rs", "-p",
-              "no:cacheprovider", "-o", f"faulthandler_timeout={min(300, 0.8 * timeout):.0f}",
-              *selection]  # fmt: skip
-    expression = option("-k")
-    if expression:
-        pytest += ["-k", expression]
-    rc_tests = 0
-    if "--no-tests" not in sys.argv:
-        rc_tests, text = run(pytest, "pytest.log", timeout=timeout)
-        counts = re.findall(
-            r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
-        )
-        note(summary, f"GPU tests: {counts[-1] if counts else 'no summary line'} (rc {rc_tests})")
-        running = unfinished_tests(text)
-        if running:
-            note(summary, f"unfinished ({len(running)}): {', '.join(running[:10])}")
-
+    rc_tests = 0 if "--no-tests" in sys.argv else run_tests(summary, timeout)
     if "--no-bench" in sys.argv:
         print("\n==== gpu-check summary ====\n" + "\n".join(summary))
         return rc_tests

@@ -1,14 +1,16 @@
-"""scripts/gpu_check.py on the CPU: which tests a pytest -v log cut short had left running, and
-what a run killed at its time limit keeps."""
+"""scripts/gpu_check.py on the CPU: which tests a pytest -v log cut short had left running, what a
+run killed at its time limit keeps, and how --split-gpus deals the test files."""
 
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
-from gpu_check import unfinished_tests  # noqa: E402
+from gpu_check import gpu_file_groups, split_runs, unfinished_tests  # noqa: E402
 
 A = "tests/gpu/test_a.py::test_one[62-hopper]"
 B = "tests/gpu/test_b.py::test_two"
@@ -62,3 +64,48 @@ def test_a_run_past_its_limit_keeps_both_streams(monkeypatch, tmp_path):
     assert rc == 124 and "TIMEOUT after 2 s" in text
     assert "on stdout" in text and "Timeout (0:05:00)!" in text
     assert (tmp_path / "stuck.log").read_text() == text
+
+
+def test_a_log_holds_the_output_while_its_command_runs(monkeypatch, tmp_path):
+    """A call killed from outside (the device tool's limit) keeps what its commands printed."""
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+    go = tmp_path / "go"
+    child = (
+        "import pathlib, time; print('early', flush=True); "
+        f"go = pathlib.Path({str(go)!r}); t = time.time()\n"
+        "while not go.exists() and time.time() - t < 30: time.sleep(0.05)"
+    )
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(gpu_check.run, [sys.executable, "-c", child], "live.log", 60)
+        log, deadline = tmp_path / "live.log", time.time() + 30
+        while not (log.exists() and "early" in log.read_text()) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not done.done() and "early" in log.read_text()
+        go.touch()
+        rc, text = done.result()
+    assert rc == 0 and text.startswith("early") and not (tmp_path / "live.log.stderr").exists()
+
+
+def test_files_are_dealt_over_the_gpus_by_size(tmp_path):
+    sizes = {"a.py": 900, "b.py": 500, "c.py": 450, "d.py": 100, "e.py": 60}
+    for name, size in sizes.items():
+        (tmp_path / name).write_text("x" * size)
+    groups = gpu_file_groups([tmp_path / n for n in sizes], 2)
+    assert [[p.name for p in g] for g in groups] == [["a.py", "d.py"], ["b.py", "c.py", "e.py"]]
+    assert gpu_file_groups([tmp_path / "a.py"], 3) == [[tmp_path / "a.py"], [], []]
+
+
+def test_split_runs_give_each_gpu_its_files_and_test_parallel_them_all(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    names = "test_kernels.py,test_parallel.py,test_plan.py,test_tail.py"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--split-gpus", "--files", names,
+                                      "--skip-files", "test_tail.py"])  # fmt: skip
+    runs = split_runs(2, 540)
+    logs = [log for log, _, _ in runs]
+    assert logs == ["pytest_gpu0.log", "pytest_gpu1.log", "pytest_parallel.log"]
+    files = [[a for a in command if a.startswith("tests/gpu/")] for _, command, _ in runs]
+    assert sorted(files[0] + files[1]) == ["tests/gpu/test_kernels.py", "tests/gpu/test_plan.py"]
+    assert files[2] == ["tests/gpu/test_parallel.py"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, _, env in runs[:2]] == ["2", "3"]
+    assert runs[2][2] is gpu_check.ENV  # the environment gpu_check itself was given
+    assert all("-v" in command and "gpu" in command for _, command, _ in runs)
