@@ -8,35 +8,40 @@ at once as there are cores, times a second process's load from the cache, runs t
 (pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
 [--no-tests] [--no-cold] [-k EXPR] [--files A,B] [--skip-files A,B] [--workers N]
-[--test-timeout S]. -k selects GPU tests as pytest's -k does; --files runs only those files of
-tests/gpu and --skip-files all but those, so that the suite can be split over calls that fit
-the device's 10 minutes; --workers runs N pytest-xdist processes sharing the GPU, where xdist
-is installed (1117 tests in 196 s with 8 on the H100 machine; not for test_optimize.py, whose
-module fixture then built every export in parallel processes in each worker at once, which
-ran past 510 s, and under -n 12 past 420 s on two H200s in session 44; since then each worker
-takes its share of the cores and starts at its own place in the list, not yet timed on a
-GPU); --split-gpus runs the selected files as one pytest process per visible GPU, the files
-dealt by size (test_parallel.py apart, in a process that sees every GPU), all at once, each
-with its own log and summary line; --test-timeout bounds pytest's seconds (540), and a run it
-cuts short lists
-the tests still running in the summary (pytest -v names each as it finishes; a test past 300 s,
-or 80% of a shorter limit, dumps its threads' stacks into the log's stderr part); --no-cold
-skips the cold builds,
-for a second call on a machine that already ran them. Where the tree travels
-without its own .git (the device tool's copy carries a stale one), set GEMMFUSE_COMMIT to the
-commit that runs: the benchmark records it (gemmfuse.bench.git_commit). Every log is written
-as its command runs, so a call killed from outside (the device tool's limit) keeps what ran.
+[--split-gpus] [--test-timeout S].
+- -k selects GPU tests as pytest's -k does; --files runs only those files of tests/gpu and
+  --skip-files all but those, so that the suite can be split over calls that fit the device's
+  10 minutes.
+- --workers runs N pytest-xdist processes sharing the GPU, where xdist is installed (1117 tests
+  in 196 s with 8 on the H100 machine; not for test_optimize.py, whose module fixture then built
+  every export in parallel processes in each worker at once, which ran past 510 s, and under
+  -n 12 past 420 s on two H200s in session 44; since then each worker takes its share of the
+  cores and starts at its own place in the list, not yet timed on a GPU).
+- --split-gpus, where more than one GPU is visible (else it is ignored), runs the selected files
+  (plain file names) as one pytest process per GPU, all at once, the files dealt by size, each
+  with --workers' N workers (so N times the GPUs processes share the cores) and its own log and
+  summary line; test_parallel.py runs apart, without xdist, in a process that sees every GPU
+  (beside the others on the same GPUs).
+- --test-timeout bounds pytest's seconds (540); a run it cuts short lists the tests still
+  running in the summary (pytest -v names each as it finishes; a test past 300 s, or 80% of a
+  shorter limit, dumps its threads' stacks into the log's stderr part).
+- --no-cold skips the cold builds, for a second call on a machine that already ran them.
+Where the tree travels without its own .git (the device tool's copy carries a stale one), set
+GEMMFUSE_COMMIT to the commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
+Every log is written as its command runs, so a call killed from outside (the device tool's
+limit) keeps what ran.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -66,16 +71,18 @@ FIRST_CALL_SNIPPET = (
 
 def run(cmd: list[str], log: str, timeout: float = 420, env: dict | None = None) -> tuple[int, str]:
     """Runs cmd, its output written under OUT as it comes (stdout to ``log``, stderr beside it
-    until the end), so that a call killed from outside keeps it; a hang is killed and reported
-    (rc 124). Returns the exit status and the log's final text."""
+    until the end), so that a call killed from outside keeps it; a hang is killed with every
+    process it started (xdist's workers, a distributed test's ranks: its own session) and
+    reported (rc 124). Returns the exit status and the log's final text."""
     print("$", " ".join(cmd), flush=True)
     path, err_path = OUT / log, OUT / f"{log}.stderr"
     with path.open("w") as out, err_path.open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=out, stderr=err, text=True,
+                                start_new_session=True)  # fmt: skip
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = None
     stdout, stderr = path.read_text(errors="replace"), err_path.read_text(errors="replace")
@@ -256,53 +263,75 @@ def split_runs(gpus: int, timeout: float) -> list[tuple[str, list[str], dict]]:
     (--files, else every tests/gpu/test_*.py; less --skip-files) dealt over the visible GPUs,
     a process per GPU seeing that one alone, and test_parallel.py, where selected, in a process
     of its own that sees them all (its cases need two)."""
-    named = option("--files")
-    files = (
-        [ROOT / "tests/gpu" / n for n in named.split(",")]
-        if named
-        else sorted((ROOT / "tests/gpu").glob("test_*.py"))
+    named = [n for n in (option("--files") or "").split(",") if n]
+    files = [ROOT / "tests/gpu" / n for n in named] or sorted(
+        (ROOT / "tests/gpu").glob("test_*.py")
     )
     skipped = set((option("--skip-files") or "").split(","))
     files = [f for f in files if f.name not in skipped]
     _, selection = test_selection()  # --workers' -n for each process
     selection = [a for a in selection if not a.startswith("--ignore")]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = ENV.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
     runs = []
     apart = [f for f in files if f.name == "test_parallel.py"]
     spread = [f for f in files if f.name != "test_parallel.py"]
-    for i, group in enumerate(gpu_file_groups(spread, gpus)):
+    for device, group in zip(ids, gpu_file_groups(spread, gpus), strict=False):
         if group:
             paths = [str(f.relative_to(ROOT)) for f in group]
-            env = {**ENV, "CUDA_VISIBLE_DEVICES": ids[i]}
-            runs.append((f"pytest_gpu{i}.log", pytest_command(paths, selection, timeout), env))
+            env = {**ENV, "CUDA_VISIBLE_DEVICES": device}
+            runs.append((f"pytest_gpu{device}.log", pytest_command(paths, selection, timeout), env))
     if apart:
         paths = [str(apart[0].relative_to(ROOT))]
         runs.append(("pytest_parallel.log", pytest_command(paths, [], timeout), ENV))
     return runs
 
 
+def check_test_files() -> None:
+    """Exits with a message, before any build, where --files names a file tests/gpu lacks, or
+    --split-gpus is given node ids (it deals whole files)."""
+    for name in [n for n in (option("--files") or "").split(",") if n]:
+        if "::" in name and "--split-gpus" in sys.argv:
+            sys.exit(f"gpu_check: --split-gpus takes file names, not {name!r}")
+        if not (ROOT / "tests/gpu" / name.split("::")[0]).is_file():
+            sys.exit(f"gpu_check: --files: tests/gpu has no {name.split('::')[0]}")
+
+
+def combined_status(codes: list[int]) -> int:
+    """One exit status for pytest runs: the first that is neither a pass nor pytest's "no tests
+    collected" (5: a -k that selects nothing in one process's files), else 0 if any passed."""
+    failing = [rc for rc in codes if rc not in (0, 5)]
+    return failing[0] if failing else (0 if 0 in codes else 5)
+
+
 def run_tests(summary: list[str], timeout: float) -> int:
     """Runs the GPU tests (one pytest, or --split-gpus' several at once) and notes each one's
-    counts and the tests its time limit left running; returns the worst exit status."""
+    counts and the tests its time limit left running as it ends; returns combined_status."""
     gpus = torch.cuda.device_count()
     if "--split-gpus" in sys.argv and gpus > 1:
         runs = split_runs(gpus, timeout)
     else:
         paths, selection = test_selection()
         runs = [("pytest.log", pytest_command(paths, selection, timeout), ENV)]
+    if not runs:
+        note(summary, "GPU tests: no test files selected")
+        return 5
+    codes = []
     with ThreadPoolExecutor(len(runs)) as pool:
-        results = list(pool.map(lambda r: run(r[1], r[0], timeout=timeout, env=r[2]), runs))
-    for (log, _, _), (rc, text) in zip(runs, results, strict=True):
-        counts = re.findall(
-            r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
-        )
-        label = "" if log == "pytest.log" else f" ({log})"
-        note(summary, f"GPU tests{label}: {counts[-1] if counts else 'no summary line'} (rc {rc})")
-        running = unfinished_tests(text)
-        if running:
-            note(summary, f"unfinished ({len(running)}): {', '.join(running[:10])}")
-    return max(rc for rc, _ in results)
+        started = {pool.submit(run, cmd, log, timeout, env): log for log, cmd, env in runs}
+        for done in as_completed(started):
+            log, (rc, text) = started[done], done.result()
+            codes.append(rc)
+            counts = re.findall(
+                r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?) in [\d.]+s", text, re.M
+            )
+            label = "" if log == "pytest.log" else f" ({log})"
+            found = counts[-1] if counts else "no summary line"
+            note(summary, f"GPU tests{label}: {found} (rc {rc})")
+            running = unfinished_tests(text)
+            if running:
+                note(summary, f"unfinished ({len(running)}): {', '.join(running[:10])}")
+    return combined_status(codes)
 
 
 def note(summary: list[str], line: str) -> None:
@@ -312,6 +341,7 @@ def note(summary: list[str], line: str) -> None:
 
 
 def main() -> int:
+    check_test_files()
     quick = "--quick" in sys.argv
     OUT.mkdir(parents=True, exist_ok=True)
     structures = every_structure()

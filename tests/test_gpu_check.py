@@ -1,16 +1,25 @@
 """scripts/gpu_check.py on the CPU: which tests a pytest -v log cut short had left running, what a
 run killed at its time limit keeps, and how --split-gpus deals the test files."""
 
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
-from gpu_check import gpu_file_groups, split_runs, unfinished_tests  # noqa: E402
+from gpu_check import (  # noqa: E402
+    check_test_files,
+    combined_status,
+    gpu_file_groups,
+    split_runs,
+    unfinished_tests,
+)
 
 A = "tests/gpu/test_a.py::test_one[62-hopper]"
 B = "tests/gpu/test_b.py::test_two"
@@ -77,7 +86,7 @@ def test_a_log_holds_the_output_while_its_command_runs(monkeypatch, tmp_path):
     )
     with ThreadPoolExecutor(1) as pool:
         done = pool.submit(gpu_check.run, [sys.executable, "-c", child], "live.log", 60)
-        log, deadline = tmp_path / "live.log", time.time() + 30
+        log, deadline = tmp_path / "live.log", time.time() + 10
         while not (log.exists() and "early" in log.read_text()) and time.time() < deadline:
             time.sleep(0.05)
         assert not done.done() and "early" in log.read_text()
@@ -96,16 +105,57 @@ def test_files_are_dealt_over_the_gpus_by_size(tmp_path):
 
 
 def test_split_runs_give_each_gpu_its_files_and_test_parallel_them_all(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setitem(gpu_check.ENV, "CUDA_VISIBLE_DEVICES", "2,3")
     names = "test_kernels.py,test_parallel.py,test_plan.py,test_tail.py"
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--split-gpus", "--files", names,
                                       "--skip-files", "test_tail.py"])  # fmt: skip
     runs = split_runs(2, 540)
     logs = [log for log, _, _ in runs]
-    assert logs == ["pytest_gpu0.log", "pytest_gpu1.log", "pytest_parallel.log"]
+    assert logs == ["pytest_gpu2.log", "pytest_gpu3.log", "pytest_parallel.log"]
     files = [[a for a in command if a.startswith("tests/gpu/")] for _, command, _ in runs]
     assert sorted(files[0] + files[1]) == ["tests/gpu/test_kernels.py", "tests/gpu/test_plan.py"]
     assert files[2] == ["tests/gpu/test_parallel.py"]
     assert [env["CUDA_VISIBLE_DEVICES"] for _, _, env in runs[:2]] == ["2", "3"]
     assert runs[2][2] is gpu_check.ENV  # the environment gpu_check itself was given
     assert all("-v" in command and "gpu" in command for _, command, _ in runs)
+
+
+def test_a_timeout_kills_the_processes_its_command_started(monkeypatch, tmp_path):
+    """xdist's workers and a distributed test's ranks must not outlive a run cut short."""
+    monkeypatch.setattr(gpu_check, "OUT", tmp_path)
+    child = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(p.pid, flush=True); time.sleep(60)"
+    )
+    rc, text = gpu_check.run([sys.executable, "-c", child], "tree.log", timeout=3)
+    grandchild = int(text.splitlines()[1])
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"process {grandchild} outlived the run")
+    assert rc == 124
+
+
+def test_the_runs_status_is_the_first_failure_and_no_tests_is_not_one():
+    assert combined_status([0, 5]) == 0
+    assert combined_status([5, 5]) == 5
+    assert combined_status([0, -6, 1]) == -6  # a crashed process (a signal) is a failure
+    assert combined_status([124, 0]) == 124
+
+
+def test_files_that_tests_gpu_lacks_are_refused_before_any_build(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--files", "test_plan.py,test_nope.py"])
+    with pytest.raises(SystemExit, match="no test_nope.py"):
+        check_test_files()
+    node = "test_plan.py::test_x"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--files", node])
+    check_test_files()  # one process takes node ids
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--split-gpus", "--files", node])
+    with pytest.raises(SystemExit, match="file names"):
+        check_test_files()
