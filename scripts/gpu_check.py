@@ -191,10 +191,14 @@ def option(name: str) -> str | None:
     return sys.argv[at]
 
 
+def named_files() -> list[str]:
+    """--files' names (files of tests/gpu, or pytest node ids in them), empty ones dropped."""
+    return [name for name in (option("--files") or "").split(",") if name]
+
+
 def test_selection() -> tuple[list[str], list[str]]:
     """(the paths pytest collects, its other arguments) for --files, --skip-files, --workers."""
-    files = option("--files")
-    paths = [f"tests/gpu/{name}" for name in files.split(",")] if files else ["tests"]
+    paths = [f"tests/gpu/{name}" for name in named_files()] or ["tests"]
     args = []
     skip = option("--skip-files")
     if skip:
@@ -263,8 +267,7 @@ def split_runs(gpus: int, timeout: float) -> list[tuple[str, list[str], dict]]:
     (--files, else every tests/gpu/test_*.py; less --skip-files) dealt over the visible GPUs,
     a process per GPU seeing that one alone, and test_parallel.py, where selected, in a process
     of its own that sees them all (its cases need two)."""
-    named = [n for n in (option("--files") or "").split(",") if n]
-    files = [ROOT / "tests/gpu" / n for n in named] or sorted(
+    files = [ROOT / "tests/gpu" / n for n in named_files()] or sorted(
         (ROOT / "tests/gpu").glob("test_*.py")
     )
     skipped = set((option("--skip-files") or "").split(","))
@@ -290,7 +293,7 @@ def split_runs(gpus: int, timeout: float) -> list[tuple[str, list[str], dict]]:
 def check_test_files() -> None:
     """Exits with a message, before any build, where --files names a file tests/gpu lacks, or
     --split-gpus is given node ids (it deals whole files)."""
-    for name in [n for n in (option("--files") or "").split(",") if n]:
+    for name in named_files():
         if "::" in name and "--split-gpus" in sys.argv:
             sys.exit(f"gpu_check: --split-gpus takes file names, not {name!r}")
         if not (ROOT / "tests/gpu" / name.split("::")[0]).is_file():

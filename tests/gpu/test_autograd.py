@@ -316,12 +316,13 @@ def check_gradients(chain, grad, kernel, label, names, bar_on=True, redraw=None)
             assert err <= err_eager + floor + 3 * sigma, line
         draws = [off_allclose(eager[i], ref_eager[i]), off_allclose(torch_ours[i], ref_ours[i])]
         off = off_allclose(g, ref_ours[i])
-        if off > max(draws) and redraw is not None:
+        over_draws = off > max(draws) and redraw is not None
+        if over_draws:
             off, draws = counts_over_draws(redraw, kernel, i, [off, *draws])
             line += f"; one draw missed, over {REDRAWS + 1} draws off {off}, the fp32 draws {draws}"
-            assert off <= max(draws), line
-            warnings.warn(f"judged over {REDRAWS + 1} data draws: {line}", stacklevel=2)
         assert off <= max(draws), line
+        if over_draws:  # a pass the sums decided shows in pytest's warnings summary
+            warnings.warn(f"judged over {REDRAWS + 1} data draws: {line}", stacklevel=2)
     return path, lines
 
 
