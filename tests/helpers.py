@@ -116,6 +116,9 @@ def assert_float64_bar(got, eager, exact, ops_alone, label: str) -> None:
 CHAIN_KERNELS = ("tile_epilogue_kernel", "group_rows_kernel", "group_tiles_kernel",
                  "row_epilogue_kernel", "wide_rows_kernel",
                  "pointwise_epilogue_kernel")  # fmt: skip
+# the epilogue path's few-rows kernels (csrc/gemm/gemv_epilogue.cuh): the window epilogue's,
+# and the one whose last block finishes whole-tile groups' rows in registers
+GEMV_KERNELS = ("gemv_epilogue_kernel", "gemv_whole_rows_kernel")
 
 
 def hopper() -> bool:

@@ -15,8 +15,10 @@ from gemmfuse.kernelbench.export import standalone_source
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import fused_linear_with_path
 from helpers import (
+    GEMV_KERNELS,
     build_pair,
     float64_bar,
+    kernel_names,
     max_abs_err,
     ops_alone,
     poison_allocator,
@@ -272,6 +274,36 @@ def test_epilogue_path_few_rows(number, m, k, n, groups):
     assert new.last_path == "epilogue"
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
     assert max_abs_err(got, exact) <= float64_bar(max_abs_err(expect, exact), 0.0, exact)
+
+
+@pytest.mark.parametrize("number", [62, 75])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k,n,groups,whole_rows", [
+    (1024, 1024, 2, True), (2048, 1024, 4, True), (1024, 768, 3, True), (512, 512, 1, True),
+    (4096, 1024, 2, False),  # 32 slices of K: more than one block's fold takes
+    (1024, 2048, 2, False),  # rows longer than a thread's quad each
+])  # fmt: skip
+def test_few_rows_whole_tile_groups(number, m, k, n, groups, whole_rows):
+    """GroupNorm groups of whole 128-channel tiles on rows of at most 1024 channels, over at
+    most 16 slices of K: the few-rows kernel's last block folds every slice and finishes the
+    rows in registers (gemv_whole_rows_kernel); otherwise the window epilogue and finish_row
+    (gemv_epilogue_kernel). Either way allclose to eager and within the float64 bar; the
+    kernel that ran, from the profiler."""
+    init = (k, n, groups) + (((1, n, 1, 1),) if number == 75 else ())
+    ref, new = small_pair(number, seed=m * k + n, init=init)
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    new.kernel = "epilogue"
+    x = torch.randn(m, k, device=CUDA) * 3 + 0.5
+    expect, exact, got = run_both(ref, new, x)
+    assert new.last_path == "epilogue"
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
+    assert max_abs_err(got, exact) <= float64_bar(max_abs_err(expect, exact), 0.0, exact)
+    with torch.no_grad():
+        names = kernel_names(new, x)
+    ran = [k for k in GEMV_KERNELS if any(k in name for name in names)]
+    assert ran == [GEMV_KERNELS[1] if whole_rows else GEMV_KERNELS[0]], names
+    again = run_both(ref, new, torch.rand(m, k, device=CUDA) - 0.25)  # counters left at zero
+    torch.testing.assert_close(again[2], again[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("number", [62, 75])

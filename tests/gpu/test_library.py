@@ -18,7 +18,7 @@ from gemmfuse.chains import chain_pool, linear_data
 from gemmfuse.kernelbench.registry import get_problem
 from gemmfuse.ops import fused_linear_with_path
 from gemmfuse.warmup import build_in_processes, structures_for
-from helpers import CHAIN_KERNELS, hopper, kernel_names
+from helpers import CHAIN_KERNELS, GEMV_KERNELS, hopper, kernel_names
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -103,7 +103,7 @@ def test_cuda_graph_replay_sees_a_changed_weight():
 
 
 # the epilogue path's kernels: M = 1 takes the few-rows one, more rows one after the GEMM
-EPILOGUE_KERNELS = (*CHAIN_KERNELS, "gemv_epilogue_kernel")
+EPILOGUE_KERNELS = (*CHAIN_KERNELS, *GEMV_KERNELS)
 SMALL = {62: (1024, 1024, 64), 75: (1024, 1024, 64, (1, 1024, 1, 1))}
 
 

@@ -43,29 +43,36 @@ namespace gemmfuse {
 constexpr int kWideRowThreads = 512;
 constexpr int kWideRowQuads = 4;  // float4s a thread holds
 constexpr int kWideRowMaxN = kWideRowThreads * kWideRowQuads * 4;  // 8192 channels
-constexpr int kWideRowMaxTiles = kWideRowMaxN / kTile;
-constexpr int kWideRowWarps = kWideRowThreads / 32;
 static_assert(kTile == 128 && kTile / 4 == 32, "a warp's 32 quads are one tile");
 
-// Groups of whole tiles (so wider than or as wide as a tile) on a row that fits the registers,
-// the row's input and output and the GroupNorm's weight and bias 16-byte aligned (the channel
-// count, a multiple of the group size, keeps every row so); moments, not a softmax's statistics;
-// no max pooling (Epi::kPool 1: epilogue.py never pairs one with a norm, as group_rows_serves
-// checks too).
+// Groups of whole tiles (so wider than or as wide as a tile) on a row of at most max_n channels,
+// the row's output and the GroupNorm's weight and bias 16-byte aligned (the channel count, a
+// multiple of the group size, keeps every row so); moments, not a softmax's statistics; no max
+// pooling (Epi::kPool 1: epilogue.py never pairs one with a norm, as group_rows_serves checks
+// too). finish_row_registers' terms, whatever brings the row into registers.
 template <class Epi>
-inline bool wide_rows_serves(const FusedArgs& args) {
-  if constexpr (Epi::kModelDtype != kFloat32Model || !Epi::kNorm || Epi::kSoftmax ||
-                Epi::kPool != 1) {
+constexpr bool normalizes_in_registers() {
+  return Epi::kModelDtype == kFloat32Model && Epi::kNorm && !Epi::kSoftmax && Epi::kPool == 1;
+}
+
+template <class Epi>
+inline bool whole_tile_groups(const FusedArgs& args, int max_n) {
+  if constexpr (!normalizes_in_registers<Epi>()) {
     return false;
   } else {
     const int gs = args.group_size;
-    return args.norm_wide && gs > 0 && gs % kTile == 0 && args.N % gs == 0 &&
-           args.N <= kWideRowMaxN && args.stats_per_tile <= 2 &&
-           reinterpret_cast<uintptr_t>(epilogue_source(args)) % 16 == 0 &&
-           reinterpret_cast<uintptr_t>(args.out) % 16 == 0 &&
+    return args.norm_wide && gs > 0 && gs % kTile == 0 && args.N % gs == 0 && args.N <= max_n &&
+           args.stats_per_tile <= 2 && reinterpret_cast<uintptr_t>(args.out) % 16 == 0 &&
            reinterpret_cast<uintptr_t>(args.gn_weight) % 16 == 0 &&
            reinterpret_cast<uintptr_t>(args.gn_bias) % 16 == 0;
   }
+}
+
+// wide_rows_kernel's: the rows fit its registers and its input is 16-byte aligned too.
+template <class Epi>
+inline bool wide_rows_serves(const FusedArgs& args) {
+  return whole_tile_groups<Epi>(args, kWideRowMaxN) &&
+         reinterpret_cast<uintptr_t>(epilogue_source(args)) % 16 == 0;
 }
 
 // The moments of the 128 values a warp holds (four a lane), as segment_moments_warp computes
@@ -76,41 +83,39 @@ __device__ __forceinline__ SegmentMoments tile_moments_warp(const float4& v) {
                               __shfl_sync(0xffffffffu, v.x, 0), kTile);
 }
 
-template <class Epi>
-__global__ void __launch_bounds__(kWideRowThreads) wide_rows_kernel(FusedArgs args) {
-  __shared__ float4 stats[kWideRowMaxTiles * 2];  // [tile, segment] as norm_stats' layout
-  __shared__ float s_mean[kWideRowMaxTiles], s_mean_lo[kWideRowMaxTiles],
-      s_rstd[kWideRowMaxTiles];
-  const int N = args.N, gs = args.group_size, r = blockIdx.x;
+// Row r's z (x @ W^T + b), kQuads float4s a thread in registers (quad q = tid + j * kThreads,
+// so that warp w's j-th holds tile w + j * kThreads / 32), finished there: `pre`, each tile's
+// moments, each group's, then normalised, `post` applied and stored into args.out's row r, or
+// reduced into args.row_out[r]. The block's threads all call it (its barriers); a block that
+// finishes a second row calls __syncthreads() first (the shared arrays and the reduction's).
+template <class Epi, int kThreads, int kQuads>
+__device__ __forceinline__ void finish_row_registers(float4 (&v)[kQuads], int r,
+                                                     const FusedArgs& args) {
+  constexpr int kWarps = kThreads / 32, kMaxTiles = kThreads * kQuads * 4 / kTile;
+  __shared__ float4 stats[kMaxTiles * 2];  // [tile, segment] as norm_stats' layout
+  __shared__ float s_mean[kMaxTiles], s_mean_lo[kMaxTiles], s_rstd[kMaxTiles];
+  const int N = args.N, gs = args.group_size;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int quads = N / 4, n_tiles = N / kTile;
-  const int64_t offset = static_cast<int64_t>(r) * N;
-  const float4* in = reinterpret_cast<const float4*>(epilogue_source(args) + offset);
 
-  float4 v[kWideRowQuads];
-#pragma unroll
-  for (int j = 0; j < kWideRowQuads; ++j) {
-    const int q = tid + j * kWideRowThreads;
-    v[j] = q < quads ? in[q] : make_float4(0.f, 0.f, 0.f, 0.f);  // plain: in may be args.out
-  }
   auto pre = [&](float z, int c) { return epilogue_input<Epi>(z, 1.f, r, c, args); };
 #pragma unroll
-  for (int j = 0; j < kWideRowQuads; ++j) {
-    const int c = (tid + j * kWideRowThreads) * 4;
+  for (int j = 0; j < kQuads; ++j) {
+    const int c = (tid + j * kThreads) * 4;
     if (c < N)
       v[j] = make_float4(pre(v[j].x, c), pre(v[j].y, c + 1), pre(v[j].z, c + 2),
                          pre(v[j].w, c + 3));
   }
 #pragma unroll
-  for (int j = 0; j < kWideRowQuads; ++j) {
-    const int t = warp + j * kWideRowWarps;  // the warp's j-th tile
-    if (t < n_tiles) {                       // uniform across the warp
+  for (int j = 0; j < kQuads; ++j) {
+    const int t = warp + j * kWarps;  // the warp's j-th tile
+    if (t < n_tiles) {                // uniform across the warp
       const SegmentMoments m = tile_moments_warp(v[j]);
       if (lane == 0) stats[t * args.stats_per_tile] = make_float4(m.mean, m.mean_lo, m.m2, 0.f);
     }
   }
   __syncthreads();
-  for (int g = warp; g < N / gs; g += kWideRowWarps) {
+  for (int g = warp; g < N / gs; g += kWarps) {
     const Moments m = group_moments_warp<Epi>(stats, g, lane, args);
     if (lane == 0) store_group_params<Epi>(m, g, s_mean, s_mean_lo, s_rstd, args);
   }
@@ -119,10 +124,10 @@ __global__ void __launch_bounds__(kWideRowThreads) wide_rows_kernel(FusedArgs ar
   constexpr int kind = Epi::kReduce;
   RowAcc acc = row_acc_empty<kind == 0 ? 3 : kind>();
   const bool affine = args.gn_weight != nullptr;
-  float4* out = reinterpret_cast<float4*>(args.out + offset);
+  float4* out = reinterpret_cast<float4*>(args.out + static_cast<int64_t>(r) * N);
 #pragma unroll
-  for (int j = 0; j < kWideRowQuads; ++j) {
-    const int q = tid + j * kWideRowThreads, c = q * 4;
+  for (int j = 0; j < kQuads; ++j) {
+    const int q = tid + j * kThreads, c = q * 4;
     if (q >= quads) continue;
     const int g = c / gs;  // the quad's four channels share a group (gs % 4 == 0)
     const float4 w = affine ? __ldg(reinterpret_cast<const float4*>(args.gn_weight) + q)
@@ -143,7 +148,21 @@ __global__ void __launch_bounds__(kWideRowThreads) wide_rows_kernel(FusedArgs ar
       row_acc_push<kind>(acc, y.w);
     }
   }
-  if constexpr (kind != 0) row_acc_block_store<kind, kWideRowThreads>(acc, args.row_out + r, N);
+  if constexpr (kind != 0) row_acc_block_store<kind, kThreads>(acc, args.row_out + r, N);
+}
+
+template <class Epi>
+__global__ void __launch_bounds__(kWideRowThreads) wide_rows_kernel(FusedArgs args) {
+  const int r = blockIdx.x, quads = args.N / 4;
+  const float4* in = reinterpret_cast<const float4*>(epilogue_source(args) +
+                                                     static_cast<int64_t>(r) * args.N);
+  float4 v[kWideRowQuads];
+#pragma unroll
+  for (int j = 0; j < kWideRowQuads; ++j) {
+    const int q = threadIdx.x + j * kWideRowThreads;
+    v[j] = q < quads ? in[q] : make_float4(0.f, 0.f, 0.f, 0.f);  // plain: in may be args.out
+  }
+  finish_row_registers<Epi, kWideRowThreads, kWideRowQuads>(v, r, args);
 }
 
 template <class Epi>

@@ -12,7 +12,9 @@
 // never less accurate than PyTorch's. The slices' partial sums (value, error) go to global
 // memory; the last block of a column window to finish (an arrival counter, as
 // tile_epilogue.cuh's reductions do) folds them in slice order, stages the window as a
-// kRows x 128 tile and runs tile_epilogue on it.
+// kRows x 128 tile and runs tile_epilogue on it. GroupNorm groups of whole tiles on rows of
+// at most kGemvWholeRowMaxN channels take gemv_whole_rows_kernel instead: the grid's last block
+// folds the whole rows into registers and finishes them there.
 #pragma once
 #include <algorithm>
 
@@ -56,13 +58,12 @@ constexpr int gemv_min_blocks() {
   return kRows == 1 && kRowBatch == 1 ? 4 : 2;
 }
 
-template <class Epi, int kRows, int kRowBatch>
-__global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch>())
-    gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
-  extern __shared__ float4 smem_gemv[];
-  float* xs = reinterpret_cast<float*>(smem_gemv);  // [kRows, slice], then the epilogue tile
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int n0 = blockIdx.x * kTile, M = args.M, N = args.N;
+// x's slice of K (block row blockIdx.y) staged in shared memory `xs`, then W's rows
+// [n0, n_end) streamed over it: each row's compensated sums for every row of x, into g.partial.
+template <int kRows, int kRowBatch>
+__device__ __forceinline__ void gemv_partials(float* xs, const FusedArgs& args, const GemvArgs& g,
+                                              int n0, int n_end) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, M = args.M, N = args.N;
   const int k0 = blockIdx.y * g.slice, k_len = min(g.slice, g.K - k0);
 
   for (int i = tid; i < kRows * (g.slice / 4); i += kGemvThreads) {
@@ -78,7 +79,6 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   // after another were a chain of memory round trips) several rows at once. Either way each
   // lane sums its products in the same order (k ascending).
   constexpr int kWarps = kGemvThreads / 32, kLoads = kRowBatch == 1 ? kGemvRowLoads : 1;
-  const int n_end = min(n0 + kTile, N);
   for (int nb = n0 + warp; nb < n_end; nb += kRowBatch * kWarps) {
     const float* wrow[kRowBatch];
     bool live[kRowBatch];
@@ -141,15 +141,31 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
       }
     }
   }
+}
+
+// Whether this block is the last of `arrivals` to reach `counter` (an atomic count), every
+// block's global writes before its arrival then visible to it.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int arrivals) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == arrivals - 1;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  return true;
+}
+
+template <class Epi, int kRows, int kRowBatch>
+__global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch>())
+    gemv_epilogue_kernel(FusedArgs args, GemvArgs g) {
+  extern __shared__ float4 smem_gemv[];
+  float* xs = reinterpret_cast<float*>(smem_gemv);  // [kRows, slice], then the epilogue tile
+  const int tid = threadIdx.x, n0 = blockIdx.x * kTile, M = args.M, N = args.N;
+  gemv_partials<kRows, kRowBatch>(xs, args, g, n0, min(n0 + kTile, N));
 
   // The last slice of this column window to finish folds all of them and runs the epilogue.
-  __shared__ bool is_last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) is_last = atomicAdd(g.counter + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!last_to_arrive(g.counter + blockIdx.x, gridDim.y)) return;
   const int cols_here = min(kTile, N - n0);
   float* tile = xs;  // x's slice is no longer needed
   for (int i = tid; i < M * kTile; i += kGemvThreads) {
@@ -174,20 +190,93 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   // Groups wider than a tile on short rows: the last window to finish completes the rows
   // (norm_finalize_kernel's work, without its launch). The rows and moments it reads were
   // written by the other windows' blocks before their arrival and never read by this block.
-  __shared__ bool rows_last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0)
-    rows_last = atomicAdd(g.counter + gridDim.x, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!rows_last) return;
-  __threadfence();
+  if (!last_to_arrive(g.counter + gridDim.x, gridDim.x)) return;
   for (int m = 0; m < M; ++m) {
     float* row = args.out + static_cast<int64_t>(m) * N;
     finish_row<Epi>(args.norm_stats + static_cast<int64_t>(m) * gridDim.x * args.stats_per_tile,
                     row, row, m, 0, N, args);
   }
   if (tid == 0) g.counter[gridDim.x] = 0;  // ready for the next launch
+}
+
+// Rows of at most kGemvWholeRowMaxN channels whose GroupNorm groups are whole tiles, over few
+// K slices (#62's chain at M = 1, N = K = 1024 in groups of 512: 8 slices of 128): the last
+// block of the grid folds every slice's partials into registers, a quad of channels a thread,
+// and finishes each row there (wide_rows.cuh's finish_row_registers). gemv_epilogue_kernel
+// takes three steps for these rows (each window's fold and tile_epilogue, a second arrival,
+// then finish_row through global memory: 5.3 of its 15.9 us in session 46's stamps). With no
+// window-wide epilogue a block takes 64 of W's rows, one pass of its warps' 8 rows: twice the
+// blocks to stream W.
+constexpr int kGemvWholeRowWindow = kGemvShortRows * (kGemvThreads / 32);
+constexpr int kGemvWholeRowMaxN = kGemvThreads * 4;  // a quad a thread
+constexpr int kGemvWholeRowMaxSlices = 16;           // the fold's loads: 32 KB a row
+constexpr int kGemvFoldBatch = 4;                    // slices' loads in flight a thread
+
+// Channels 4q..4q+3 of x's row m, every slice's compensated sums folded in slice order (as
+// gemv_epilogue_kernel folds a column), kGemvFoldBatch slices' loads issued at once.
+__device__ __forceinline__ float4 fold_quad(const GemvArgs& g, int slices, int m, int M, int N,
+                                            int q) {
+  float s[4] = {0.f, 0.f, 0.f, 0.f}, c[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int first = 0; first < slices; first += kGemvFoldBatch) {
+    float4 part[kGemvFoldBatch][2];  // (value, error) of channels 4q, 4q + 1; then 4q + 2, 4q + 3
+#pragma unroll
+    for (int b = 0; b < kGemvFoldBatch; ++b) {
+      const int sl = first + b;
+      const float4* at = reinterpret_cast<const float4*>(
+          g.partial + (static_cast<int64_t>(sl) * M + m) * N + 4 * q);
+      part[b][0] = sl < slices ? __ldcg(at) : make_float4(0.f, 0.f, 0.f, 0.f);
+      part[b][1] = sl < slices ? __ldcg(at + 1) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int b = 0; b < kGemvFoldBatch; ++b) {
+      if (first + b >= slices) break;
+      const float v[4] = {part[b][0].x, part[b][0].z, part[b][1].x, part[b][1].z};
+      const float e[4] = {part[b][0].y, part[b][0].w, part[b][1].y, part[b][1].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float err;
+        s[i] = two_sum_finite(s[i], v[i], err);
+        c[i] += e[i] + err;
+      }
+    }
+  }
+  return make_float4(compensated_value(s[0], c[0]), compensated_value(s[1], c[1]),
+                     compensated_value(s[2], c[2]), compensated_value(s[3], c[3]));
+}
+
+template <class Epi, int kRows>
+__global__ void __launch_bounds__(kGemvThreads, 2) gemv_whole_rows_kernel(FusedArgs args,
+                                                                         GemvArgs g) {
+  extern __shared__ float4 smem_gemv[];
+  float* xs = reinterpret_cast<float*>(smem_gemv);  // [kRows, slice]
+  const int n0 = blockIdx.x * kGemvWholeRowWindow, M = args.M, N = args.N;
+  gemv_partials<kRows, kGemvShortRows>(xs, args, g, n0, min(n0 + kGemvWholeRowWindow, N));
+  if (!last_to_arrive(g.counter, gridDim.x * gridDim.y)) return;
+  const int q = threadIdx.x;
+  for (int m = 0; m < M; ++m) {
+    if (m > 0) __syncthreads();  // the finish's shared memory, read for the row before
+    float4 v[1] = {q < N / 4 ? fold_quad(g, gridDim.y, m, M, N, q)
+                             : make_float4(0.f, 0.f, 0.f, 0.f)};
+    finish_row_registers<Epi, kGemvThreads, 1>(v, m, args);
+  }
+  if (q == 0) *g.counter = 0;  // ready for the next launch
+}
+
+// gemv_whole_rows_kernel's rows (whole_tile_groups) and slices: short ones (a warp's 8 rows at
+// a time) and few enough for one block's fold.
+template <class Epi>
+inline bool gemv_whole_rows_serves(const FusedArgs& args, const GemvArgs& g) {
+  return whole_tile_groups<Epi>(args, kGemvWholeRowMaxN) && g.slice <= kGemvShortSlice &&
+         (g.K + g.slice - 1) / g.slice <= kGemvWholeRowMaxSlices;
+}
+
+template <class Epi, int kRows>
+cudaError_t launch_gemv_whole_rows(const FusedArgs& args, const GemvArgs& g, cudaStream_t stream) {
+  const dim3 grid((args.N + kGemvWholeRowWindow - 1) / kGemvWholeRowWindow,
+                  (g.K + g.slice - 1) / g.slice);
+  const int smem = kRows * g.slice * static_cast<int>(sizeof(float));
+  gemv_whole_rows_kernel<Epi, kRows><<<grid, kGemvThreads, smem, stream>>>(args, g);
+  return cudaGetLastError();
 }
 
 // Slices of K: enough blocks to keep every SM streaming W (kGemvBlocksPerSm each, as many as fit
@@ -229,6 +318,11 @@ cudaError_t launch_gemv(const FusedArgs& args, const GemvArgs& g, cudaStream_t s
       g.x_stride % 4 != 0)
     return cudaErrorInvalidValue;
   if ((g.K + g.slice - 1) / g.slice > 65535) return cudaErrorInvalidConfiguration;
+  if constexpr (normalizes_in_registers<Epi>()) {
+    if (gemv_whole_rows_serves<Epi>(args, g))
+      return args.M == 1 ? launch_gemv_whole_rows<Epi, 1>(args, g, stream)
+                         : launch_gemv_whole_rows<Epi, 2>(args, g, stream);
+  }
   const cudaError_t err = args.M == 1 ? launch_gemv_rows<Epi, 1>(args, g, stream)
                                       : launch_gemv_rows<Epi, 2>(args, g, stream);
   if (err != cudaSuccess || !args.norm_wide || args.N <= kShortRow) return err;
