@@ -272,7 +272,8 @@ in the same mode.
 #62's chain (GroupNorm, LeakyReLU, x + x) at M x N=K with the given group size, inputs `torch.rand`.
 "gemmfuse" is `kernel="auto"`, the shipped dispatch: the fused kernel where `dispatch.fused_pays`
 holds (M*N*K >= 1e8, M >= 16, K >= 1024), the epilogue path (PyTorch's fp32 GEMM, then the whole
-chain in one tile kernel) elsewhere; from M*N = 2^23 with K >= 4096 (since fee5588,
+chain in one tile kernel; at M = 1, one kernel for the compensated matrix-vector product and the
+chain, csrc/gemm/gemv_epilogue.cuh) elsewhere; from M*N = 2^23 with K >= 4096 (since fee5588,
 `dispatch.chain_apart`) the fused path runs the split GEMM, then the chain kernel on its result;
 with fewer 128 x 128 output tiles than SMs (since 63b2ad0, `dispatch.fused_k_splits`: the rows of
 16 and 128 rows at N = K = 4096 and 8192) the fused kernel cuts K into slices, a block each. The
@@ -289,7 +290,9 @@ does (interleaved there, #62 measured 0.786 ms against 0.651 ms, commit f761df4)
 size 512 spans several 128-channel tiles: those rows take the cross-tile statistics, a second pass
 after the fused kernel, one launch on the epilogue path and after the split GEMM of a chain run
 apart (since 8263735 `wide_rows_kernel`: a float32 row of up to 8192 channels held in registers by
-one block).
+one block; at M = 1 and N = K = 1024 since b520922 the few-rows kernel's last block, the row in
+its registers, where before a window epilogue, a second arrival and a pass through global memory
+took 13 us of kernel time and the row ran at 0.93x eager: DESIGN section 1).
 
 {sweep_run}{format_sweep(sweep) if sweep else "(not run)"}
 
