@@ -53,20 +53,6 @@ class DeviceCache {
   std::atomic<int> slots_[kDevices] = {};
 };
 
-// The current device's compute capability as 10 * major + minor (90 for sm_90), asked once per
-// device: the launches' checks of what the library's kernels can run on.
-inline cudaError_t compute_capability(int& cc) {
-  static DeviceCache known;
-  return known.current(cc, [](int device, int& found) {
-    int major = 0, minor = 0;
-    cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (e == cudaSuccess)
-      e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    found = 10 * major + minor;
-    return e;
-  });
-}
-
 // A persistent grid's size: the blocks of `kernel` (`threads` a block, `smem` bytes of dynamic
 // shared memory) resident at once on the current device, at least 1, found once per device in
 // `cache` (a static beside the launch).

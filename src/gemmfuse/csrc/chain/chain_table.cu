@@ -98,15 +98,32 @@ namespace part_calls = parts;  // one library: the parts' functions themselves
 namespace gemmfuse {
 namespace {
 
+// Whether this device is sm_90 (asked once per device): a check of the launch code the caller
+// decided (gemmfuse/dispatch.py's fused_kernel_code), not a choice.
+cudaError_t is_hopper(int device, bool& hopper) {
+  static DeviceCache known;  // 1 sm_90, 2 another
+  int kind = 0;
+  const cudaError_t err = known.get(device, kind, [](int d, int& found) {
+    int major = 0, minor = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d);
+    found = major == 9 && minor == 0 ? 1 : 2;
+    return e;
+  });
+  hopper = kind == 1;
+  return err;
+}
+
 // kernel: kHopperKernel or kPortableKernel, as dispatch.fused_kernel_code decided it.
 cudaError_t launch_fused(const FusedArgs& args, int kernel, cudaStream_t stream) {
   if (kernel != kHopperKernel && kernel != kPortableKernel) return cudaErrorInvalidValue;
-  // The library is compiled for exactly this device: the sm_90a kernel bodies exist on 9.0 only.
-  // A check of the launch code the caller decided (dispatch.fused_kernel_code), not a choice.
-  int cc = 0;
-  cudaError_t err = compute_capability(cc);
+  int device = 0;
+  bool hopper = false;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = is_hopper(device, hopper);
   if (err != cudaSuccess) return err;
-  if ((kernel == kHopperKernel || args.bf16) && cc != 90) return cudaErrorInvalidDeviceFunction;
+  // The library is compiled for exactly this device: the sm_90a kernel bodies exist on 9.0 only.
+  if ((kernel == kHopperKernel || args.bf16) && !hopper) return cudaErrorInvalidDeviceFunction;
   if (args.norm_wide && !GeneratedEpilogue::kNorm) return cudaErrorInvalidValue;
   // tile counts for a chain kernel that follows: the split variant's direct stores make them
   if (args.tile_flags != nullptr && (kernel != kHopperKernel || !args.split || args.bf16 ||

@@ -38,9 +38,13 @@ bool group_tiles_serves(const FusedArgs& args) {
   if constexpr (Epi::kModelDtype != kFloat32Model || Epi::kReduce != 0) {
     return false;
   } else {
-    int cc = 0;  // on a failed query the chain kernel runs after the GEMM instead
-    if (compute_capability(cc) != cudaSuccess) return false;
-    return cc >= 90 && (args.group_size == 8 || args.group_size == 16) &&
+    static DeviceCache majors;  // per device, asked once
+    int major = 0;
+    const cudaError_t err = majors.current(major, [](int device, int& found) {
+      return cudaDeviceGetAttribute(&found, cudaDevAttrComputeCapabilityMajor, device);
+    });
+    if (err != cudaSuccess) return false;  // the chain kernel runs after the GEMM instead
+    return major >= 9 && (args.group_size == 8 || args.group_size == 16) &&
            group_rows_serves<Epi>(args) && args.bias == nullptr && args.a_inv_scale == nullptr &&
            args.b_inv_scale == nullptr && args.epilogue_in16 == nullptr &&
            serves_model<Epi>(args.params);

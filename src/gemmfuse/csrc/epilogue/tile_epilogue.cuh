@@ -14,7 +14,6 @@
 #pragma once
 #include <cstdint>
 
-#include "arrivals.h"
 #include "fused_args.h"
 #include "row_reduce.cuh"
 
@@ -837,10 +836,15 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       row_partials<Epi, kThreads>(tile, rows_here, cols_here, tid, sync, put_partial);
     }
     __shared__ bool is_last;
+    __threadfence();
     sync();
-    if (tid == 0) is_last = arrive_counted(args.row_counter + tc.m_idx) == tc.n_tiles - 1;
+    if (tid == 0) {
+      const int arrived = atomicAdd(args.row_counter + tc.m_idx, 1);
+      is_last = arrived == tc.n_tiles - 1;
+    }
     sync();
     if (is_last) {
+      __threadfence();
       // The row's partials in tile order, kFold loads in flight before they are merged: one
       // at a time, the last block of a row band waited on 64 L2 loads in turn (#75 at N = 8192)
       // after every other block had finished.

@@ -38,7 +38,6 @@
 #include <cudaTypedefs.h>
 #include <cuda_fp16.h>
 
-#include "arrivals.h"
 #include "device_cache.h"
 #include "fused_args.h"
 #include "smem_limit.h"
@@ -306,7 +305,7 @@ __device__ __forceinline__ int2 k_slice(int s, int k_tiles, int k_splits) {
 // Split K: stores this (tile, slice) unit's promoted sums to its place in args.k_partial and
 // counts it in; true in the tile's last block to arrive, whose acc is then every slice's sum,
 // added in slice order from what the blocks stored (the same bits whichever block is last).
-// The count is arrivals.h's (acq_rel, between the consumers' barriers).
+// The fence-then-count and count-then-fence pairs are the CUDA guide's last-block pattern.
 template <class Sync>
 __device__ __forceinline__ bool fold_slices(float (&acc)[64], int unit, int k_splits,
                                             const FusedArgs& args, Sync consumers_sync) {
@@ -319,13 +318,15 @@ __device__ __forceinline__ bool fold_slices(float (&acc)[64], int unit, int k_sp
   for (int q = 0; q < kQuads; ++q)
     __stcg(mine + q * kConsumerThreads + tid,
            make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
+  __threadfence();
   consumers_sync();
   if (tid == 0) {
-    s_last = arrive_counted(args.k_counter + tile) == k_splits - 1;
+    s_last = atomicAdd(args.k_counter + tile, 1) == k_splits - 1;
     if (s_last) args.k_counter[tile] = 0;  // every slice has arrived: zero for the next launch
   }
   consumers_sync();
   if (!s_last) return false;
+  __threadfence();
   const float4* slices = partial + static_cast<int64_t>(tile) * k_splits * kQuads * kConsumerThreads;
 #pragma unroll
   for (int q = 0; q < kQuads; ++q) {

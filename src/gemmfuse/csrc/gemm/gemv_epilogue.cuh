@@ -18,7 +18,6 @@
 #pragma once
 #include <algorithm>
 
-#include "arrivals.h"
 #include "fused_args.h"
 #include "norm_finalize.cuh"
 #include "row_reduce.cuh"
@@ -144,14 +143,17 @@ __device__ __forceinline__ void gemv_partials(float* xs, const FusedArgs& args, 
   }
 }
 
-// Whether this block is the last of `arrivals` to reach `counter`, every block's global writes
-// before its arrival then visible to all its threads (arrivals.h's count between barriers).
+// Whether this block is the last of `arrivals` to reach `counter` (an atomic count), every
+// block's global writes before its arrival then visible to it.
 __device__ __forceinline__ bool last_to_arrive(int* counter, int arrivals) {
   __shared__ bool last;
+  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = arrive_counted(counter) == arrivals - 1;
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == arrivals - 1;
   __syncthreads();
-  return last;
+  if (!last) return false;
+  __threadfence();
+  return true;
 }
 
 template <class Epi, int kRows, int kRowBatch>
