@@ -17,11 +17,12 @@ at once as there are cores, times a second process's load from the cache, runs t
   every export in parallel processes in each worker at once, which ran past 510 s, and under
   -n 12 past 420 s on two H200s in session 44; since then each worker takes its share of the
   cores and starts at its own place in the list, not yet timed on a GPU).
-- --split-gpus, where more than one GPU is visible (else it is ignored), runs the selected files
-  (plain file names) as one pytest process per GPU, all at once, the files dealt by size, each
-  with --workers' N workers (so N times the GPUs processes share the cores) and its own log and
-  summary line; test_parallel.py runs apart, without xdist, in a process that sees every GPU
-  (beside the others on the same GPUs).
+- --split-gpus, where more than one GPU is visible and pytest-xdist is installed (else it is
+  ignored), runs the selected tests as one pytest process of --workers' N workers per GPU
+  (N times the GPUs processes share the cores), each worker pinned to one GPU
+  (tests/conftest.py's pin_worker_gpu), so that xdist hands tests to whichever worker is free
+  on any GPU; test_parallel.py runs apart, without xdist, in a process that sees every GPU
+  (beside the others on the same GPUs), with its own log and summary line.
 - --test-timeout bounds pytest's seconds (540); a run it cuts short lists the tests still
   running in the summary (pytest -v names each as it finishes; a test past 300 s, or 80% of a
   shorter limit, dumps its threads' stacks into the log's stderr part).
@@ -34,6 +35,7 @@ limit) keeps what ran.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -205,13 +207,16 @@ def test_selection() -> tuple[list[str], list[str]]:
         args += [f"--ignore=tests/gpu/{name}" for name in skip.split(",")]
     workers = option("--workers")
     if workers:
-        try:
-            import xdist  # noqa: F401  (pytest-xdist: on the GPU machine, not a dependency)
-
+        if xdist_installed():
             args += ["-n", workers]
-        except ImportError:
+        else:
             print("gpu_check: pytest-xdist is not installed; --workers ignored", flush=True)
     return paths, args
+
+
+def xdist_installed() -> bool:
+    """Whether pytest-xdist is here (on the GPU machine; not a dependency of the package)."""
+    return importlib.util.find_spec("xdist") is not None
 
 
 # pytest -v's lines for a test (its id may hold spaces: a parameter's words): with
@@ -250,52 +255,34 @@ def pytest_command(paths: list[str], selection: list[str], timeout: float) -> li
     return command + ["-k", expression] if expression else command
 
 
-def gpu_file_groups(files: list[Path], gpus: int) -> list[list[Path]]:
-    """The files dealt to `gpus` groups by size: the largest first, each to the group holding
-    the fewest bytes so far (a file's size standing in for its tests' time)."""
-    groups: list[list[Path]] = [[] for _ in range(gpus)]
-    held = [0] * gpus
-    for path in sorted(files, key=lambda p: (-p.stat().st_size, p.name)):
-        at = held.index(min(held))
-        groups[at].append(path)
-        held[at] += path.stat().st_size
-    return groups
-
-
 def split_runs(gpus: int, timeout: float) -> list[tuple[str, list[str], dict]]:
-    """(log, command, environment) of each pytest process of --split-gpus: the selected files
-    (--files, else every tests/gpu/test_*.py; less --skip-files) dealt over the visible GPUs,
-    a process per GPU seeing that one alone, and test_parallel.py, where selected, in a process
-    of its own that sees them all (its cases need two)."""
-    files = [ROOT / "tests/gpu" / n for n in named_files()] or sorted(
-        (ROOT / "tests/gpu").glob("test_*.py")
-    )
+    """(log, command, environment) of each pytest process of --split-gpus: the selected tests
+    (--files, else every tests/gpu/test_*.py; less --skip-files) but test_parallel.py in one
+    process of --workers' N workers per visible GPU, GEMMFUSE_TEST_GPUS naming the GPUs its
+    workers are pinned to in turn, and test_parallel.py, where selected, in a process of its own
+    that sees them all (its cases need two). A process per GPU over files dealt by size had left
+    one GPU's files running past the limit (the loader tests' exports) while the other two had
+    finished at 274 and 169 s (session 48)."""
+    names = named_files() or sorted(f.name for f in (ROOT / "tests/gpu").glob("test_*.py"))
     skipped = set((option("--skip-files") or "").split(","))
-    files = [f for f in files if f.name not in skipped]
-    _, selection = test_selection()  # --workers' -n for each process
-    selection = [a for a in selection if not a.startswith("--ignore")]
+    names = [n for n in names if n.split("::")[0] not in skipped]
+    apart = [f"tests/gpu/{n}" for n in names if n.split("::")[0] == "test_parallel.py"]
+    spread = [f"tests/gpu/{n}" for n in names if n.split("::")[0] != "test_parallel.py"]
     visible = ENV.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+    workers = int(option("--workers") or 1) * len(ids)
     runs = []
-    apart = [f for f in files if f.name == "test_parallel.py"]
-    spread = [f for f in files if f.name != "test_parallel.py"]
-    for device, group in zip(ids, gpu_file_groups(spread, gpus), strict=False):
-        if group:
-            paths = [str(f.relative_to(ROOT)) for f in group]
-            env = {**ENV, "CUDA_VISIBLE_DEVICES": device}
-            runs.append((f"pytest_gpu{device}.log", pytest_command(paths, selection, timeout), env))
+    if spread:
+        env = {**ENV, "GEMMFUSE_TEST_GPUS": ",".join(ids)}
+        runs.append(("pytest_gpus.log", pytest_command(spread, ["-n", str(workers)], timeout), env))
     if apart:
-        paths = [str(apart[0].relative_to(ROOT))]
-        runs.append(("pytest_parallel.log", pytest_command(paths, [], timeout), ENV))
+        runs.append(("pytest_parallel.log", pytest_command(apart, [], timeout), ENV))
     return runs
 
 
 def check_test_files() -> None:
-    """Exits with a message, before any build, where --files names a file tests/gpu lacks, or
-    --split-gpus is given node ids (it deals whole files)."""
+    """Exits with a message, before any build, where --files names a file tests/gpu lacks."""
     for name in named_files():
-        if "::" in name and "--split-gpus" in sys.argv:
-            sys.exit(f"gpu_check: --split-gpus takes file names, not {name!r}")
         if not (ROOT / "tests/gpu" / name.split("::")[0]).is_file():
             sys.exit(f"gpu_check: --files: tests/gpu has no {name.split('::')[0]}")
 
@@ -311,7 +298,7 @@ def run_tests(summary: list[str], timeout: float) -> int:
     """Runs the GPU tests (one pytest, or --split-gpus' several at once) and notes each one's
     counts and the tests its time limit left running as it ends; returns combined_status."""
     gpus = torch.cuda.device_count()
-    if "--split-gpus" in sys.argv and gpus > 1:
+    if "--split-gpus" in sys.argv and gpus > 1 and xdist_installed():
         runs = split_runs(gpus, timeout)
     else:
         paths, selection = test_selection()

@@ -1,5 +1,5 @@
 """scripts/gpu_check.py on the CPU: which tests a pytest -v log cut short had left running, what a
-run killed at its time limit keeps, and how --split-gpus deals the test files."""
+run killed at its time limit keeps, and how --split-gpus spreads the tests over the GPUs."""
 
 import os
 import sys
@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import pin_worker_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -16,7 +17,6 @@ import gpu_check  # noqa: E402
 from gpu_check import (  # noqa: E402
     check_test_files,
     combined_status,
-    gpu_file_groups,
     split_runs,
     unfinished_tests,
 )
@@ -95,29 +95,39 @@ def test_a_log_holds_the_output_while_its_command_runs(monkeypatch, tmp_path):
     assert rc == 0 and text.startswith("early") and not (tmp_path / "live.log.stderr").exists()
 
 
-def test_files_are_dealt_over_the_gpus_by_size(tmp_path):
-    sizes = {"a.py": 900, "b.py": 500, "c.py": 450, "d.py": 100, "e.py": 60}
-    for name, size in sizes.items():
-        (tmp_path / name).write_text("x" * size)
-    groups = gpu_file_groups([tmp_path / n for n in sizes], 2)
-    assert [[p.name for p in g] for g in groups] == [["a.py", "d.py"], ["b.py", "c.py", "e.py"]]
-    assert gpu_file_groups([tmp_path / "a.py"], 3) == [[tmp_path / "a.py"], [], []]
-
-
-def test_split_runs_give_each_gpu_its_files_and_test_parallel_them_all(monkeypatch):
+def test_split_runs_spread_the_tests_over_workers_on_every_gpu_and_test_parallel_apart(
+    monkeypatch,
+):
     monkeypatch.setitem(gpu_check.ENV, "CUDA_VISIBLE_DEVICES", "2,3")
-    names = "test_kernels.py,test_parallel.py,test_plan.py,test_tail.py"
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--split-gpus", "--files", names,
-                                      "--skip-files", "test_tail.py"])  # fmt: skip
+    monkeypatch.setattr(gpu_check, "xdist_installed", lambda: True)
+    names = "test_kernels.py,test_parallel.py,test_plan.py::test_x,test_tail.py"
+    argv = ["--split-gpus", "--workers", "8", "--files", names, "--skip-files", "test_tail.py"]
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", *argv])
     runs = split_runs(2, 540)
-    logs = [log for log, _, _ in runs]
-    assert logs == ["pytest_gpu2.log", "pytest_gpu3.log", "pytest_parallel.log"]
-    files = [[a for a in command if a.startswith("tests/gpu/")] for _, command, _ in runs]
-    assert sorted(files[0] + files[1]) == ["tests/gpu/test_kernels.py", "tests/gpu/test_plan.py"]
-    assert files[2] == ["tests/gpu/test_parallel.py"]
-    assert [env["CUDA_VISIBLE_DEVICES"] for _, _, env in runs[:2]] == ["2", "3"]
-    assert runs[2][2] is gpu_check.ENV  # the environment gpu_check itself was given
+    assert [log for log, _, _ in runs] == ["pytest_gpus.log", "pytest_parallel.log"]
+    (_, spread, env), (_, apart, env_apart) = runs
+    assert [a for a in spread if a.startswith("tests/")] == [
+        "tests/gpu/test_kernels.py", "tests/gpu/test_plan.py::test_x"]  # fmt: skip
+    assert spread[spread.index("-n") + 1] == "16"  # 8 workers on each of the two GPUs
+    assert env["GEMMFUSE_TEST_GPUS"] == "2,3" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert [a for a in apart if a.startswith("tests/")] == ["tests/gpu/test_parallel.py"]
+    assert "-n" not in apart
+    assert env_apart is gpu_check.ENV  # the environment gpu_check itself was given
     assert all("-v" in command and "gpu" in command for _, command, _ in runs)
+
+
+def test_each_xdist_worker_sees_one_of_the_named_gpus_in_turn():
+    seen = []
+    for worker in ("gw0", "gw1", "gw2", "gw5"):
+        environ = {"GEMMFUSE_TEST_GPUS": "2,3", "PYTEST_XDIST_WORKER": worker,
+                   "CUDA_VISIBLE_DEVICES": "2,3"}  # fmt: skip
+        pin_worker_gpu(environ)
+        seen.append(environ["CUDA_VISIBLE_DEVICES"])
+    assert seen == ["2", "3", "2", "3"]
+    for environ in ({"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "2,3"},
+                    {"GEMMFUSE_TEST_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "2,3"}):  # fmt: skip
+        pin_worker_gpu(environ)  # not a worker, or no GPUs named: nothing changes
+        assert environ["CUDA_VISIBLE_DEVICES"] == "2,3"
 
 
 def test_a_timeout_kills_the_processes_its_command_started(monkeypatch, tmp_path):
@@ -154,8 +164,6 @@ def test_files_that_tests_gpu_lacks_are_refused_before_any_build(monkeypatch):
     with pytest.raises(SystemExit, match="no test_nope.py"):
         check_test_files()
     node = "test_plan.py::test_x"
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--files", node])
-    check_test_files()  # one process takes node ids
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--split-gpus", "--files", node])
-    with pytest.raises(SystemExit, match="file names"):
-        check_test_files()
+    for argv in (["--files", node], ["--split-gpus", "--files", node]):
+        monkeypatch.setattr(sys, "argv", ["gpu_check.py", *argv])
+        check_test_files()  # node ids of files it has
