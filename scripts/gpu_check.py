@@ -50,7 +50,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT") or ROOT / "gpu-check-out")
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
+# GEMMFUSE_TEST_GPUS pins xdist workers to GPUs (tests/conftest.py): split_runs sets it, and only
+# for the process it spreads, never inherited from the caller's shell.
+ENV = {k: v for k, v in os.environ.items() if k != "GEMMFUSE_TEST_GPUS"}
+ENV.update(PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1")
 LOAD_SNIPPET = (
     "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
     "from gemmfuse.jit import CHAIN_PARTS, extension_for; "
@@ -268,8 +271,8 @@ def split_runs(gpus: int, timeout: float) -> list[tuple[str, list[str], dict]]:
     names = [n for n in names if n.split("::")[0] not in skipped]
     apart = [f"tests/gpu/{n}" for n in names if n.split("::")[0] == "test_parallel.py"]
     spread = [f"tests/gpu/{n}" for n in names if n.split("::")[0] != "test_parallel.py"]
-    visible = ENV.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+    visible = [d.strip() for d in ENV.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    ids = visible[:gpus] if visible else [str(i) for i in range(gpus)]  # those CUDA sees
     workers = int(option("--workers") or 1) * len(ids)
     runs = []
     if spread:
@@ -281,7 +284,11 @@ def split_runs(gpus: int, timeout: float) -> list[tuple[str, list[str], dict]]:
 
 
 def check_test_files() -> None:
-    """Exits with a message, before any build, where --files names a file tests/gpu lacks."""
+    """Exits with a message, before any build, where --files names a file tests/gpu lacks, or
+    --split-gpus is given --workers other than a count (it runs that many on each GPU)."""
+    workers = option("--workers")
+    if "--split-gpus" in sys.argv and workers and not (workers.isdigit() and int(workers) > 0):
+        sys.exit(f"gpu_check: --split-gpus takes --workers as a count a GPU, not {workers!r}")
     for name in named_files():
         if not (ROOT / "tests/gpu" / name.split("::")[0]).is_file():
             sys.exit(f"gpu_check: --files: tests/gpu has no {name.split('::')[0]}")
@@ -301,6 +308,9 @@ def run_tests(summary: list[str], timeout: float) -> int:
     if "--split-gpus" in sys.argv and gpus > 1 and xdist_installed():
         runs = split_runs(gpus, timeout)
     else:
+        if "--split-gpus" in sys.argv:
+            print(f"gpu_check: --split-gpus ignored ({gpus} GPU(s), pytest-xdist "
+                  f"{'installed' if xdist_installed() else 'missing'})", flush=True)  # fmt: skip
         paths, selection = test_selection()
         runs = [("pytest.log", pytest_command(paths, selection, timeout), ENV)]
     if not runs:

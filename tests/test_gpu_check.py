@@ -114,6 +114,9 @@ def test_split_runs_spread_the_tests_over_workers_on_every_gpu_and_test_parallel
     assert "-n" not in apart
     assert env_apart is gpu_check.ENV  # the environment gpu_check itself was given
     assert all("-v" in command and "gpu" in command for _, command, _ in runs)
+    monkeypatch.setitem(gpu_check.ENV, "CUDA_VISIBLE_DEVICES", " 2, 3,4,")
+    env = split_runs(2, 540)[0][2]  # the ids CUDA sees: the first two, spaces and blanks dropped
+    assert env["GEMMFUSE_TEST_GPUS"] == "2,3"
 
 
 def test_each_xdist_worker_sees_one_of_the_named_gpus_in_turn():
@@ -167,3 +170,6 @@ def test_files_that_tests_gpu_lacks_are_refused_before_any_build(monkeypatch):
     for argv in (["--files", node], ["--split-gpus", "--files", node]):
         monkeypatch.setattr(sys, "argv", ["gpu_check.py", *argv])
         check_test_files()  # node ids of files it has
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--split-gpus", "--workers", "auto"])
+    with pytest.raises(SystemExit, match="a count a GPU, not 'auto'"):
+        check_test_files()  # before any build, not in run_tests after them

@@ -85,7 +85,7 @@ __device__ __forceinline__ Moments group_moments_warp(const float4* stats, int g
 }
 
 // A group's normalisation parameters from its merged moments, into slot i of a block's arrays
-// (finish_row's, wide_rows_kernel's).
+// (finish_row's, finish_row_registers's).
 template <class Epi>
 __device__ __forceinline__ void store_group_params(const Moments& m, int i, float* mean,
                                                    float* mean_lo, float* rstd,

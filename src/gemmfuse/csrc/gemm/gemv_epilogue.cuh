@@ -13,10 +13,13 @@
 // memory; the last block of a column window to finish (an arrival counter, as
 // tile_epilogue.cuh's reductions do) folds them in slice order, stages the window as a
 // kRows x 128 tile and runs tile_epilogue on it. GroupNorm groups of whole tiles on rows of
-// at most kGemvWholeRowMaxN channels take gemv_whole_rows_kernel instead: the grid's last block
-// folds the whole rows into registers and finishes them there.
+// at most kGemvWholeRowMaxN channels, over at most kGemvWholeRowMaxSlices slices of at most
+// kGemvShortSlice, take gemv_whole_rows_kernel instead: windows of 64 of W's rows, one arrival
+// counter for the grid, whose last block folds the whole rows into registers and finishes them
+// there.
 #pragma once
 #include <algorithm>
+#include <cstdint>
 
 #include "fused_args.h"
 #include "norm_finalize.cuh"
@@ -209,7 +212,7 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
 // blocks to stream W.
 constexpr int kGemvWholeRowWindow = kGemvShortRows * (kGemvThreads / 32);
 constexpr int kGemvWholeRowMaxN = kGemvThreads * 4;  // a quad a thread
-constexpr int kGemvWholeRowMaxSlices = 16;           // the fold's loads: 32 KB a row
+constexpr int kGemvWholeRowMaxSlices = 16;           // the fold's loads: up to 128 KB a row
 constexpr int kGemvFoldBatch = 4;                    // slices' loads in flight a thread
 
 // Channels 4q..4q+3 of x's row m, every slice's compensated sums folded in slice order (as
@@ -263,11 +266,13 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_whole_rows_kernel(FusedA
 }
 
 // gemv_whole_rows_kernel's rows (whole_tile_groups) and slices: short ones (a warp's 8 rows at
-// a time) and few enough for one block's fold.
+// a time) and few enough for one block's fold; the partials 16-byte aligned (fold_quad's loads;
+// the caching allocator's blocks are).
 template <class Epi>
 inline bool gemv_whole_rows_serves(const FusedArgs& args, const GemvArgs& g) {
   return whole_tile_groups<Epi>(args, kGemvWholeRowMaxN) && g.slice <= kGemvShortSlice &&
-         (g.K + g.slice - 1) / g.slice <= kGemvWholeRowMaxSlices;
+         (g.K + g.slice - 1) / g.slice <= kGemvWholeRowMaxSlices &&
+         reinterpret_cast<uintptr_t>(g.partial) % 16 == 0;
 }
 
 template <class Epi, int kRows>
