@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "fused_args.h"
+#include "last_block.cuh"
 #include "row_reduce.cuh"
 
 namespace gemmfuse {
@@ -835,16 +836,7 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
     } else {
       row_partials<Epi, kThreads>(tile, rows_here, cols_here, tid, sync, put_partial);
     }
-    __shared__ bool is_last;
-    __threadfence();
-    sync();
-    if (tid == 0) {
-      const int arrived = atomicAdd(args.row_counter + tc.m_idx, 1);
-      is_last = arrived == tc.n_tiles - 1;
-    }
-    sync();
-    if (is_last) {
-      __threadfence();
+    if (last_to_arrive(args.row_counter + tc.m_idx, tc.n_tiles, tid, sync)) {
       // The row's partials in tile order, kFold loads in flight before they are merged: one
       // at a time, the last block of a row band waited on 64 L2 loads in turn (#75 at N = 8192)
       // after every other block had finished.

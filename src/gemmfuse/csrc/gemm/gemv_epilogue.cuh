@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "fused_args.h"
+#include "last_block.cuh"
 #include "norm_finalize.cuh"
 #include "row_reduce.cuh"
 #include "smem_limit.h"
@@ -46,6 +47,14 @@ __device__ __forceinline__ float two_sum_finite(float a, float b, float& err) {
   const float sum = a + b, bb = sum - a;
   err = (a - (sum - bb)) + (b - bb);
   return sum;
+}
+
+// (s, c) += (value, error): the value added to the sum with its rounding error (TwoSum), that
+// and the value's own error to the compensation.
+__device__ __forceinline__ void add_compensated(float& s, float& c, float value, float error) {
+  float err;
+  s = two_sum_finite(s, value, err);
+  c += error + err;
 }
 
 // A compensated sum's value: an infinite or NaN sum stands alone, as PyTorch's would.
@@ -134,9 +143,7 @@ __device__ __forceinline__ void gemv_partials(float* xs, const FusedArgs& args, 
         for (int off = 16; off > 0; off >>= 1) {  // a fixed xor tree: the same order every run
           const float so = __shfl_xor_sync(0xffffffffu, s[q][m], off);
           const float co = __shfl_xor_sync(0xffffffffu, c[q][m], off);
-          float err;
-          s[q][m] = two_sum_finite(s[q][m], so, err);
-          c[q][m] += co + err;
+          add_compensated(s[q][m], c[q][m], so, co);
         }
         if (lane == 0 && m < M && live[q])
           g.partial[(static_cast<int64_t>(blockIdx.y) * M + m) * N + nb + q * kWarps] =
@@ -144,19 +151,6 @@ __device__ __forceinline__ void gemv_partials(float* xs, const FusedArgs& args, 
       }
     }
   }
-}
-
-// Whether this block is the last of `arrivals` to reach `counter` (an atomic count), every
-// block's global writes before its arrival then visible to it.
-__device__ __forceinline__ bool last_to_arrive(int* counter, int arrivals) {
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == arrivals - 1;
-  __syncthreads();
-  if (!last) return false;
-  __threadfence();
-  return true;
 }
 
 template <class Epi, int kRows, int kRowBatch>
@@ -168,7 +162,7 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   gemv_partials<kRows, kRowBatch>(xs, args, g, n0, min(n0 + kTile, N));
 
   // The last slice of this column window to finish folds all of them and runs the epilogue.
-  if (!last_to_arrive(g.counter + blockIdx.x, gridDim.y)) return;
+  if (!last_to_arrive(g.counter + blockIdx.x, gridDim.y, tid, [] { __syncthreads(); })) return;
   const int cols_here = min(kTile, N - n0);
   float* tile = xs;  // x's slice is no longer needed
   for (int i = tid; i < M * kTile; i += kGemvThreads) {
@@ -177,9 +171,7 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
     float s = 0.f, c = 0.f;
     for (int sl = 0; sl < static_cast<int>(gridDim.y); ++sl) {
       const float2 part = __ldcg(g.partial + (static_cast<int64_t>(sl) * M + m) * N + n0 + col);
-      float err;
-      s = two_sum_finite(s, part.x, err);
-      c += part.y + err;
+      add_compensated(s, c, part.x, part.y);
     }
     tile[m * kEpiStride + col] =
         epilogue_input<Epi>(compensated_value(s, c), 1.f, m, n0 + col, args);
@@ -193,7 +185,7 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   // Groups wider than a tile on short rows: the last window to finish completes the rows
   // (norm_finalize_kernel's work, without its launch). The rows and moments it reads were
   // written by the other windows' blocks before their arrival and never read by this block.
-  if (!last_to_arrive(g.counter + gridDim.x, gridDim.x)) return;
+  if (!last_to_arrive(g.counter + gridDim.x, gridDim.x, tid, [] { __syncthreads(); })) return;
   for (int m = 0; m < M; ++m) {
     float* row = args.out + static_cast<int64_t>(m) * N;
     finish_row<Epi>(args.norm_stats + static_cast<int64_t>(m) * gridDim.x * args.stats_per_tile,
@@ -236,11 +228,7 @@ __device__ __forceinline__ float4 fold_quad(const GemvArgs& g, int slices, int m
       const float v[4] = {part[b][0].x, part[b][0].z, part[b][1].x, part[b][1].z};
       const float e[4] = {part[b][0].y, part[b][0].w, part[b][1].y, part[b][1].w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float err;
-        s[i] = two_sum_finite(s[i], v[i], err);
-        c[i] += e[i] + err;
-      }
+      for (int i = 0; i < 4; ++i) add_compensated(s[i], c[i], v[i], e[i]);
     }
   }
   return make_float4(compensated_value(s[0], c[0]), compensated_value(s[1], c[1]),
@@ -254,8 +242,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_whole_rows_kernel(FusedA
   float* xs = reinterpret_cast<float*>(smem_gemv);  // [kRows, slice]
   const int n0 = blockIdx.x * kGemvWholeRowWindow, M = args.M, N = args.N;
   gemv_partials<kRows, kGemvShortRows>(xs, args, g, n0, min(n0 + kGemvWholeRowWindow, N));
-  if (!last_to_arrive(g.counter, gridDim.x * gridDim.y)) return;
   const int q = threadIdx.x;
+  if (!last_to_arrive(g.counter, gridDim.x * gridDim.y, q, [] { __syncthreads(); })) return;
   for (int m = 0; m < M; ++m) {
     if (m > 0) __syncthreads();  // the finish's shared memory, read for the row before
     float4 v[1] = {q < N / 4 ? fold_quad(g, gridDim.y, m, M, N, q)
