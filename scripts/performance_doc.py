@@ -278,10 +278,13 @@ chain, csrc/gemm/gemv_epilogue.cuh) elsewhere; from M*N = 2^23 with K >= 4096 (s
 with fewer 128 x 128 output tiles than SMs (since 63b2ad0, `dispatch.fused_k_splits`: the rows of
 16 and 128 rows at N = K = 4096 and 8192) the fused kernel cuts K into slices, a block each. The
 last two columns force the fused kernel (`kernel="hopper"`: the chain in its epilogue) and the
-epilogue path on the same row, which is how the thresholds were chosen. Every timed window opens
-before the Python dispatch, so host cost counts. A row's four calls are timed interleaved (each
-iteration times each call once, each after its own L2 flush), so a slow stretch of the machine
-weighs on all four alike. Runs up to 89fea0e timed eager first and `kernel="auto"` right after
+epilogue path on the same row, which is how the thresholds were chosen. The calls run under
+`no_grad` (with autograd recording, a call of one or two rows saves the GEMM result for the
+backward and takes the chain kernel after PyTorch's GEMM, not the few-rows kernel). Every
+timed window opens before the Python dispatch, so host cost counts. A row's four calls are
+timed interleaved (each iteration times each call once, each after its own L2 flush), so a
+slow stretch of the machine weighs on all four alike. Runs up to 89fea0e timed eager first and
+`kernel="auto"` right after
 it, at whatever clock and host state eager's SIMT GEMM left (a probe on one machine measured
 20-30 us for that place at the smallest sizes; 89fea0e's sweep shows it on one row: DESIGN
 section 9); later runs cycle through orders in which each call follows each other equally
