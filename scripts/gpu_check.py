@@ -7,8 +7,8 @@ random-chain pool's and the hand-written test models'), one process per structur
 at once as there are cores, times a second process's load from the cache, runs the GPU tests
 (pytest -m gpu) and the benchmark (with the chain table). Output files go to $OUT (or
 ./gpu-check-out). Usage: python scripts/gpu_check.py [--quick] [--sweep] [--no-bench]
-[--no-tests] [--no-cold] [-k EXPR] [--files A,B] [--skip-files A,B] [--workers N]
-[--split-gpus] [--test-timeout S].
+[--no-tests] [--no-cold] [--lazy-builds] [-k EXPR] [--files A,B] [--skip-files A,B]
+[--workers N] [--split-gpus] [--test-timeout S].
 - -k selects GPU tests as pytest's -k does; --files runs only those files of tests/gpu and
   --skip-files all but those, so that the suite can be split over calls that fit the device's
   10 minutes.
@@ -27,6 +27,12 @@ at once as there are cores, times a second process's load from the cache, runs t
   running in the summary (pytest -v names each as it finishes; a test past 300 s, or 80% of a
   shorter limit, dumps its threads' stacks into the log's stderr part).
 - --no-cold skips the cold builds, for a second call on a machine that already ran them.
+- --lazy-builds builds only the shipped problems' kernels (and the plain GEMM's) before the
+  tests, which then build what they launch as they run, each structure once across the xdist
+  workers (the build's file lock): on one GPU of 16 cores, building all of them first takes
+  most of a 10-minute call (67 structures in 184 s on 64 cores, session 48), while pytest -n 10
+  with lazy builds ran the suite on one H200 in two calls of 293 and 406 s (session 49, by hand;
+  `--files` splits it so here).
 Where the tree travels without its own .git (the device tool's copy carries a stale one), set
 GEMMFUSE_COMMIT to the commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
 Every log is written as its command runs, so a call killed from outside (the device tool's
@@ -340,11 +346,25 @@ def note(summary: list[str], line: str) -> None:
     print(f"summary: {line}", flush=True)
 
 
+def structures_to_build() -> list[str]:
+    """What main builds before the tests: every structure, or with --lazy-builds the plain
+    GEMM's and the shipped problems' (the SASS report and the second-process load read #62's;
+    the benchmark's first rows run them)."""
+    if "--lazy-builds" not in sys.argv:
+        return every_structure()
+    sys.path[:0] = [str(ROOT / "src")]
+    from gemmfuse import Epilogue
+    from gemmfuse.kernelbench.registry import PROBLEMS
+
+    shipped = [Epilogue()] + [s.structure for p in PROBLEMS.values() for s in p.structures]
+    return list(dict.fromkeys(repr(s) for s in shipped))
+
+
 def main() -> int:
     check_test_files()
     quick = "--quick" in sys.argv
     OUT.mkdir(parents=True, exist_ok=True)
-    structures = every_structure()
+    structures = structures_to_build()
     from gemmfuse.build import cache_dir
     from gemmfuse.jit import CHAIN_PARTS, part_library
     from gemmfuse.kernelbench.registry import PROBLEMS
@@ -357,10 +377,11 @@ def main() -> int:
     t = time.perf_counter()
     errors = build_in_processes(structures, env=ENV)
     print("\n".join(errors), flush=True)
+    lazy = " (--lazy-builds: the tests build the rest)" if "--lazy-builds" in sys.argv else ""
     note(
         summary,
         f"build: {len(structures)} chains ({len(errors)} failed) in "
-        f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time, into {cache_dir()}",
+        f"{time.perf_counter() - t:.1f} s, {os.cpu_count()} at a time, into {cache_dir()}{lazy}",
     )
     chain62 = PROBLEMS[62].structures[0]
     note(summary, sass_report([str(part_library(chain62, part)) for part in CHAIN_PARTS[1:]]))

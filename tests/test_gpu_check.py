@@ -18,6 +18,7 @@ from gpu_check import (  # noqa: E402
     check_test_files,
     combined_status,
     split_runs,
+    structures_to_build,
     unfinished_tests,
 )
 
@@ -173,3 +174,17 @@ def test_files_that_tests_gpu_lacks_are_refused_before_any_build(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--split-gpus", "--workers", "auto"])
     with pytest.raises(SystemExit, match="a count a GPU, not 'auto'"):
         check_test_files()  # before any build, not in run_tests after them
+
+
+def test_lazy_builds_build_the_plain_gemm_and_the_shipped_problems_alone(monkeypatch):
+    """--lazy-builds: before the tests, the plain GEMM's structure and #62's and #75's; without
+    it, every structure the tests and the benchmark launch."""
+    from gemmfuse import Epilogue
+    from gemmfuse.kernelbench.registry import PROBLEMS
+
+    monkeypatch.setattr(gpu_check, "every_structure", lambda: ["every"])
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--lazy-builds"])
+    shipped = [repr(Epilogue())] + [repr(PROBLEMS[n].structures[0].structure) for n in (62, 75)]
+    assert structures_to_build() == shipped
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    assert structures_to_build() == ["every"]
