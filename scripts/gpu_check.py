@@ -29,10 +29,12 @@ at once as there are cores, times a second process's load from the cache, runs t
 - --no-cold skips the cold builds, for a second call on a machine that already ran them.
 - --lazy-builds builds only the shipped problems' kernels (and the plain GEMM's) before the
   tests, which then build what they launch as they run, each structure once across the xdist
-  workers (the build's file lock): on one GPU of 16 cores, building all of them first takes
-  most of a 10-minute call (67 structures in 184 s on 64 cores, session 48), while pytest -n 10
-  with lazy builds ran the suite on one H200 in two calls of 293 and 406 s (session 49, by hand;
-  `--files` splits it so here).
+  workers (the build's file lock): on one GPU of 16 cores, building all of them first would
+  take most of a 10-minute call (an estimate from 67 structures in 184 s on 64 cores, session
+  48), while pytest -n 10 with lazy builds ran every GPU test file but test_parallel.py and
+  test_optimize.py on one H200 in two calls of 293 and 406 s (session 49, run by hand; with
+  this script, split the files over calls with --files). With --no-tests the benchmark builds
+  its random chains itself, within its time limit.
 Where the tree travels without its own .git (the device tool's copy carries a stale one), set
 GEMMFUSE_COMMIT to the commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
 Every log is written as its command runs, so a call killed from outside (the device tool's
@@ -348,8 +350,8 @@ def note(summary: list[str], line: str) -> None:
 
 def structures_to_build() -> list[str]:
     """What main builds before the tests: every structure, or with --lazy-builds the plain
-    GEMM's and the shipped problems' (the SASS report and the second-process load read #62's;
-    the benchmark's first rows run them)."""
+    GEMM's and the shipped problems' (the SASS report and the second-process load read #62's);
+    the tests build the rest as they run."""
     if "--lazy-builds" not in sys.argv:
         return every_structure()
     sys.path[:0] = [str(ROOT / "src")]
