@@ -204,18 +204,16 @@ def option(name: str) -> str | None:
     return sys.argv[at]
 
 
-def named_files() -> list[str]:
-    """--files' names (files of tests/gpu, or pytest node ids in them), empty ones dropped."""
-    return [name for name in (option("--files") or "").split(",") if name]
+def named_files(flag: str = "--files") -> list[str]:
+    """A comma-separated option's names, empty ones dropped: --files' (files of tests/gpu, or
+    pytest node ids in them), or --skip-files' (files of tests/gpu)."""
+    return [name for name in (option(flag) or "").split(",") if name]
 
 
 def test_selection() -> tuple[list[str], list[str]]:
     """(the paths pytest collects, its other arguments) for --files, --skip-files, --workers."""
     paths = [f"tests/gpu/{name}" for name in named_files()] or ["tests"]
-    args = []
-    skip = option("--skip-files")
-    if skip:
-        args += [f"--ignore=tests/gpu/{name}" for name in skip.split(",")]
+    args = [f"--ignore=tests/gpu/{name}" for name in named_files("--skip-files")]
     workers = option("--workers")
     if workers:
         if xdist_installed():
@@ -275,7 +273,7 @@ def split_runs(gpus: int, timeout: float) -> list[tuple[str, list[str], dict]]:
     one GPU's files running past the limit (the loader tests' exports) while the other two had
     finished at 274 and 169 s (session 48)."""
     names = named_files() or sorted(f.name for f in (ROOT / "tests/gpu").glob("test_*.py"))
-    skipped = set((option("--skip-files") or "").split(","))
+    skipped = set(named_files("--skip-files"))
     names = [n for n in names if n.split("::")[0] not in skipped]
     apart = [f"tests/gpu/{n}" for n in names if n.split("::")[0] == "test_parallel.py"]
     spread = [f"tests/gpu/{n}" for n in names if n.split("::")[0] != "test_parallel.py"]

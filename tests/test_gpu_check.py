@@ -189,3 +189,17 @@ def test_lazy_builds_build_the_plain_gemm_and_the_shipped_problems_alone(monkeyp
     assert len(shipped) == 3 and structures_to_build() == shipped
     monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
     assert structures_to_build() == ["every"]
+
+
+def test_skip_files_read_one_way_by_either_run(monkeypatch):
+    """--skip-files' names, empty ones dropped, leave one pytest process's collection and
+    --split-gpus' file list alike (an empty name had ignored the whole of tests/gpu)."""
+    monkeypatch.setattr(gpu_check, "xdist_installed", lambda: True)
+    monkeypatch.setitem(gpu_check.ENV, "CUDA_VISIBLE_DEVICES", "0,1")
+    argv = ["--files", "test_plan.py,test_tail.py", "--skip-files", "test_tail.py,"]
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", *argv])
+    paths, args = gpu_check.test_selection()
+    assert paths == ["tests/gpu/test_plan.py", "tests/gpu/test_tail.py"]
+    assert args == ["--ignore=tests/gpu/test_tail.py"]
+    ((_, spread, _),) = split_runs(2, 540)
+    assert [a for a in spread if a.startswith("tests/")] == ["tests/gpu/test_plan.py"]
