@@ -7,10 +7,10 @@ Paths, in the order they are tried:
     chain up to its reduction in its epilogue. Under ``kernel="auto"``, a float32 call on sm_90 from
     M*N = 2^23 with K >= 4096 (``dispatch.chain_apart``) runs the chain in the chain kernel right
     after the GEMM instead (the GEMM stores z), faster there with autograd recording and for costly
-    chains; where the chain reduces nothing and norms in groups of 8 or 16, that kernel starts
-    under the GEMM's last wave and normalises each tile once stored (csrc/epilogue/
-    group_tiles.cuh). In the fused kernel, GroupNorm groups that fit a 128-channel output tile are
-    normalised in the tile; wider groups (or groups that straddle tiles) get their statistics from
+    chains; where the chain norms in groups of 8 or 16, that kernel starts under the GEMM's last
+    wave and normalises (and reduces) each tile once stored (csrc/epilogue/group_tiles.cuh). In
+    the fused kernel, GroupNorm groups that fit a 128-channel output tile are normalised in the
+    tile; wider groups (or groups that straddle tiles) get their statistics from
     each tile, merged by a light second kernel that normalises the output in place (one extra read
     and write of it); a chain run apart takes the epilogue path's chain kernel below. Needs a CUDA
     float32 2-D input on an sm_80+ GPU and tensor arguments of ``pre``/``post`` ops that are per

@@ -16,12 +16,15 @@ ours was 2.6 to 4.6 times closer to float64 than eager (the seeds printed), the 
 fused kernel (kernel="hopper") giving the same values as the chain apart (H100, 2026-11-27).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from gemmfuse import Epilogue, fused_epilogue
 from gemmfuse.chains import chain_pool, chain_references, linear_data
 from gemmfuse.dispatch import chain_apart
+from gemmfuse.epilogue import REDUCTIONS
 from gemmfuse.ops import fused_linear_with_path
 from helpers import (
     CHAIN_KERNELS,
@@ -84,15 +87,19 @@ def test_auto_runs_the_chain_kernel_after_the_gemm(index):
     assert not any(any(c in name for c in CHAIN_KERNELS) for name in forced), forced
 
 
-# A pool chain that norms and reduces nothing: its chain kernel follows the GEMM's tiles.
+# A pool chain that norms and reduces nothing: its chain kernel follows the GEMM's tiles, as it
+# does with a reduction over the channels after it (#75's chain: GroupNorm, then a min).
 FOLLOWING = next(i for i, spec in enumerate(POOL) if spec.norm and spec.reduce is None)
 
 
-def following_case(m, n, seed, k=K):
-    """(epilogue, x, w, b, gn, params) of FOLLOWING's chain in groups of 16 at m x k x n."""
+def following_case(m, n, seed, k=K, reduce=None, group=16):
+    """(epilogue, x, w, b, gn, params) of FOLLOWING's chain, then `reduce` over the channels
+    (keepdim) where given, in groups of `group` at m x k x n."""
     gen = torch.Generator().manual_seed(seed)
     spec = POOL[FOLLOWING]
-    epilogue, params = spec.instantiate(gen, n, n // 16)
+    if reduce is not None:
+        spec = replace(spec, reduce=reduce, keepdim=True)
+    epilogue, params = spec.instantiate(gen, n, n // group)
     x, w, b, gn_w, gn_b = (t.to(CUDA) for t in linear_data(gen, m, k, n))
     gn = (gn_w, gn_b) if spec.affine else (None, None)
     return epilogue, x, w, b, gn, [p.to(CUDA) for p in params]
@@ -115,9 +122,33 @@ def test_chain_following_the_tiles_gives_the_chain_kernels_bits(m, n, k, grad):
     (fused_epilogue, group_rows_kernel), three calls in a row (each leaves the tile counts
     zero for the next), with autograd recording (the chain writes a tensor of its own, allocated
     while the GEMM still reads x's split) or not (in place)."""
+    assert_following_gives_the_chain_kernels_bits(m, n, k, grad)
+
+
+@pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
+@pytest.mark.parametrize("reduce", sorted(REDUCTIONS))
+@pytest.mark.parametrize(
+    "m, n, k, group",
+    [
+        (M, N, K, 16),  # #75's sizes but K, and its groups
+        (M, N, K, 8),
+        (1100, 8208, K, 16),  # a part tile each way: a row band of 12 rows past the last tile
+        (1156, N, 2 * K, 8),  # the last row tile's slices past M hold no rows (M * N >= 2^23)
+    ],
+)
+def test_reducing_chain_following_the_tiles_gives_the_chain_kernels_bits(reduce, m, n, k, group):
+    """A chain that norms in tiles and then reduces over the channels (#75's) follows the GEMM's
+    tiles too: each unit leaves its rows' partials of the tile, the last of a row band to arrive
+    merges them in tile order, so the reduced rows are group_rows_kernel's bits, with autograd
+    recording (the GEMM's z kept for the backward) as KernelBench times it."""
+    assert_following_gives_the_chain_kernels_bits(m, n, k, True, reduce, group)
+
+
+def assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce=None, group=16):
     seed = int(torch.randint(0, 2**31 - 1, ()))
-    epilogue, x, w, b, gn, params = following_case(m, n, seed, k)
-    label = f"{POOL[FOLLOWING].describe()} | {m} x {k} x {n} | grad {grad} | seed {seed}"
+    epilogue, x, w, b, gn, params = following_case(m, n, seed, k, reduce, group)
+    label = (f"{POOL[FOLLOWING].describe()} -> {reduce} | groups of {group} | {m} x {k} x {n} | "
+             f"grad {grad} | seed {seed}")  # fmt: skip
     assert chain_apart("fused", epilogue, x, n, "auto", "fp32"), label
     if grad:
         w.requires_grad_(True)
@@ -142,11 +173,14 @@ def test_chain_following_the_tiles_gives_the_chain_kernels_bits(m, n, k, grad):
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
-def test_chain_following_the_tiles_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("reduce", [None, "min"])
+def test_chain_following_the_tiles_replays_in_a_cuda_graph(reduce):
     """Captured, the GEMM and the following chain kernel count tiles on counters of their own,
-    zeroed inside the graph (a programmatic edge between them): each replay, on new data copied
-    into the captured input, gives the uncaptured call's bits."""
-    epilogue, x, w, b, gn, params = following_case(M, N, int(torch.randint(0, 2**31 - 1, ())))
+    zeroed inside the graph (a programmatic edge between them), a reduction's row bands on
+    counters its last units zero: each replay, on new data copied into the captured input,
+    gives the uncaptured call's bits."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    epilogue, x, w, b, gn, params = following_case(M, N, seed, reduce=reduce)
 
     def call(x):
         return fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0]

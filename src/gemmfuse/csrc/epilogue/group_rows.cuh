@@ -6,9 +6,9 @@
 //
 // Float32 since 2026-11-27: the chain kernel of a fused call whose chain runs apart
 // (dispatch.chain_apart: the split GEMM stores z, this kernel normalises it in place) and of the
-// float32 epilogue path. A chain apart that reduces nothing takes its tasks by output tile
+// float32 epilogue path. A chain apart in groups of 8 or 16 takes its tasks by output tile
 // instead, behind the GEMM (group_tiles.cuh: group_tasks below, on the tiles as they are
-// stored). At 1024 x 8192 (torch.profiler, median of 10 launches on a given z in place, L2
+// stored; a reduction's rows merged over the tiles in fold_rows' order). At 1024 x 8192 (torch.profiler, median of 10 launches on a given z in place, L2
 // cleared before each, H100, two rounds alternating with the tile kernel's tree):
 // #62's chain 52.4-53.2 -> 26.4-26.7 us (groups of 8), 50.7-51.3 -> 34.2-34.3 (16); #75's
 // 41.0-41.1 -> 31.7-31.8 (8), 37.8-37.9 -> 29.6-29.7 (16). Groups of 32 take 160 registers

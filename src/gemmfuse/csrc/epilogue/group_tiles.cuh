@@ -1,6 +1,6 @@
 // group_rows_kernel's chain by output tiles, behind the GEMM that stores them: the chain kernel
 // of a float32 call whose chain runs apart (dispatch.chain_apart), where its norm takes groups
-// within 128-channel tiles and it reduces nothing (#62's chain).
+// of 8 or 16 within 128-channel tiles (#62's chain; #75's, which reduces over the channels).
 //
 // Why: the plain split GEMM walks its 512 tiles (#62 at 1024 x 8192) on 132 SMs in four waves,
 // and its last wave leaves some SMs idle: 16 of them for most of a tile's time (about 130 us
@@ -13,7 +13,11 @@
 // How: a block takes units (a slice of a tile's rows, a task a thread) by a ticket
 // (tile_flags[tiles]), in walk order; one thread waits until the tile's two consumer
 // warpgroups have counted their stores (kTileArrivals, acquire semantics), and the block runs
-// group_rows' tasks on the slice's rows and the tile's groups. A ticket only waits for a tile
+// group_rows' tasks on the slice's rows and the tile's groups. A reduction's unit merges each
+// row's groups in group order into the row's partial of the tile (row_partial, as the tile
+// kernel leaves it), and the last unit of a row band to arrive (row_counter, a count per
+// kEpilogueRows16 rows) merges the band's rows over the tiles in tile order: group_rows' order
+// (fold_rows), so its bits. A ticket only waits for a tile
 // that a resident GEMM block will store (the GEMM's persistent grid is resident when this
 // kernel is scheduled), so nothing waits on a block that cannot run. Every block waits for the
 // GEMM's end (griddepcontrol.wait) before it leaves, so this kernel ends after the GEMM and a
@@ -31,11 +35,11 @@ namespace gemmfuse {
 // Whether group_tiles_kernel serves a float32 chain-apart call: group_rows serves it with groups
 // of 8 or 16 (checked with the GEMM's z not yet allocated: null counts as aligned, and a fresh
 // allocation is; groups of 32 and 64 take group_rows only at few tasks, below any chain apart's
-// size), its chain reduces nothing, the arguments are the epilogue path's (no bias or scales:
-// the GEMM applied them), and the GPU has programmatic dependent launch (sm_90 on).
+// size), the arguments are the epilogue path's (no bias or scales: the GEMM applied them), and
+// the GPU has programmatic dependent launch (sm_90 on).
 template <class Epi>
 bool group_tiles_serves(const FusedArgs& args) {
-  if constexpr (Epi::kModelDtype != kFloat32Model || Epi::kReduce != 0) {
+  if constexpr (Epi::kModelDtype != kFloat32Model) {
     return false;
   } else {
     static DeviceCache majors;  // per device, asked once
@@ -76,12 +80,40 @@ __device__ __forceinline__ void wait_for_tile(const int* flag) {
 template <int kGs>
 constexpr int kGroupTilesRows = kGroupRowsThreads * kGs / kTile;
 
+// A reducing unit's end: its rows' partials of the tile (each row's groups merged in group order,
+// a thread a row), then its arrival at the row band's count; the band's last unit merges the
+// band's rows over the tiles (fold_tile_partials) and zeroes the count. part: the unit's
+// (row, group) partials, row-major. Called by every thread of the block.
+template <class Epi, int kGs>
+__device__ __forceinline__ void finish_reducing_unit(const RowAcc* part, const TileWalk& walk,
+                                                     int col_tile, int row0, int rows, int groups,
+                                                     const FusedArgs& args) {
+  constexpr int kind = Epi::kReduce, kRows = kGroupTilesRows<kGs>;
+  static_assert(kEpilogueRows16 % kRows == 0, "a unit's rows lie in one row band");
+  const int tid = threadIdx.x, n_tiles = walk.tiles / walk.m_tiles;
+  __syncthreads();  // every task's partial is in shared memory
+  if (tid < rows) {
+    const RowAcc* row = part + tid * groups;
+    RowAcc acc = row[0];
+    for (int g = 1; g < groups; ++g) acc = row_acc_merge<kind>(acc, row[g]);
+    store_tile_partial<kind>(args, n_tiles, col_tile, row0 + tid, acc);
+  }
+  // a band's units that hold rows: n_tiles of each of its slices below M
+  const int band = row0 / kEpilogueRows16, band0 = band * kEpilogueRows16;
+  const int band_rows = min(kEpilogueRows16, args.M - band0);
+  const int arrivals = n_tiles * ((band_rows + kRows - 1) / kRows);
+  if (!last_to_arrive(args.row_counter + band, arrivals, tid, [] { __syncthreads(); })) return;
+  fold_tile_partials<kind>(args, n_tiles, band0, band_rows, tid, kGroupRowsThreads, args.N);
+  if (tid == 0) args.row_counter[band] = 0;  // ready for the next launch
+}
+
 template <class Epi, int kGs>
 __global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Epi, kGs>)
     group_tiles_kernel(FusedArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kSlices = kTile / kGroupTilesRows<kGs>;  // units a tile
   __shared__ int s_unit;
+  __shared__ RowAcc s_part[Epi::kReduce != 0 ? kGroupRowsThreads : 1];  // a unit's partials
   const void* in = group_rows_source<Epi>(args);
   const TileWalk walk = TileWalk::of(args.M, args.N, kTile, kTile);
   const int units = walk.tiles * kSlices;
@@ -110,8 +142,12 @@ __global__ void __launch_bounds__(kGroupRowsThreads, kGroupRowsMinBlocksPerSm<Ep
                             col = col0 + task % groups * kGs;
                             return static_cast<int64_t>(row) * args.N + col;
                           },
-                          nullptr, args);
-    __syncthreads();  // every thread has read s_unit before thread 0 takes the next ticket
+                          s_part, args);
+    if constexpr (Epi::kReduce != 0) {
+      if (rows > 0)  // (the block's threads alike)
+        finish_reducing_unit<Epi, kGs>(s_part, walk, tile.y, row0, rows, groups, args);
+    }
+    __syncthreads();  // every thread has read s_unit (and s_part) before the next unit
   }
   // Zeroing the counts for the next call: by the last block to leave, once the GEMM has ended
   // (griddepcontrol.wait: not just stored; a launch behind this kernel then finds both done).
@@ -154,8 +190,7 @@ cudaError_t launch_group_tiles_for(const FusedArgs& args, cudaStream_t stream) {
 template <class Epi>
 cudaError_t launch_group_tiles(const FusedArgs& args, cudaStream_t stream) {
   cudaError_t err = cudaErrorNotSupported;
-  if constexpr (Epi::kNorm && Epi::kPool == 1 && Epi::kModelDtype == kFloat32Model &&
-                Epi::kReduce == 0) {
+  if constexpr (Epi::kNorm && Epi::kPool == 1 && Epi::kModelDtype == kFloat32Model) {
     if (group_tiles_serves<Epi>(args)) {
       switch (args.group_size) {  // the sizes group_tiles_serves takes, each its own kernel
         case 8: err = launch_group_tiles_for<Epi, 8>(args, stream); break;

@@ -619,6 +619,47 @@ __device__ __forceinline__ RowAcc run_partial(const float* row, int w0, int w1) 
   }
 }
 
+// A row's partial of one column tile, where the row-reducing kernels leave it for the last block
+// of the row's band: row_partial [N tiles, M], and for the (m, s) pairs of sum, mean and
+// logsumexp (row_reduce.cuh) the s halves after the m halves.
+template <int kKind>
+__device__ __forceinline__ void store_tile_partial(const FusedArgs& args, int n_tiles, int n_idx,
+                                                   int row, RowAcc acc) {
+  const int64_t at = static_cast<int64_t>(n_idx) * args.M + row;
+  args.row_partial[at] = acc.m;
+  if constexpr (kKind >= 3) args.row_partial[static_cast<int64_t>(n_tiles) * args.M + at] = acc.s;
+}
+
+// The last block of a row band: rows [m0, m0 + rows) each merge their n_tiles partials
+// (store_tile_partial's) in tile order, a thread a row among `threads`, into row_out; n is the
+// count a mean divides by. kFold loads are in flight before they are merged: one at a time, the
+// last block of a row band waited on 64 L2 loads in turn (#75 at N = 8192) after every other
+// block had finished. The partials are read through L2 (other blocks wrote them).
+template <int kKind>
+__device__ __forceinline__ void fold_tile_partials(const FusedArgs& args, int n_tiles, int m0,
+                                                   int rows, int tid, int threads, int n) {
+  constexpr int kFold = 8;
+  const int64_t s_half = static_cast<int64_t>(n_tiles) * args.M;
+  for (int r = tid; r < rows; r += threads) {
+    RowAcc acc = row_acc_empty<kKind>();
+    for (int tn0 = 0; tn0 < n_tiles; tn0 += kFold) {
+      RowAcc part[kFold];
+#pragma unroll
+      for (int j = 0; j < kFold; ++j) {
+        const int64_t at = static_cast<int64_t>(min(tn0 + j, n_tiles - 1)) * args.M + m0 + r;
+        part[j] = {__ldcg(args.row_partial + at), 0.f};
+        if constexpr (kKind >= 3) part[j].s = __ldcg(args.row_partial + s_half + at);
+      }
+#pragma unroll
+      for (int j = 0; j < kFold; ++j) {
+        const int tn = tn0 + j;
+        if (tn < n_tiles) acc = tn == 0 ? part[j] : row_acc_merge<kKind>(acc, part[j]);
+      }
+    }
+    args.row_out[m0 + r] = row_acc_finish<kKind>(acc, n);
+  }
+}
+
 // The tile's row partials of the chain's reduction, handed to put_partial(row, partial). kParts
 // threads share a row, each a contiguous run of its windows (run_partial), and their partials
 // merge in run order. A warp a row, each lane pushing values one at a time (a logsumexp's new
@@ -817,13 +858,8 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
   if constexpr (kind == 0) {
     store(Epi::kModelDtype != kFloat32Model && args.out16 != nullptr);
   } else {
-    // Partials are (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh), m alone otherwise.
-    constexpr bool kPairs = kind >= 3;
-    const int64_t s_half = static_cast<int64_t>(tc.n_tiles) * args.M;
     auto put_partial = [&](int r, RowAcc acc) {
-      const int64_t at = static_cast<int64_t>(tc.n_idx) * args.M + tc.m0 + r;
-      args.row_partial[at] = acc.m;
-      if constexpr (kPairs) args.row_partial[s_half + at] = acc.s;
+      store_tile_partial<kind>(args, tc.n_tiles, tc.n_idx, tc.m0 + r, acc);
     };
     if (reduced_in_groups) {
       for (int r = tid; r < rows_here; r += kThreads) {
@@ -837,29 +873,8 @@ __device__ __forceinline__ void tile_epilogue(float* tile, const FusedArgs& args
       row_partials<Epi, kThreads>(tile, rows_here, cols_here, tid, sync, put_partial);
     }
     if (last_to_arrive(args.row_counter + tc.m_idx, tc.n_tiles, tid, sync)) {
-      // The row's partials in tile order, kFold loads in flight before they are merged: one
-      // at a time, the last block of a row band waited on 64 L2 loads in turn (#75 at N = 8192)
-      // after every other block had finished.
-      constexpr int kFold = 8;
-      for (int r = tid; r < rows_here; r += kThreads) {
-        RowAcc acc = row_acc_empty<kind>();
-        for (int tn0 = 0; tn0 < tc.n_tiles; tn0 += kFold) {
-          RowAcc part[kFold];
-#pragma unroll
-          for (int j = 0; j < kFold; ++j) {
-            const int64_t at = static_cast<int64_t>(min(tn0 + j, tc.n_tiles - 1)) * args.M +
-                               tc.m0 + r;
-            part[j] = {__ldcg(args.row_partial + at), 0.f};
-            if constexpr (kPairs) part[j].s = __ldcg(args.row_partial + s_half + at);
-          }
-#pragma unroll
-          for (int j = 0; j < kFold; ++j) {
-            const int tn = tn0 + j;
-            if (tn < tc.n_tiles) acc = tn == 0 ? part[j] : row_acc_merge<kind>(acc, part[j]);
-          }
-        }
-        args.row_out[tc.m0 + r] = row_acc_finish<kind>(acc, args.N / Epi::kPool);
-      }
+      fold_tile_partials<kind>(args, tc.n_tiles, tc.m0, rows_here, tid, kThreads,
+                               args.N / Epi::kPool);
       if (tid == 0) args.row_counter[tc.m_idx] = 0;  // ready for the next launch
     }
   }
