@@ -32,8 +32,10 @@ at once as there are cores, times a second process's load from the cache, runs t
   workers (the build's file lock): on one GPU of 16 cores, building all of them first would
   take most of a 10-minute call (an estimate from 67 structures in 184 s on 64 cores, session
   48), while pytest -n 10 with lazy builds ran every GPU test file but test_parallel.py and
-  test_optimize.py on one H200 in two calls of 293 and 406 s (session 49, run by hand; with
-  this script, split the files over calls with --files). With --no-tests the benchmark builds
+  test_optimize.py on one H200 in two calls of 293 and 406 s (session 49, run by hand); through
+  this script with --workers 12 (session 50), all but those two and two others took one call
+  and met its 520 s pytest limit with 30 of 1932 cases left, so split the files over calls
+  with --files and --skip-files. With --no-tests the benchmark builds
   its random chains itself, within its time limit.
 Where the tree travels without its own .git (the device tool's copy carries a stale one), set
 GEMMFUSE_COMMIT to the commit that runs: the benchmark records it (gemmfuse.bench.git_commit).
