@@ -128,23 +128,31 @@ def test_chain_following_the_tiles_gives_the_chain_kernels_bits(m, n, k, grad):
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
 @pytest.mark.parametrize("reduce", sorted(REDUCTIONS))
 @pytest.mark.parametrize(
-    "m, n, k, group",
+    "m, n, k, group, grad",
     [
-        (M, N, K, 16),  # #75's sizes but K, and its groups
-        (M, N, K, 8),
-        (1100, 8208, K, 16),  # a part tile each way: a row band of 12 rows past the last tile
-        (1156, N, 2 * K, 8),  # the last row tile's slices past M hold no rows (M * N >= 2^23)
+        (M, N, K, 16, True),  # #75's sizes but K, and its groups
+        (M, N, K, 16, False),
+        (M, N, K, 8, True),
+        (1100, 8208, K, 16, True),  # part tiles: a row band of 12 rows, a column tile of one group
+        (1100, 8240, K, 8, True),  # part tiles: six groups of 8 in the last column tile
+        (1156, N, 2 * K, 8, True),  # seven of the last row tile's eight slices hold no rows
     ],
 )
-def test_reducing_chain_following_the_tiles_gives_the_chain_kernels_bits(reduce, m, n, k, group):
+def test_reducing_chain_following_the_tiles_gives_the_chain_kernels_bits(
+    reduce, m, n, k, group, grad
+):
     """A chain that norms in tiles and then reduces over the channels (#75's) follows the GEMM's
     tiles too: each unit leaves its rows' partials of the tile, the last of a row band to arrive
     merges them in tile order, so the reduced rows are group_rows_kernel's bits, with autograd
-    recording (the GEMM's z kept for the backward) as KernelBench times it."""
-    assert_following_gives_the_chain_kernels_bits(m, n, k, True, reduce, group)
+    recording (the GEMM's z kept for the backward, as KernelBench times it) or not."""
+    assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce, group)
 
 
 def assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce=None, group=16):
+    """Three calls in a row, each on new x: the bits of the plain GEMM's z run through
+    fused_epilogue (the chain kernel after the GEMM). New data each call, so that a unit or a
+    band's fold reading a slot before this call wrote it (the last call's values, which the
+    allocator's reused block may still hold) shows."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
     epilogue, x, w, b, gn, params = following_case(m, n, seed, k, reduce, group)
     label = (f"{POOL[FOLLOWING].describe()} -> {reduce} | groups of {group} | {m} x {k} x {n} | "
@@ -157,15 +165,18 @@ def assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce=None, gr
         with torch.set_grad_enabled(grad):
             return fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0].detach()
 
-    with torch.no_grad():
-        z = fused_linear_with_path(x, w, b, Epilogue())[0]  # the plain GEMM's bits
-        expect = fused_epilogue(z, epilogue, *gn, params=params)
-        eager, exact, ops_alone = chain_references(x, w.detach(), b, epilogue, *gn, params)
     call()  # built, and the weight split, before poisoning
+    gen = torch.Generator().manual_seed(seed + 1)
     for i in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen))
+        with torch.no_grad():
+            z = fused_linear_with_path(x, w, b, Epilogue())[0]  # the plain GEMM's bits
+            expect = fused_epilogue(z, epilogue, *gn, params=params)
         poison_allocator(8 * m * n, CUDA)
         got = call()
         torch.testing.assert_close(got, expect, atol=0, rtol=0, msg=f"{label} | call {i}")
+    with torch.no_grad():
+        eager, exact, ops_alone = chain_references(x, w.detach(), b, epilogue, *gn, params)
     assert_float64_bar(got, eager, exact, ops_alone, label)
     names = kernel_names(call)
     assert any("group_tiles_kernel" in name for name in names), names
@@ -173,12 +184,14 @@ def assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce=None, gr
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
-@pytest.mark.parametrize("reduce", [None, "min"])
+@pytest.mark.parametrize("reduce", [None, "sum"])
 def test_chain_following_the_tiles_replays_in_a_cuda_graph(reduce):
     """Captured, the GEMM and the following chain kernel count tiles on counters of their own,
-    zeroed inside the graph (a programmatic edge between them), a reduction's row bands on
-    counters its last units zero: each replay, on new data copied into the captured input,
-    gives the uncaptured call's bits."""
+    zeroed inside the graph (a programmatic edge between them): each replay, on new data copied
+    into the captured input, gives the uncaptured call's bits. A reducing chain's row counters
+    are zeroed by a kernel of their own in the graph, which would sit between the two kernels:
+    captured, such a chain runs after the GEMM (group_rows_kernel), replaying the uncaptured
+    call's bits all the same."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
     epilogue, x, w, b, gn, params = following_case(M, N, seed, reduce=reduce)
 
@@ -188,4 +201,5 @@ def test_chain_following_the_tiles_replays_in_a_cuda_graph(reduce):
     graph = assert_graph_replays_match(call, x, torch.rand)
     with torch.no_grad():
         names = kernel_names(graph.replay)
-    assert any("group_tiles_kernel" in name for name in names), names
+    kernel = "group_tiles_kernel" if reduce is None else "group_rows_kernel"
+    assert any(kernel in name for name in names), names

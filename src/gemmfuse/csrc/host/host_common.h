@@ -156,7 +156,8 @@ inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& tabl
     // (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh): twice the partials.
     keep.push_back(x.new_empty({reduce >= 3 ? 2 * n_tiles : n_tiles, M}, f32));
     args.row_partial = keep.back().data_ptr<float>();
-    // a counter per row band: the fused kernels' kTile rows, or the 16-bit epilogue path's fewer
+    // a counter per row band: the fused kernels' kTile rows, or kEpilogueRows16 (the 16-bit
+    // epilogue path's, and the bands of a chain kernel following the GEMM's tiles)
     const int64_t bands = (M + gemmfuse::kEpilogueRows16 - 1) / gemmfuse::kEpilogueRows16;
     args.row_counter = arrival_counters(x, bands, stream, kRowCounters, keep);
   }
