@@ -223,9 +223,7 @@ __device__ __forceinline__ void fold_rows(RowAcc* part, int row0, int rows_here,
   for (int task = tid; task < rows_here * n_tiles; task += kGroupRowsThreads) {
     RowAcc* row = part + (task / n_tiles) * groups;
     const int g0 = (task % n_tiles) * kPerTile, g1 = min(groups, g0 + kPerTile);
-    RowAcc acc = row[g0];
-    for (int g = g0 + 1; g < g1; ++g) acc = row_acc_merge<kind>(acc, row[g]);
-    row[g0] = acc;  // no other task reads this tile's groups
+    row[g0] = row_acc_merge_run<kind>(row + g0, g1 - g0);  // no other task reads these groups
   }
   __syncthreads();
   constexpr int kFold = 8;  // loads in flight before they merge

@@ -92,12 +92,9 @@ __device__ __forceinline__ void finish_reducing_unit(const RowAcc* part, const T
   static_assert(kEpilogueRows16 % kRows == 0, "a unit's rows lie in one row band");
   const int tid = threadIdx.x, n_tiles = walk.tiles / walk.m_tiles;
   __syncthreads();  // every task's partial is in shared memory
-  if (tid < rows) {
-    const RowAcc* row = part + tid * groups;
-    RowAcc acc = row[0];
-    for (int g = 1; g < groups; ++g) acc = row_acc_merge<kind>(acc, row[g]);
-    store_tile_partial<kind>(args, n_tiles, col_tile, row0 + tid, acc);
-  }
+  if (tid < rows)  // fold_rows' merge of a tile's groups
+    store_tile_partial<kind>(args, n_tiles, col_tile, row0 + tid,
+                             row_acc_merge_run<kind>(part + tid * groups, groups));
   // a band's units that hold rows: n_tiles of each of its slices below M
   const int band = row0 / kEpilogueRows16, band0 = band * kEpilogueRows16;
   const int band_rows = min(kEpilogueRows16, args.M - band0);

@@ -1,8 +1,8 @@
 // The last-block pattern (the CUDA guide's threadFenceReduction): blocks leave partial results in
 // global memory, count themselves in, and the last of a set to arrive combines them. Used by
-// tile_epilogue.cuh's row reductions and gemv_epilogue.cuh's column windows and rows (the
-// Hopper kernel's K slices, gemm_gn_sm90.cuh's fold_slices, reset the count within the same
-// step and keep their own).
+// tile_epilogue.cuh's row reductions, group_tiles.cuh's row bands and gemv_epilogue.cuh's
+// column windows and rows (the Hopper kernel's K slices, gemm_gn_sm90.cuh's fold_slices, reset
+// the count within the same step and keep their own).
 #pragma once
 
 namespace gemmfuse {

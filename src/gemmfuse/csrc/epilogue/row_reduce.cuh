@@ -72,6 +72,14 @@ __device__ __forceinline__ RowAcc row_acc_merge(RowAcc a, RowAcc b) {
   return {m, sa + sb};
 }
 
+// n >= 1 partials merged in index order, from the first.
+template <int kKind>
+__device__ __forceinline__ RowAcc row_acc_merge_run(const RowAcc* parts, int n) {
+  RowAcc acc = parts[0];
+  for (int i = 1; i < n; ++i) acc = row_acc_merge<kKind>(acc, parts[i]);
+  return acc;
+}
+
 template <int kKind>
 __device__ __forceinline__ float row_acc_finish(RowAcc a, int n) {
   if constexpr (kKind == 3) return a.m + a.s;

@@ -208,13 +208,16 @@ int* follow_flags(int64_t table, const at::Tensor& x, int64_t N,
                                               scalar_params, group_size, eps, false);
   if (M == 0 || N == 0 || !chain(table).follows_tiles(args)) return nullptr;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // Under graph capture a reducing chain's row counters are zeroed by a kernel of their own
-  // (arrival_counters), launched between the GEMM and the chain kernel: the chain kernel's
-  // programmatic edge would join that kernel, not the GEMM, and it counts rows before the
-  // griddepcontrol.wait that makes that kernel's zeros visible. Such a chain runs after the GEMM.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone && chain(table).reduce_kind != 0) return nullptr;
+  if (chain(table).reduce_kind != 0) {
+    // Under graph capture a reducing chain's row counters are zeroed by a kernel of their own
+    // (arrival_counters), launched between the GEMM and the chain kernel: the chain kernel's
+    // programmatic edge would join that kernel, not the GEMM, and it counts rows before the
+    // griddepcontrol.wait that makes that kernel's zeros visible. Such a chain runs after the
+    // GEMM. (A chain that reduces nothing has no such counters: no query on its calls.)
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+    if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  }
   return arrival_counters(x, output_tiles(M, N) + gemmfuse::kTileFollowExtra, stream,
                           kFollowCounters, keep);
 }
