@@ -184,14 +184,12 @@ def assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce=None, gr
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
-@pytest.mark.parametrize("reduce", [None, "sum"])
+@pytest.mark.parametrize("reduce", [None, "sum", "min"])
 def test_chain_following_the_tiles_replays_in_a_cuda_graph(reduce):
-    """Captured, the GEMM and the following chain kernel count tiles on counters of their own,
-    zeroed inside the graph (a programmatic edge between them): each replay, on new data copied
-    into the captured input, gives the uncaptured call's bits. A reducing chain's row counters
-    are zeroed by a kernel of their own in the graph, which would sit between the two kernels:
-    captured, such a chain runs after the GEMM (group_rows_kernel), replaying the uncaptured
-    call's bits all the same."""
+    """Captured, the GEMM and the following chain kernel count tiles (and a reducing chain's
+    row bands) on counters of their own, zeroed inside the graph before the GEMM (a programmatic
+    edge between the two kernels): each replay, on new data copied into the captured input,
+    gives the uncaptured call's bits, and the chain kernel follows the tiles in the graph too."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
     epilogue, x, w, b, gn, params = following_case(M, N, seed, reduce=reduce)
 
@@ -201,5 +199,30 @@ def test_chain_following_the_tiles_replays_in_a_cuda_graph(reduce):
     graph = assert_graph_replays_match(call, x, torch.rand)
     with torch.no_grad():
         names = kernel_names(graph.replay)
-    kernel = "group_tiles_kernel" if reduce is None else "group_rows_kernel"
-    assert any(kernel in name for name in names), names
+    assert any("group_tiles_kernel" in name for name in names), names
+    assert not any("group_rows_kernel" in name for name in names), names
+
+
+@pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
+@pytest.mark.parametrize("reduce", ["min", "logsumexp"])
+def test_reducing_chains_first_call_on_a_stream_gives_the_bits(reduce):
+    """A stream's first following call makes its counters (tile counts and row bands) before
+    the GEMM is queued: on a new stream, its first call and the next give the bits of the chain
+    kernel run after the plain GEMM, each on new data."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    epilogue, x, w, b, gn, params = following_case(M, N, seed, reduce=reduce)
+    label = f"{reduce} | seed {seed}"
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        fused_linear_with_path(x, w, b, Epilogue())  # built, and the weight split
+        stream = torch.cuda.Stream()
+        for i in range(2):
+            x.copy_(torch.randn(x.shape, generator=gen))
+            z = fused_linear_with_path(x, w, b, Epilogue())[0]
+            expect = fused_epilogue(z, epilogue, *gn, params=params)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                poison_allocator(8 * M * N, CUDA)
+                got = fused_linear_with_path(x, w, b, epilogue, *gn, params=params)[0]
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.testing.assert_close(got, expect, atol=0, rtol=0, msg=f"{label} | call {i}")

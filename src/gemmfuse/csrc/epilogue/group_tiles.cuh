@@ -17,7 +17,10 @@
 // row's groups in group order into the row's partial of the tile (row_partial, as the tile
 // kernel leaves it), and the last unit of a row band to arrive (row_counter, a count per
 // kEpilogueRows16 rows) merges the band's rows over the tiles in tile order: group_rows' order
-// (fold_rows), so its bits. A ticket only waits for a tile
+// (fold_rows), so its bits. Those counters sit after the tile counts in one set that the host
+// makes before it queues the GEMM (host_forward.cpp's follow_flags), since units count rows
+// before griddepcontrol.wait: zeros written between the GEMM and this kernel (a fill under
+// graph capture, a stream's first memset) would not be visible to them. A ticket only waits for a tile
 // that a resident GEMM block will store (the GEMM's persistent grid is resident when this
 // kernel is scheduled), so nothing waits on a block that cannot run. Every block waits for the
 // GEMM's end (griddepcontrol.wait) before it leaves, so this kernel ends after the GEMM and a

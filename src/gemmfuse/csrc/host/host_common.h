@@ -117,6 +117,13 @@ inline int64_t output_tiles(int64_t M, int64_t N) {
   return ((M + tile - 1) / tile) * ((N + tile - 1) / tile);
 }
 
+// Row-band counters of a reducing chain: one per kEpilogueRows16 rows, the bands of the 16-bit
+// epilogue path and of a chain kernel following the GEMM's tiles, and enough for the fused
+// kernels' kTile-row bands.
+inline int64_t row_band_counters(int64_t M) {
+  return (M + gemmfuse::kEpilogueRows16 - 1) / gemmfuse::kEpilogueRows16;
+}
+
 // GroupNorm moments per (row, kTile-column window): a window meets at most
 // (kTile - 1) / group_size + 2 groups, the layout norm_finalize.cuh reads.
 inline int segments_per_tile(int64_t group_size) {
@@ -156,10 +163,10 @@ inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& tabl
     // (m, s) pairs for sum, mean and logsumexp (row_reduce.cuh): twice the partials.
     keep.push_back(x.new_empty({reduce >= 3 ? 2 * n_tiles : n_tiles, M}, f32));
     args.row_partial = keep.back().data_ptr<float>();
-    // a counter per row band: the fused kernels' kTile rows, or kEpilogueRows16 (the 16-bit
-    // epilogue path's, and the bands of a chain kernel following the GEMM's tiles)
-    const int64_t bands = (M + gemmfuse::kEpilogueRows16 - 1) / gemmfuse::kEpilogueRows16;
-    args.row_counter = arrival_counters(x, bands, stream, kRowCounters, keep);
+    // a counter per row band (row_band_counters), unless the call brings its own (a chain
+    // kernel following the GEMM's tiles: follow_flags made them before the GEMM)
+    if (args.row_counter == nullptr)
+      args.row_counter = arrival_counters(x, row_band_counters(M), stream, kRowCounters, keep);
   }
   return keep;
 }

@@ -43,9 +43,9 @@ at::Tensor epilogue_forward_following(int64_t table, at::Tensor y,
                                       std::vector<at::Tensor> vec_params,
                                       std::vector<double> scalar_params, int64_t group_size,
                                       double eps, bool in_place, int* tile_flags);
-// Zeroed tile counts for a chain-apart call of `table`'s chain on an [M, N] z (kept in `keep`
-// where a graph is captured), or nullptr where its chain kernel cannot follow the GEMM's tiles
-// (and for a reducing chain under graph capture: host_forward.cpp says why).
+// Zeroed tile counts for a chain-apart call of `table`'s chain on an [M, N] z, a reducing
+// chain's row-band counters after them (kept in `keep` where a graph is captured), or nullptr
+// where its chain kernel cannot follow the GEMM's tiles.
 int* follow_flags(int64_t table, const at::Tensor& x, int64_t N,
                   const std::optional<at::Tensor>& gn_weight,
                   const std::optional<at::Tensor>& gn_bias, const std::vector<at::Tensor>& vec_params,

@@ -127,7 +127,8 @@ at::Tensor fused_forward_16bit(int64_t table, at::Tensor x, at::Tensor w,
 // normalises and reduces) takes chains that norm or reduce in tiles (no wide GroupNorm groups),
 // rounds as eager rounds in its dtype and returns that dtype; group_stats: tile_epilogue.cuh's
 // eager_group_stats mode (bf16 only; 0 for other dtypes). tile_flags: the plain GEMM's tile
-// counts, where the chain kernel follows its tiles (epilogue_forward_following); else nullptr.
+// counts, then a reducing chain's row-band counters (follow_flags' set), where the chain kernel
+// follows its tiles (epilogue_forward_following); else nullptr.
 static at::Tensor run_epilogue(int64_t table, at::Tensor y, std::optional<at::Tensor> gn_weight,
                                std::optional<at::Tensor> gn_bias, std::vector<at::Tensor> vec_params,
                                std::vector<double> scalar_params, int64_t group_size, double eps,
@@ -141,6 +142,8 @@ static at::Tensor run_epilogue(int64_t table, at::Tensor y, std::optional<at::Te
   gemmfuse::FusedArgs args = chain_args(y.size(0), y.size(1), std::nullopt, gn_weight, gn_bias,
                                         vec_params, scalar_params, group_size, eps, norm_wide);
   args.tile_flags = tile_flags;
+  if (tile_flags != nullptr && chain(table).reduce_kind != 0)  // follow_flags' set, after the counts
+    args.row_counter = tile_flags + output_tiles(args.M, args.N) + gemmfuse::kTileFollowExtra;
   c10::cuda::CUDAGuard guard(y.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const gemmfuse::ChainTable& t = chain(table);
@@ -207,19 +210,13 @@ int* follow_flags(int64_t table, const at::Tensor& x, int64_t N,
   const gemmfuse::FusedArgs args = chain_args(M, N, std::nullopt, gn_weight, gn_bias, vec_params,
                                               scalar_params, group_size, eps, false);
   if (M == 0 || N == 0 || !chain(table).follows_tiles(args)) return nullptr;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (chain(table).reduce_kind != 0) {
-    // Under graph capture a reducing chain's row counters are zeroed by a kernel of their own
-    // (arrival_counters), launched between the GEMM and the chain kernel: the chain kernel's
-    // programmatic edge would join that kernel, not the GEMM, and it counts rows before the
-    // griddepcontrol.wait that makes that kernel's zeros visible. Such a chain runs after the
-    // GEMM. (A chain that reduces nothing has no such counters: no query on its calls.)
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-    if (capture != cudaStreamCaptureStatusNone) return nullptr;
-  }
-  return arrival_counters(x, output_tiles(M, N) + gemmfuse::kTileFollowExtra, stream,
-                          kFollowCounters, keep);
+  // A reducing chain's row-band counters come after the tile counts in the same set, made here,
+  // before the GEMM is queued: made later (by a fill kernel under graph capture, or a memset on
+  // a stream's first call), they would sit between the GEMM and the chain kernel, which counts
+  // rows before the griddepcontrol.wait that would make their zeros visible.
+  const int64_t bands = chain(table).reduce_kind != 0 ? row_band_counters(M) : 0;
+  return arrival_counters(x, output_tiles(M, N) + gemmfuse::kTileFollowExtra + bands,
+                          c10::cuda::getCurrentCUDAStream(), kFollowCounters, keep);
 }
 
 // The epilogue path at a few rows (M <= kGemvMaxRows): x [M, K] and W [N, K] float32 (K a
