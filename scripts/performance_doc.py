@@ -104,6 +104,20 @@ folded into the weight (pooling.py), a GEMM of N / 16 columns.
 {format_floor_rows(rows)}{plot}"""
 
 
+def _rounds_note(harness: list[dict]) -> str:
+    """How the KernelBench-method table's rounds read, where the run timed more than one."""
+    rounds = max((len(r.get("round_means", [])) for r in harness), default=0)
+    if rounds < 2:
+        return ""
+    return (
+        f"\nEvery row was timed in {rounds} rounds, each timing every row once in the table's "
+        "order;\nthe mean and median columns are the first round's (KernelBench times a model "
+        "once), and\n\"vs eager by round\" is the range of the rounds' means against eager's "
+        "of the same round: one\nmean of 100 moves with what the GPU ran just before it "
+        "(docs/DESIGN.md, section 9).\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("bench_json")
@@ -203,7 +217,7 @@ every parameter changed before each step (its version counter stepped, as an opt
 in-place update steps it), so the weight splits are made again inside the step. "bf16" and
 "fp16": fresh models converted with `.to(torch.bfloat16)` or `.to(torch.float16)`, as
 KernelBench's 16-bit modes convert them. The "path" column is the path the gemmfuse model took.
-
+{_rounds_note(harness)}
 {format_rows(harness) if harness else "(not run)"}
 
 ## KernelBench problem files

@@ -96,3 +96,49 @@ def test_no_call_always_follows_the_same_one(monkeypatch):
     after_eager = [b for a, b in zip(timed, timed[1:], strict=False) if a == "eager"]
     for name in names[1:]:
         assert 0 < after_eager.count(name) < 31 / 2, (name, after_eager)
+
+
+def test_the_harness_keeps_the_first_rounds_figures_and_every_rounds_mean(monkeypatch):
+    """bench_harness.run_problem times every row once a round; a row shows its first round's
+    figures (KernelBench times once) and keeps each round's mean, in timing order."""
+    import gemmfuse.bench_harness as harness
+
+    class Model:
+        last_path = "fused"
+
+    model, calls = Model(), []
+
+    def fake_entries(name):
+        return [(f"{name} forward", f"eager {name}", "eager", (), None),
+                (f"{name} forward", f"gemmfuse {name}", "ours", (), model)]  # fmt: skip
+
+    def fake_time(fn, args, trials):
+        calls.append(fn)
+        ms = float(len(calls))
+        return {"mean": ms, "median": ms + 0.5, "min": ms, "max": ms}
+
+    monkeypatch.setattr(harness, "_fp32_entries", lambda n, c: (fake_entries("fp32"), None, None))
+    monkeypatch.setattr(harness, "_16bit_entries", lambda n, dtype, name, x, g: fake_entries(name))
+    monkeypatch.setattr(harness, "time_cuda_events", fake_time)
+    rows = harness.run_problem(62, trials=100, compile_=False, rounds=3)
+    impls = ["eager fp32", "gemmfuse fp32", "eager bf16", "gemmfuse bf16", "eager fp16",
+             "gemmfuse fp16"]  # fmt: skip
+    assert [r["impl"] for r in rows] == impls
+    assert calls == ["eager", "ours"] * 9  # each round times every row once, in order
+    assert [r["mean"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert rows[1]["round_means"] == [2.0, 8.0, 14.0] and rows[1]["median"] == 2.5
+    assert [r["path"] for r in rows[:2]] == ["-", "fused"]
+
+
+def test_the_harness_table_gives_the_ratio_to_eager_round_by_round():
+    from gemmfuse.bench_harness import format_rows
+
+    def row(impl, means):
+        return {"problem": 62, "what": "forward", "impl": impl, "path": "-", "mean": means[0],
+                "median": means[0], "round_means": means}  # fmt: skip
+
+    table = format_rows([row("eager", [3.0, 3.0, 3.3]), row("gemmfuse", [0.6, 0.5, 0.6])])
+    assert "| 5.00x | 5.00x | 5.00-6.00x |" in table
+    old = [{k: v for k, v in r.items() if k != "round_means"}
+           for r in (row("eager", [3.0]), row("gemmfuse", [0.6]))]  # fmt: skip
+    assert "| 5.00x | 5.00x | - |" in format_rows(old)  # a JSON from before the rounds

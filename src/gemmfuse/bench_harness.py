@@ -14,6 +14,13 @@ the first trial discarded; mean and median of ``trials``):
 - KernelBench's bf16 and fp16 modes: both models converted with ``.to(dtype)`` (fresh copies
   for each dtype), the forward timed as constructed (autograd on) and a training step, eager
   against gemmfuse in that dtype.
+
+Every row is timed in ``rounds`` rounds, each timing every row once in the order above. A row's
+"mean" and "median" are its first round's (KernelBench times a model once); "round_means" holds
+every round's mean. Why rounds: one mean of 100 moves with what the GPU ran just before it (on an
+H200 the same ModelNew's mean rose from round to round of back-to-back timings, up to some 13%,
+with the clock's power cap engaging: docs/DESIGN.md, section 9), so the spread of the per-round
+ratios to eager says how far one figure can be trusted.
 """
 
 import torch
@@ -40,81 +47,86 @@ def _no_grad(model):
     return call
 
 
-def run_problem(number: int, trials: int, compile_: bool) -> list[dict]:
-    """One row per (what is timed, implementation): {"problem", "what", "impl", "mean",
-    "median", "path"}."""
+def run_problem(number: int, trials: int, compile_: bool, rounds: int = 3) -> list[dict]:
+    """One row per (what is timed, implementation): {"problem", "what", "impl", "path", "mean",
+    "median", "min", "max"} of the first round, and "round_means"."""
+    entries, x, grad = _fp32_entries(number, compile_)
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        entries += _16bit_entries(number, dtype, name, x, grad)
+    rows = [{"problem": number, "what": what, "impl": impl, "path": "-", "round_means": []}
+            for what, impl, *_ in entries]  # fmt: skip
+    for _ in range(rounds):
+        for row, (_, _, fn, args, model) in zip(rows, entries, strict=True):
+            stats = time_cuda_events(fn, args, trials=trials)
+            if not row["round_means"]:
+                row.update(stats)
+                row["path"] = "-" if model is None else model.last_path
+            row["round_means"].append(stats["mean"])
+    return rows
+
+
+def _fp32_entries(number: int, compile_: bool) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """The float32 rows as (what, impl, fn, args, the model whose last_path the row shows or
+    None), with x and the training steps' output gradient."""
     _, module, ref, new = cuda_pair(number)
-    device = torch.device("cuda")
     set_seed(0)
-    x = module.get_inputs()[0].to(device)
+    x = module.get_inputs()[0].to(torch.device("cuda"))
     compiled = torch.compile(ref) if compile_ else None
-    rows = []
-
-    def add(what, impl, fn, *args, path="-"):
-        stats = time_cuda_events(fn, args, trials=trials)
-        rows.append({"problem": number, "what": what, "impl": impl, "path": path, **stats})
-
-    add("forward", "eager", ref, x)
-    if compiled is not None:
-        add("forward", "torch.compile", compiled, x)
-    add("forward", "gemmfuse", new, x)
-    rows[-1]["path"] = new.last_path
-    add("forward", "gemmfuse, no_grad", _no_grad(new), x)
-
     with torch.no_grad():
         grad = torch.randn_like(ref(x))
     xg = x.detach().requires_grad_()
-    add("training step", "eager", _training_step(ref, xg, grad))
-    if compiled is not None:
-        add("training step", "torch.compile", _training_step(compiled, xg, grad))
-    add("training step", "gemmfuse", _training_step(new, xg, grad))
-    rows[-1]["path"] = new.last_path
     change, step = weights_changed(new), _training_step(new, xg, grad)
 
     def changed():
         change()
         step()
 
-    add("training step", "gemmfuse, weights changed", changed)
-    del ref, new, compiled
-    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
-        rows += _16bit_rows(number, dtype, name, x, grad, trials)
-    return rows
+    entries = [("forward", "eager", ref, (x,), None)]
+    if compiled is not None:
+        entries.append(("forward", "torch.compile", compiled, (x,), None))
+    entries += [("forward", "gemmfuse", new, (x,), new),
+                ("forward", "gemmfuse, no_grad", _no_grad(new), (x,), None),
+                ("training step", "eager", _training_step(ref, xg, grad), (), None)]  # fmt: skip
+    if compiled is not None:
+        entries.append(("training step", "torch.compile", _training_step(compiled, xg, grad), (),
+                        None))  # fmt: skip
+    entries += [("training step", "gemmfuse", _training_step(new, xg, grad), (), new),
+                ("training step", "gemmfuse, weights changed", changed, (), None)]  # fmt: skip
+    return entries, x, grad
 
 
-def _16bit_rows(number: int, dtype: torch.dtype, name: str, x, grad, trials: int) -> list[dict]:
+def _16bit_entries(number: int, dtype: torch.dtype, name: str, x, grad) -> list:
     """KernelBench's 16-bit mode for one dtype: a fresh pair in ``dtype`` (a module's ``to``
     converts it in place, so the fp32 pair is not reused), its forward as constructed and a
-    training step."""
+    training step, as _fp32_entries' tuples."""
     _, _, ref, new = cuda_pair(number, dtype)
     x16, grad16 = x.to(dtype), grad.to(dtype)
     x16g = x16.detach().requires_grad_()
-    rows = []
-    for what, impl, fn, args, model in (
+    return [
         (f"{name} forward", f"eager {name}", ref, (x16,), None),
         (f"{name} forward", f"gemmfuse {name}", new, (x16,), new),
         (f"{name} training step", f"eager {name}", _training_step(ref, x16g, grad16), (), None),
         (f"{name} training step", f"gemmfuse {name}", _training_step(new, x16g, grad16), (), new),
-    ):
-        stats = time_cuda_events(fn, args, trials=trials)
-        path = "-" if model is None else model.last_path
-        rows.append({"problem": number, "what": what, "impl": impl, "path": path, **stats})
-    return rows
+    ]
 
 
 def format_rows(rows: list[dict]) -> str:
-    """A markdown table; "vs eager" against the eager row of the same problem and kind."""
+    """A markdown table; "vs eager" against the eager row of the same problem and kind, and the
+    range of that ratio over the rounds (each round's mean against eager's of the same round)."""
     eager = {(r["problem"], r["what"]): r for r in rows if r["impl"].startswith("eager")}
     body = []
     for r in rows:
         base = eager[(r["problem"], r["what"])]
+        rounds = zip(base.get("round_means", []), r.get("round_means", []), strict=True)
+        ratios = [b / m for b, m in rounds]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else "-"
         body.append(
             [
                 f"#{r['problem']}", r["what"], r["impl"], r["path"], f"{r['mean']:.3f}",
                 f"{r['median']:.3f}", f"{base['mean'] / r['mean']:.2f}x",
-                f"{base['median'] / r['median']:.2f}x",
+                f"{base['median'] / r['median']:.2f}x", spread,
             ]
         )  # fmt: skip
     header = ["problem", "timed", "implementation", "path", "mean ms", "median ms",
-              "vs eager (mean)", "vs eager (median)"]  # fmt: skip
+              "vs eager (mean)", "vs eager (median)", "vs eager by round (means)"]  # fmt: skip
     return _markdown(header, body)
