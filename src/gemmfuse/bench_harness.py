@@ -18,8 +18,8 @@ the first trial discarded; mean and median of ``trials``):
 Every row is timed in ``rounds`` rounds, each timing every row once in the order above. A row's
 "mean" and "median" are its first round's (KernelBench times a model once); "round_means" holds
 every round's mean. Why rounds: one mean of 100 moves with what the GPU ran just before it (on an
-H200 the same ModelNew's mean rose from round to round of back-to-back timings, up to some 13%,
-with the clock's power cap engaging: docs/DESIGN.md, section 9), so the spread of the per-round
+H200 the second of two back-to-back timings of one ModelNew was the higher in 31 of 32 pairs, by
+up to 12.8%; cause not established: docs/DESIGN.md, section 9), so the spread of the per-round
 ratios to eager says how far one figure can be trusted.
 """
 

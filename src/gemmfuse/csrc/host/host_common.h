@@ -74,8 +74,9 @@ inline void check_kernel_code(int64_t kernel) {
 // Zeroed int32 arrival counters, one set per device, stream and use (kRowCounters: the reducing
 // epilogue's, per row band; kWindowCounters: the few-rows GEMV's, per column window;
 // kTileCounters: split K's, per output tile; kFollowCounters: a chain kernel following the plain
-// GEMM's tiles, per output tile and two more, tile_walk.h): kernels
-// leave them zero, and launches on one stream run in order, so a set is reused.
+// GEMM's tiles, per output tile and two more (tile_walk.h), then a reducing chain's row bands
+// (host_forward.cpp's follow_flags)): kernels leave them zero, and launches on one stream run in
+// order, so a set is reused.
 //
 // A set outlives the call, so it is made with cudaMalloc, outside the caching allocator:
 // torch.compile's CUDA graphs (reduce-overhead) warm a graph up with the allocator routed to

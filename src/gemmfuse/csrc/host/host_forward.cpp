@@ -191,6 +191,7 @@ at::Tensor epilogue_forward_following(int64_t table, at::Tensor y,
     // The GEMM has counted its tiles and no kernel will zero them: zeroed here (in stream
     // order, after the GEMM), so that the next call on this stream starts from zero. A failed
     // memset's error is cleared, not left for the next launch's check to report as its own.
+    // (A reducing chain's row bands after them need nothing: only the chain kernel counts rows.)
     c10::cuda::CUDAGuard guard(y.device());
     const int64_t tiles = output_tiles(y.size(0), y.size(1));
     if (cudaMemsetAsync(tile_flags, 0, (tiles + gemmfuse::kTileFollowExtra) * sizeof(int),
