@@ -125,6 +125,16 @@ inline int64_t row_band_counters(int64_t M) {
   return (M + gemmfuse::kEpilogueRows16 - 1) / gemmfuse::kEpilogueRows16;
 }
 
+// The kFollowCounters set of a chain kernel following the plain GEMM's tiles on an [M, N] z: a
+// count per output tile and kTileFollowExtra more (tile_walk.h), then, for a reducing chain,
+// its row bands. follow_tile_counts: where the row bands start (the counts the GEMM takes).
+inline int64_t follow_tile_counts(int64_t M, int64_t N) {
+  return output_tiles(M, N) + gemmfuse::kTileFollowExtra;
+}
+inline int64_t follow_counters(int64_t M, int64_t N, bool reduces) {
+  return follow_tile_counts(M, N) + (reduces ? row_band_counters(M) : 0);
+}
+
 // GroupNorm moments per (row, kTile-column window): a window meets at most
 // (kTile - 1) / group_size + 2 groups, the layout norm_finalize.cuh reads.
 inline int segments_per_tile(int64_t group_size) {

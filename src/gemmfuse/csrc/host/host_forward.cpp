@@ -143,7 +143,7 @@ static at::Tensor run_epilogue(int64_t table, at::Tensor y, std::optional<at::Te
                                         vec_params, scalar_params, group_size, eps, norm_wide);
   args.tile_flags = tile_flags;
   if (tile_flags != nullptr && chain(table).reduce_kind != 0)  // follow_flags' set, after the counts
-    args.row_counter = tile_flags + output_tiles(args.M, args.N) + gemmfuse::kTileFollowExtra;
+    args.row_counter = tile_flags + follow_tile_counts(args.M, args.N);
   c10::cuda::CUDAGuard guard(y.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const gemmfuse::ChainTable& t = chain(table);
@@ -193,8 +193,8 @@ at::Tensor epilogue_forward_following(int64_t table, at::Tensor y,
     // memset's error is cleared, not left for the next launch's check to report as its own.
     // (A reducing chain's row bands after them need nothing: only the chain kernel counts rows.)
     c10::cuda::CUDAGuard guard(y.device());
-    const int64_t tiles = output_tiles(y.size(0), y.size(1));
-    if (cudaMemsetAsync(tile_flags, 0, (tiles + gemmfuse::kTileFollowExtra) * sizeof(int),
+    const int64_t counts = follow_tile_counts(y.size(0), y.size(1));
+    if (cudaMemsetAsync(tile_flags, 0, counts * sizeof(int),
                         c10::cuda::getCurrentCUDAStream(y.get_device())) != cudaSuccess)
       (void)cudaGetLastError();
     throw;
@@ -215,8 +215,7 @@ int* follow_flags(int64_t table, const at::Tensor& x, int64_t N,
   // before the GEMM is queued: made later (by a fill kernel under graph capture, or a memset on
   // a stream's first call), they would sit between the GEMM and the chain kernel, which counts
   // rows before the griddepcontrol.wait that would make their zeros visible.
-  const int64_t bands = chain(table).reduce_kind != 0 ? row_band_counters(M) : 0;
-  return arrival_counters(x, output_tiles(M, N) + gemmfuse::kTileFollowExtra + bands,
+  return arrival_counters(x, follow_counters(M, N, chain(table).reduce_kind != 0),
                           c10::cuda::getCurrentCUDAStream(), kFollowCounters, keep);
 }
 
