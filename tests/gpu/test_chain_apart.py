@@ -148,6 +148,21 @@ def test_reducing_chain_following_the_tiles_gives_the_chain_kernels_bits(
     assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce, group)
 
 
+def chain_kernel_bits(x, w, b, epilogue, gn, params):
+    """The chain kernel's output run after the plain GEMM (its z's bits): what a chain that
+    follows the GEMM's tiles must give."""
+    with torch.no_grad():
+        z = fused_linear_with_path(x, w, b, Epilogue())[0]
+        return fused_epilogue(z, epilogue, *gn, params=params)
+
+
+def assert_follows_the_tiles(names):
+    """The kernel names of a call: its chain kernel followed the GEMM's tiles (group_tiles_kernel),
+    not run after the GEMM on the whole z (group_rows_kernel)."""
+    assert any("group_tiles_kernel" in name for name in names), names
+    assert not any("group_rows_kernel" in name for name in names), names
+
+
 def assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce=None, group=16):
     """Three calls in a row, each on new x: the bits of the plain GEMM's z run through
     fused_epilogue (the chain kernel after the GEMM). New data each call, so that a unit or a
@@ -169,18 +184,14 @@ def assert_following_gives_the_chain_kernels_bits(m, n, k, grad, reduce=None, gr
     gen = torch.Generator().manual_seed(seed + 1)
     for i in range(3):
         x.copy_(torch.randn(x.shape, generator=gen))
-        with torch.no_grad():
-            z = fused_linear_with_path(x, w, b, Epilogue())[0]  # the plain GEMM's bits
-            expect = fused_epilogue(z, epilogue, *gn, params=params)
+        expect = chain_kernel_bits(x, w, b, epilogue, gn, params)
         poison_allocator(8 * m * n, CUDA)
         got = call()
         torch.testing.assert_close(got, expect, atol=0, rtol=0, msg=f"{label} | call {i}")
     with torch.no_grad():
         eager, exact, ops_alone = chain_references(x, w.detach(), b, epilogue, *gn, params)
     assert_float64_bar(got, eager, exact, ops_alone, label)
-    names = kernel_names(call)
-    assert any("group_tiles_kernel" in name for name in names), names
-    assert not any("group_rows_kernel" in name for name in names), names
+    assert_follows_the_tiles(kernel_names(call))
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
@@ -198,9 +209,7 @@ def test_chain_following_the_tiles_replays_in_a_cuda_graph(reduce):
 
     graph = assert_graph_replays_match(call, x, torch.rand)
     with torch.no_grad():
-        names = kernel_names(graph.replay)
-    assert any("group_tiles_kernel" in name for name in names), names
-    assert not any("group_rows_kernel" in name for name in names), names
+        assert_follows_the_tiles(kernel_names(graph.replay))
 
 
 @pytest.mark.skipif(not hopper(), reason="the Hopper kernel (sm_90)")
@@ -230,10 +239,7 @@ def test_reducing_chain_on_another_stream_follows_and_gives_the_bits(reduce):
         fused_linear_with_path(x, w, b, Epilogue())  # built, and the weight split
         for i in range(2):
             x.copy_(torch.randn(x.shape, generator=gen))
-            z = fused_linear_with_path(x, w, b, Epilogue())[0]
-            expect = fused_epilogue(z, epilogue, *gn, params=params)
+            expect = chain_kernel_bits(x, w, b, epilogue, gn, params)
             got = on_stream()
             torch.testing.assert_close(got, expect, atol=0, rtol=0, msg=f"{label} | call {i}")
-        names = kernel_names(on_stream)
-    assert any("group_tiles_kernel" in name for name in names), names
-    assert not any("group_rows_kernel" in name for name in names), names
+        assert_follows_the_tiles(kernel_names(on_stream))

@@ -226,18 +226,9 @@ __device__ __forceinline__ void fold_rows(RowAcc* part, int row0, int rows_here,
     row[g0] = row_acc_merge_run<kind>(row + g0, g1 - g0);  // no other task reads these groups
   }
   __syncthreads();
-  constexpr int kFold = 8;  // loads in flight before they merge
   for (int r = tid; r < rows_here; r += kGroupRowsThreads) {
     const RowAcc* row = part + r * groups;
-    RowAcc acc = row[0];
-    for (int t0 = 1; t0 < n_tiles; t0 += kFold) {
-      RowAcc p[kFold];
-#pragma unroll
-      for (int j = 0; j < kFold; ++j) p[j] = row[min(t0 + j, n_tiles - 1) * kPerTile];
-#pragma unroll
-      for (int j = 0; j < kFold; ++j)
-        if (t0 + j < n_tiles) acc = row_acc_merge<kind>(acc, p[j]);
-    }
+    const RowAcc acc = row_acc_merge_loads<kind>(n_tiles, [&](int t) { return row[t * kPerTile]; });
     args.row_out[row0 + r] = row_acc_finish<kind>(acc, args.N);
   }
 }

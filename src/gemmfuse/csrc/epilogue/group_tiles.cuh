@@ -102,7 +102,7 @@ __device__ __forceinline__ void finish_reducing_unit(const RowAcc* part, const T
   const int band = row0 / kEpilogueRows16, band0 = band * kEpilogueRows16;
   const int band_rows = min(kEpilogueRows16, args.M - band0);
   const int arrivals = n_tiles * ((band_rows + kRows - 1) / kRows);
-  if (!last_to_arrive(args.row_counter + band, arrivals, tid, [] { __syncthreads(); })) return;
+  if (!last_to_arrive(args.row_counter + band, arrivals, tid)) return;
   fold_tile_partials<kind>(args, n_tiles, band0, band_rows, tid, kGroupRowsThreads, args.N);
   if (tid == 0) args.row_counter[band] = 0;  // ready for the next launch
 }

@@ -23,4 +23,9 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int arrivals, int t
   return true;
 }
 
+// The same, every thread of the block writing: the block's __syncthreads is the barrier.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int arrivals, int tid) {
+  return last_to_arrive(counter, arrivals, tid, [] { __syncthreads(); });
+}
+
 }  // namespace gemmfuse

@@ -80,6 +80,24 @@ __device__ __forceinline__ RowAcc row_acc_merge_run(const RowAcc* parts, int n) 
   return acc;
 }
 
+// n >= 1 partials load(0), ..., load(n - 1) merged in index order, kFold loads in flight before
+// they merge: one at a time, the last block of a row band waited on 64 L2 loads in turn (#75 at
+// N = 8192) after every other block had finished.
+template <int kKind, class Load>
+__device__ __forceinline__ RowAcc row_acc_merge_loads(int n, Load load) {
+  constexpr int kFold = 8;
+  RowAcc acc = row_acc_empty<kKind>();
+  for (int i0 = 0; i0 < n; i0 += kFold) {
+    RowAcc part[kFold];
+#pragma unroll
+    for (int j = 0; j < kFold; ++j) part[j] = load(min(i0 + j, n - 1));
+#pragma unroll
+    for (int j = 0; j < kFold; ++j)
+      if (i0 + j < n) acc = i0 + j == 0 ? part[j] : row_acc_merge<kKind>(acc, part[j]);
+  }
+  return acc;
+}
+
 template <int kKind>
 __device__ __forceinline__ float row_acc_finish(RowAcc a, int n) {
   if constexpr (kKind == 3) return a.m + a.s;

@@ -632,30 +632,18 @@ __device__ __forceinline__ void store_tile_partial(const FusedArgs& args, int n_
 
 // The last block of a row band: rows [m0, m0 + rows) each merge their n_tiles partials
 // (store_tile_partial's) in tile order, a thread a row among `threads`, into row_out; n is the
-// count a mean divides by. kFold loads are in flight before they are merged: one at a time, the
-// last block of a row band waited on 64 L2 loads in turn (#75 at N = 8192) after every other
-// block had finished. The partials are read through L2 (other blocks wrote them).
+// count a mean divides by. The partials are read through L2 (other blocks wrote them).
 template <int kKind>
 __device__ __forceinline__ void fold_tile_partials(const FusedArgs& args, int n_tiles, int m0,
                                                    int rows, int tid, int threads, int n) {
-  constexpr int kFold = 8;
   const int64_t s_half = static_cast<int64_t>(n_tiles) * args.M;
   for (int r = tid; r < rows; r += threads) {
-    RowAcc acc = row_acc_empty<kKind>();
-    for (int tn0 = 0; tn0 < n_tiles; tn0 += kFold) {
-      RowAcc part[kFold];
-#pragma unroll
-      for (int j = 0; j < kFold; ++j) {
-        const int64_t at = static_cast<int64_t>(min(tn0 + j, n_tiles - 1)) * args.M + m0 + r;
-        part[j] = {__ldcg(args.row_partial + at), 0.f};
-        if constexpr (kKind >= 3) part[j].s = __ldcg(args.row_partial + s_half + at);
-      }
-#pragma unroll
-      for (int j = 0; j < kFold; ++j) {
-        const int tn = tn0 + j;
-        if (tn < n_tiles) acc = tn == 0 ? part[j] : row_acc_merge<kKind>(acc, part[j]);
-      }
-    }
+    const RowAcc acc = row_acc_merge_loads<kKind>(n_tiles, [&](int tn) {
+      const int64_t at = static_cast<int64_t>(tn) * args.M + m0 + r;
+      RowAcc part{__ldcg(args.row_partial + at), 0.f};
+      if constexpr (kKind >= 3) part.s = __ldcg(args.row_partial + s_half + at);
+      return part;
+    });
     args.row_out[m0 + r] = row_acc_finish<kKind>(acc, n);
   }
 }

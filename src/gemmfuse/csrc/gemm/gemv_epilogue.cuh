@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   gemv_partials<kRows, kRowBatch>(xs, args, g, n0, min(n0 + kTile, N));
 
   // The last slice of this column window to finish folds all of them and runs the epilogue.
-  if (!last_to_arrive(g.counter + blockIdx.x, gridDim.y, tid, [] { __syncthreads(); })) return;
+  if (!last_to_arrive(g.counter + blockIdx.x, gridDim.y, tid)) return;
   const int cols_here = min(kTile, N - n0);
   float* tile = xs;  // x's slice is no longer needed
   for (int i = tid; i < M * kTile; i += kGemvThreads) {
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kGemvThreads, gemv_min_blocks<kRows, kRowBatch
   // Groups wider than a tile on short rows: the last window to finish completes the rows
   // (norm_finalize_kernel's work, without its launch). The rows and moments it reads were
   // written by the other windows' blocks before their arrival and never read by this block.
-  if (!last_to_arrive(g.counter + gridDim.x, gridDim.x, tid, [] { __syncthreads(); })) return;
+  if (!last_to_arrive(g.counter + gridDim.x, gridDim.x, tid)) return;
   for (int m = 0; m < M; ++m) {
     float* row = args.out + static_cast<int64_t>(m) * N;
     finish_row<Epi>(args.norm_stats + static_cast<int64_t>(m) * gridDim.x * args.stats_per_tile,
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_whole_rows_kernel(FusedA
   const int n0 = blockIdx.x * kGemvWholeRowWindow, M = args.M, N = args.N;
   gemv_partials<kRows, kGemvShortRows>(xs, args, g, n0, min(n0 + kGemvWholeRowWindow, N));
   const int q = threadIdx.x;
-  if (!last_to_arrive(g.counter, gridDim.x * gridDim.y, q, [] { __syncthreads(); })) return;
+  if (!last_to_arrive(g.counter, gridDim.x * gridDim.y, q)) return;
   for (int m = 0; m < M; ++m) {
     if (m > 0) __syncthreads();  // the finish's shared memory, read for the row before
     float4 v[1] = {q < N / 4 ? fold_quad(g, gridDim.y, m, M, N, q)
