@@ -1,6 +1,7 @@
 from dataclasses import replace
 
 import pytest
+import torch
 
 from gemmfuse.chains import chain_pool, softmax_chains, value_chains
 from gemmfuse.epilogue import (
@@ -117,13 +118,25 @@ def test_tensor_arguments_read_per_channel_in_order():
         norm=GroupNormSpec(2),
         post=(Pointwise("div", (Param(1),)), Pointwise("div", (4.0,))),
     )
-    assert epi.channel_params == (3, 1) and epi.scalars == (2.0, 4.0)
+    # a float divisor's slot holds its reciprocal, taken in float64 as PyTorch takes it
+    assert epi.channel_params == (3, 1) and epi.scalars == (2.0, 0.25)
     code = cuda_epilogue(epi)
     # each at (row, col): a row stride of 0 reads a channel vector, N an (M, N) operand
     assert "(v * __ldg(p.vec[0] + row * p.vec_row_stride[0] + col))" in code
     assert "(v / __ldg(p.vec[1] + row * p.vec_row_stride[1] + col))" in code
-    # a float divisor is a multiplication by its float reciprocal, as PyTorch computes it
-    assert "(v * (1.f / p.scalar[1]))" in code
+    # and the kernel multiplies by it, forward and backward
+    assert "(v * p.scalar[1])" in code
+    assert "(d * p.scalar[1])" in code
+
+
+def test_a_float_divisors_reciprocal_is_taken_in_float64():
+    """1.1's reciprocal in float64, then rounded to float32, is not 1 / float32(1.1) rounded:
+    the kernel reads the first, as PyTorch's CUDA ``x / 1.1`` multiplies by it; ±0 gives ±inf."""
+    ops = (Pointwise("div", (1.1,)), Pointwise("div", (0.0,)), Pointwise("div", (-0.0,)))
+    got = torch.tensor(Epilogue(pre=ops).scalars, dtype=torch.float32)
+    one = torch.tensor(1.0)
+    assert got[0] == torch.tensor(1 / 1.1, dtype=torch.float32) != one / torch.tensor(1.1)
+    assert got[1:].tolist() == [float("inf"), float("-inf")]
 
 
 def test_structure_leaves_out_values_param_indices_and_tail():

@@ -138,7 +138,9 @@ class Pointwise:
 
     @property
     def scalars(self) -> tuple[float, ...]:
-        return tuple(float(a) for a in self.args if not isinstance(a, (Param, Value)))
+        """The numbers the kernels read for the float arguments (PointwiseDef.scalar_value)."""
+        value = POINTWISE[self.name].scalar_value or float
+        return tuple(value(float(a)) for a in self.args if not isinstance(a, (Param, Value)))
 
     @property
     def params(self) -> tuple[int, ...]:

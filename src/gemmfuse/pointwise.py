@@ -52,8 +52,10 @@ class PointwiseDef:
     In ``cuda``, ``{v}`` is the input value and ``{a0}``, ``{a1}``... its arguments. Expressions
     follow PyTorch's float32 CUDA kernels (the same operations in the same order). ``cuda_scalar``,
     when given, replaces ``cuda`` for a float argument where PyTorch computes differently
-    (``x / s`` multiplies by the float reciprocal of ``s``). ``tensor_arg`` says whether the
-    argument may be a :class:`Param` (the binary arithmetic ops).
+    (``x / s`` multiplies by the reciprocal of ``s``), and ``scalar_value`` gives the number the
+    kernel reads in that argument's place where it is not the float itself (that reciprocal,
+    taken in float64 on the host as PyTorch takes it). ``tensor_arg`` says whether the argument
+    may be a :class:`Param` (the binary arithmetic ops).
 
     ``grad`` is the CUDA expression of the gradient with respect to the input, PyTorch's formula
     (``tools/autograd/derivatives.yaml`` and its CUDA backward kernels): ``{g}`` the incoming
@@ -75,6 +77,7 @@ class PointwiseDef:
     torch: Callable[..., torch.Tensor]
     tensor_arg: bool = False
     cuda_scalar: str | None = None
+    scalar_value: Callable[[float], float] | None = None
     grad: str = ""
     grad_arg: str = ""
     grad_scalar: str | None = None
@@ -82,6 +85,15 @@ class PointwiseDef:
     modules: tuple[tuple[type, Callable[[nn.Module], tuple]], ...] = ()
     samples: tuple[tuple[tuple[bool, float, float], ...], ...] = ()
     usage: str = ""
+
+
+def _reciprocal(a: float) -> float:
+    """1 / a in float64, which the host rounds to float32 with the chain's other scalars: what
+    PyTorch's CUDA ``x / a`` multiplies by for a Python float ``a``, forward and backward (torch
+    2.11, H200, 2026-11-29: ``x * float32(1 / a)`` gave its bits on 2^20 values at each of five
+    ``a``, where ``x * (1.f / float32(a))``, this kernel's form before, differed in 79-86% of them
+    at a = 1.1 and 1.2528 and in none at 0.7, 3 and 7.12). 1 / ±0 is ±inf, as in C."""
+    return math.copysign(math.inf, a) if a == 0 else 1.0 / a
 
 
 def _inplace_too(name: str, *functions) -> tuple:
@@ -326,8 +338,10 @@ POINTWISE: dict[str, PointwiseDef] = {
         "({v} / {a0})",
         lambda v, a: v / a,
         True,
-        cuda_scalar="({v} * (1.f / {a0}))",
+        cuda_scalar="({v} * {a0})",
+        scalar_value=_reciprocal,
         grad="({g} / {a0})",
+        grad_scalar="({g} * {a0})",
         grad_arg="(-{g} * {x} / ({a0} * {a0}))",
         spellings=(Spelling((operator.truediv, torch.div, torch.divide, torch.true_divide, "div",
                              "div_", "divide", "divide_", "true_divide", "true_divide_"),

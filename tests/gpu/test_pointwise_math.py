@@ -1,5 +1,6 @@
 """The epilogue's branch-free pointwise functions (csrc/epilogue/pointwise_math.cuh) against
-PyTorch over every float32 bit pattern, and the row reductions' partials (tile_epilogue.cuh's
+PyTorch over every float32 bit pattern, the binary ops with a float argument bit for bit (forward
+and the chain backward kernel's gradient), and the row reductions' partials (tile_epilogue.cuh's
 row_partials: runs of a row in independent chains, merged) on rows of special values.
 
 Both run through ``fused_epilogue``: the chain kernel applies ``pre`` as the fused kernels'
@@ -11,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from gemmfuse import fused_epilogue_with_path
+from gemmfuse.autograd import _kernel_chain_backward
 from gemmfuse.epilogue import Epilogue, Pointwise, Reduction
+from gemmfuse.pointwise import POINTWISE
 from helpers import poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -65,6 +68,39 @@ def test_pointwise_equals_pytorch_on_every_float(op):
                 ]
             del z, got, want, bad
     assert mismatches == 0, f"{op}: {mismatches} of 2^32 differ from PyTorch, e.g. {examples[:6]}"
+
+
+# Floats whose float32 rounding loses digits (1.1, 1.2528...: x / a then differs by an ulp in
+# most values between a reciprocal of float32(a) and PyTorch's, taken in float64), exact ones, a
+# negative one and a small one.
+FLOAT_ARGUMENTS = (1.1, 1.252802910310969, 0.7, 3.0, -7.123456789, 1e-3)
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "rsub", "mul", "div", "rdiv", "minimum", "maximum"])
+def test_float_argument_equals_pytorch_bit_for_bit(op):
+    """``op`` with a Python float argument against PyTorch's CUDA kernel for ``x op a``, which
+    takes the float as a scalar of its own: the chain kernel's values and the chain backward
+    kernel's gradient, bit for bit, on fresh random values with zeros, infinities and a NaN."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(512, COLUMNS, generator=gen) * 3
+    z[0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    z, grad = z.to(CUDA), torch.randn(z.shape, generator=gen).to(CUDA)
+    for a in FLOAT_ARGUMENTS:
+        label = f"{op}({a}) | seed {seed}"
+        chain = Epilogue(pre=(Pointwise(op, (a,)),))
+        eager_z = z.clone().requires_grad_(True)
+        want = POINTWISE[op].torch(eager_z, a)
+        want.backward(grad)
+        with torch.no_grad():
+            poison_allocator(8 * z.numel(), CUDA)
+            got, path = fused_epilogue_with_path(z, chain)
+            dz = _kernel_chain_backward(chain, z, grad, [None, None], [False, False])[0]
+        assert path == "epilogue", label
+        bad = _differing(got, want.detach())
+        assert not bad.any(), f"{label}: {int(bad.sum())} values differ"
+        bad = _differing(dz, eager_z.grad)
+        assert not bad.any(), f"{label}: {int(bad.sum())} gradients differ"
 
 
 def _special_rows(m: int, n: int, seed: int) -> torch.Tensor:
