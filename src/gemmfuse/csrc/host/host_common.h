@@ -15,6 +15,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cfloat>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -185,6 +187,17 @@ inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& tabl
 // Whether a kernel tensor argument of these sizes is read per element (an [M, N] operand, M > 1)
 // rather than per channel: set_channel_params' rule, and the plans' (host_plan.cpp,
 // host_autograd.cpp).
+// A double rounded to the nearest float, ±inf past float's range, NaN kept: a plain cast is
+// undefined in C++ for a value beyond the largest float (a float divisor under 2^-128 in
+// magnitude puts its reciprocal there, pointwise.py's _reciprocal). From FLT_MAX plus half its
+// ulp on, IEEE rounding (ties to even, FLT_MAX's last bit odd) gives inf.
+inline float nearest_float(double v) {
+  constexpr double kRoundsToInf = 0x1.ffffffp127;
+  if (std::isnan(v)) return NAN;
+  if (std::fabs(v) >= kRoundsToInf) return v > 0 ? INFINITY : -INFINITY;
+  return static_cast<float>(std::copysign(std::fmin(std::fabs(v), double{FLT_MAX}), v));
+}
+
 inline bool per_element(c10::IntArrayRef sizes, int64_t M, int64_t N) {
   return sizes.size() == 2 && sizes[0] == M && sizes[1] == N && M > 1;
 }
@@ -206,7 +219,7 @@ inline void set_channel_params(gemmfuse::FusedArgs& args, const std::vector<at::
     args.params.vec_row_stride[i] = by_element ? args.N : 0;
   }
   for (size_t i = 0; i < scalar_params.size(); ++i)
-    args.params.scalar[i] = static_cast<float>(scalar_params[i]);
+    args.params.scalar[i] = nearest_float(scalar_params[i]);
 }
 
 // The chain's share of the kernel arguments, checked: sizes, the bias and GroupNorm vectors
