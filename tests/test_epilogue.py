@@ -129,6 +129,13 @@ def test_tensor_arguments_read_per_channel_in_order():
     assert "(d * p.scalar[1])" in code
 
 
+def test_a_float_over_x_rounds_the_reciprocal_as_its_model():
+    """float / x is x.reciprocal() * float in PyTorch: two ops, so a 16-bit model rounds the
+    reciprocal before the product (ROUND, the identity in a float32 instance)."""
+    code = cuda_epilogue(Epilogue(pre=(Pointwise("rdiv", (2.5,)),)))
+    assert f"({ROUND}(1.f / v, p) * p.scalar[0])" in code
+
+
 def test_a_float_divisors_reciprocal_is_taken_in_float64():
     """1.1's reciprocal in float64, then rounded to float32, is not 1 / float32(1.1) rounded:
     the kernel reads the first, as PyTorch's CUDA ``x / 1.1`` multiplies by it; ±0 gives ±inf."""

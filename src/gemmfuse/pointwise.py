@@ -372,13 +372,15 @@ POINTWISE: dict[str, PointwiseDef] = {
         samples=_float_or_tensor(-1, 1),
         usage="`maximum` (`torch.minimum`/`maximum`, or `torch.min`/`max` given a tensor)",
     ),
-    # PyTorch computes float / tensor as tensor.reciprocal() * float
+    # PyTorch computes float / tensor as tensor.reciprocal() * float: two ops, the reciprocal
+    # rounded in between in a 16-bit model (in a bf16 one, without that rounding 30% of 2^20
+    # values differed by an ulp: a CPU emulation, torch's CPU kernels, 2026-11-29)
     "rdiv": PointwiseDef(
         1,
         "({a0} / {v})",
         lambda v, a: a / v,
         True,
-        cuda_scalar="((1.f / {v}) * {a0})",
+        cuda_scalar=f"({ROUND}(1.f / {{v}}, p) * {{a0}})",
         grad="(-{g} * {a0} / ({x} * {x}))",
         grad_arg="({g} / {x})",
         grad_scalar="(-({g} * {a0}) * ((1.f / {x}) * (1.f / {x})))",
