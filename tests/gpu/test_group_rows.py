@@ -164,6 +164,44 @@ def test_register_groups_take_the_kernel(group_size, reduce, affine, dtype, m, n
         torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
 
 
+# Float arguments of the binary ops (pointwise.py): x / a multiplies by PyTorch's float64
+# reciprocal, a / x rounds x's reciprocal to the model's dtype first (PyTorch's two ops).
+FLOAT_ARGUMENT_SETS = [(1.1, 1.252802910310969, -0.3, 0.7), (3.0, -7.123456789, 0.25, 1e-3)]
+
+
+@NOT_HOPPER
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("args", FLOAT_ARGUMENT_SETS, ids=["inexact", "mixed"])
+def test_float_argument_ops_after_the_norm(dtype, args):
+    """A 16-bit chain whose post ops take Python floats (div, maximum, add, rdiv on values kept
+    at 0.7 or more, mul, rsub, sub, minimum), each rounded where eager rounds, on the epilogue
+    path (eager's GEMM): the module's bars, eager's output to the bit in bf16, within twice
+    eager's error against float64 in fp16."""
+    a, b, c, d = args
+    post = (Pointwise("div", (a,)), Pointwise("maximum", (-3.0,)), Pointwise("add", (c + 4.0,)),
+            Pointwise("rdiv", (b,)), Pointwise("mul", (d,)), Pointwise("rsub", (c,)),
+            Pointwise("sub", (a,)), Pointwise("minimum", (4.0,)))  # fmt: skip
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    _, x, linear, norm, _ = _case(dtype, 300, 512, 1024, 16, None, seed=seed)
+    epilogue = Epilogue(norm=GroupNormSpec(1024 // 16), post=post)
+    label = f"{dtype} {args} seed {seed}"
+    with torch.no_grad():
+        eager = _eager(epilogue, x, linear, norm, [])
+        poison_allocator(4 * eager.numel(), CUDA)
+        got, path = _run(epilogue, x, linear, norm, [])
+        exact = _eager(epilogue, x.double(), copy.deepcopy(linear).double(),
+                       copy.deepcopy(norm).double(), [])  # fmt: skip
+    assert path == "epilogue", label
+    assert got.dtype == dtype and not got.isnan().any(), label
+    differ = (got != eager).sum().item()
+    err, eager_err = max_abs_err(got, exact), max_abs_err(eager, exact)
+    label += f": {differ} of {got.numel()} differ from eager's; error {err:.3e}, {eager_err:.3e}"
+    if dtype == torch.bfloat16:
+        assert differ == 0, label
+    else:
+        assert err <= 2 * eager_err, label
+
+
 def _float64_and_ops_alone(epilogue, x, linear, norm, params):
     """(float64 values, eager fp32's chain on the float64 GEMM result rounded to fp32)."""
     linear64, norm64 = copy.deepcopy(linear).double(), copy.deepcopy(norm).double()
