@@ -165,22 +165,28 @@ def test_register_groups_take_the_kernel(group_size, reduce, affine, dtype, m, n
 
 
 # Float arguments of the binary ops (pointwise.py): x / a multiplies by PyTorch's float64
-# reciprocal, a / x rounds x's reciprocal to the model's dtype first (PyTorch's two ops).
-FLOAT_ARGUMENT_SETS = [(1.1, 1.252802910310969, -0.3, 0.7), (3.0, -7.123456789, 0.25, 1e-3)]
+# reciprocal, a / x rounds x's reciprocal to the model's dtype first (PyTorch's two ops). Each set
+# (a, b, c, d, m) keeps the values O(1) and both clamps binding: in a CPU emulation of bf16 at
+# these sizes the maximum took 1-16% of the values, the minimum 44-60%, and a / x without its
+# inner rounding changed 2,600-25,000 of the 307,200 outputs (fp16: 4,600-20,000).
+FLOAT_ARGUMENT_SETS = [
+    (1.1, 1.252802910310969, -0.3, 0.7, -2.0),
+    (3.0, -7.123456789, 0.25, -1.7, -8.0),
+]
 
 
 @NOT_HOPPER
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("args", FLOAT_ARGUMENT_SETS, ids=["inexact", "mixed"])
+@pytest.mark.parametrize("args", FLOAT_ARGUMENT_SETS, ids=["set0", "set1"])
 def test_float_argument_ops_after_the_norm(dtype, args):
     """A 16-bit chain whose post ops take Python floats (div, maximum, add, rdiv on values kept
     at 0.7 or more, mul, rsub, sub, minimum), each rounded where eager rounds, on the epilogue
-    path (eager's GEMM): the module's bars, eager's output to the bit in bf16, within twice
-    eager's error against float64 in fp16."""
-    a, b, c, d = args
-    post = (Pointwise("div", (a,)), Pointwise("maximum", (-3.0,)), Pointwise("add", (c + 4.0,)),
+    path (eager's GEMM): the module's bars, eager's output to the bit in bf16 (the case that
+    sees a rounding missed), within twice eager's error against float64 in fp16."""
+    a, b, c, d, m = args
+    post = (Pointwise("div", (a,)), Pointwise("maximum", (-1.0,)), Pointwise("add", (c + 2.0,)),
             Pointwise("rdiv", (b,)), Pointwise("mul", (d,)), Pointwise("rsub", (c,)),
-            Pointwise("sub", (a,)), Pointwise("minimum", (4.0,)))  # fmt: skip
+            Pointwise("sub", (a,)), Pointwise("minimum", (m,)))  # fmt: skip
     seed = int(torch.randint(0, 2**31 - 1, ()))
     _, x, linear, norm, _ = _case(dtype, 300, 512, 1024, 16, None, seed=seed)
     epilogue = Epilogue(norm=GroupNormSpec(1024 // 16), post=post)

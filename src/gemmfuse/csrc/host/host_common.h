@@ -184,10 +184,7 @@ inline std::vector<at::Tensor> allocate_outputs(const gemmfuse::ChainTable& tabl
   return keep;
 }
 
-// Whether a kernel tensor argument of these sizes is read per element (an [M, N] operand, M > 1)
-// rather than per channel: set_channel_params' rule, and the plans' (host_plan.cpp,
-// host_autograd.cpp).
-// A double rounded to the nearest float, ±inf past float's range, NaN kept: a plain cast is
+// A double rounded to the nearest float, ±inf past float's range, a NaN a NaN: a plain cast is
 // undefined in C++ for a value beyond the largest float (a float divisor under 2^-128 in
 // magnitude puts its reciprocal there, pointwise.py's _reciprocal). From FLT_MAX plus half its
 // ulp on, IEEE rounding (ties to even, FLT_MAX's last bit odd) gives inf.
@@ -198,6 +195,9 @@ inline float nearest_float(double v) {
   return static_cast<float>(std::copysign(std::fmin(std::fabs(v), double{FLT_MAX}), v));
 }
 
+// Whether a kernel tensor argument of these sizes is read per element (an [M, N] operand, M > 1)
+// rather than per channel: set_channel_params' rule, and the plans' (host_plan.cpp,
+// host_autograd.cpp).
 inline bool per_element(c10::IntArrayRef sizes, int64_t M, int64_t N) {
   return sizes.size() == 2 && sizes[0] == M && sizes[1] == N && M > 1;
 }
