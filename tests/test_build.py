@@ -34,6 +34,47 @@ def test_cached_library_builds_once_and_says_so(monkeypatch, tmp_path, capsys):
     assert len(builds) == 1 and capsys.readouterr().err == ""
 
 
+def test_a_library_that_ninja_did_not_finish_linking_is_built_again(monkeypatch, tmp_path, capsys):
+    """ninja links the host extension and the exports straight to their names and logs a link
+    once the linker has exited: a library file its log does not name (a build killed mid-link)
+    is never loaded, but built again; one the log names is whole."""
+    from gemmfuse.build import cached_library
+
+    monkeypatch.setenv("GEMMFUSE_CACHE_DIR", str(tmp_path))
+    build_dir = tmp_path / "lib_n"
+    build_dir.mkdir()
+    (build_dir / "n.so").write_text("half a library")
+    log = "# ninja log v5\n0\t90\t17\tmain.o\te5a8\n"  # the compile finished, the link did not
+    (build_dir / ".ninja_log").write_text(log)
+    builds = []
+
+    def build(build_dir, library):
+        builds.append(library)
+        library.write_text("whole")
+        with open(build_dir / ".ninja_log", "a") as f:
+            f.write(f"90\t99\t18\t{library.name}\t3c41\n")
+
+    library = cached_library("lib_n", "n.so", "a ninja library", build)
+    assert builds == [library] and library.read_text() == "whole"
+    assert "was not linked whole (a build stopped mid-link)" in capsys.readouterr().err
+    assert cached_library("lib_n", "n.so", "a ninja library", build) == library
+    assert len(builds) == 1
+
+
+def test_the_link_check_reads_ninjas_own_log(tmp_path):
+    """The check above against the log that torch's cpp_extension (ninja) writes."""
+    from torch.utils import cpp_extension
+
+    from gemmfuse.build import _not_cached
+
+    cpp_extension.load_inline(
+        "gemmfuse_link_check", cpp_sources=["int f() { return 3; }"], functions=["f"],
+        build_directory=str(tmp_path),
+    )  # fmt: skip
+    assert _not_cached(tmp_path, tmp_path / "gemmfuse_link_check.so") == ""
+    assert "not linked whole" in _not_cached(tmp_path, tmp_path / "main.cpp")
+
+
 def test_cached_library_leaves_nothing_when_its_build_fails(monkeypatch, tmp_path):
     from gemmfuse.build import BuildError, cached_library
 

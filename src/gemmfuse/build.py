@@ -8,10 +8,11 @@ directly: a second process is ready without running a compiler.
 Builds are serialised by an exclusive ``fcntl.flock`` on ``<library file>.lock`` next to the
 build directory (``cached_library``), held while looking for the library and while building it:
 processes (DDP ranks, KernelBench eval workers) and threads build each library once, and none
-loads one that another is still writing. Compilers run as child processes, so a failed build is
+loads one that another is still writing, nor one that a killed build left half-linked
+(``_not_cached``). Compilers run as child processes, so a failed build is
 an exit status read here, and :class:`BuildError` carries the compiler's error lines. Each
-build says on stderr when it starts (what, and why: not in the cache) and when it ends (seconds,
-where).
+build says on stderr when it starts (what, and why: not in the cache, or not linked whole) and
+when it ends (seconds, where).
 
 ``load_extension`` is a standalone export's build (``torch.utils.cpp_extension.load_inline``,
 one library for a chain, a KernelBench rule); the package builds through gemmfuse/jit.py.
@@ -118,8 +119,9 @@ def cached_library(
     with _build_lock(file_name) as root:
         build_dir = root / name
         library = build_dir / file_name
-        if not library.exists():
-            print(f"gemmfuse: building {what}: not in cache {build_dir}", file=sys.stderr)
+        why = _not_cached(build_dir, library)
+        if why:
+            print(f"gemmfuse: building {what}: {why}", file=sys.stderr)
             start = time.perf_counter()
             build_dir.mkdir(parents=True, exist_ok=True)
             build(build_dir, library)
@@ -127,6 +129,22 @@ def cached_library(
             print(f"gemmfuse: built {file_name} in {seconds:.1f} s, cached in {build_dir}",
                   file=sys.stderr)  # fmt: skip
     return library
+
+
+def _not_cached(build_dir: Path, library: Path) -> str:
+    """Why ``library`` must be built ("" where it is whole in the cache). ninja links the host
+    extension and a load_inline export straight to their names, and records a link in its log
+    (``.ninja_log``, a line of tab-separated fields per output) only once the linker has exited:
+    a library file that a log beside it does not name is what a build stopped mid-link left. A
+    chain part appears under its name only when complete (jit._compile_part), with no log."""
+    if not library.exists():
+        return f"not in cache {build_dir}"
+    log = build_dir / ".ninja_log"
+    if log.exists():  # a field of a line, whatever the log's version puts beside it
+        logged = any(library.name in line.split("\t") for line in log.read_text().splitlines())
+        if not logged:
+            return f"{library} was not linked whole (a build stopped mid-link)"
+    return ""
 
 
 def load_extension(
