@@ -79,6 +79,11 @@ def test_structure_keeps_what_the_kernels_tell_apart():
     "make, message",
     [
         (lambda: Pointwise("nope"), "unknown pointwise op"),
+        (lambda: Pointwise(["relu"]), "unknown pointwise op"),  # not a TypeError: unhashable
+        (lambda: Pointwise("hardtanh", (1.0, -1.0)), "min_val cannot be greater than max_val"),
+        (lambda: GroupNormSpec(True), "num_groups must be a positive int"),
+        (lambda: Reduction(["min"]), "unknown reduction"),
+        (lambda: Param(True), "Param index"),
         (lambda: Pointwise("leaky_relu"), "takes 1 argument"),
         (lambda: Pointwise("relu", (1.0,)), "takes 0 argument"),
         (lambda: GroupNormSpec(0), "num_groups"),
@@ -104,6 +109,39 @@ def test_structure_keeps_what_the_kernels_tell_apart():
 def test_bad_descriptions_raise(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Pointwise("leaky_relu", 0.01), "args must be a tuple, got float"),
+        (lambda: GroupNormSpec(4, eps="1e-5"), "eps must be a real number, got str"),
+        (lambda: GroupNormSpec(1, eps=None, layer=True, rms=True), "eps must be a real number"),
+        (lambda: GroupNormSpec(4, affine="no"), "GroupNormSpec affine must be a bool"),
+        (lambda: GroupNormSpec(1, layer=1), "GroupNormSpec layer must be a bool"),
+        (lambda: Reduction("min", keepdim="yes"), "Reduction keepdim must be a bool"),
+        (lambda: Reduction("min", keepdim=None), "Reduction keepdim must be a bool"),
+        (lambda: Epilogue(pre=("relu",)), "Epilogue pre holds Pointwise ops, got 'relu'"),
+        (lambda: Epilogue(pre=Pointwise("relu")), "Epilogue pre must be a tuple of Pointwise"),
+        (lambda: Epilogue(norm=4), "Epilogue norm must be a GroupNormSpec or None"),
+        (lambda: Epilogue(reduce="min"), "Epilogue reduce must be a Reduction or None"),
+        (lambda: Epilogue(reduce=Reduction("sum"), tail=(None,)), "Epilogue tail holds"),
+    ],
+)
+def test_descriptions_of_the_wrong_kind_raise_type_errors(make, message):
+    with pytest.raises(TypeError, match=message):
+        make()
+
+
+def test_lists_are_taken_as_tuples():
+    """A list where a tuple is expected (ops, an op's arguments) is what one writes: it is kept
+    as a tuple, so the description stays hashable and equal to the tuple form."""
+    listed = Epilogue(pre=[Pointwise("leaky_relu", [0.01])], norm=GroupNormSpec(4),
+                      post=[Pointwise("relu")])  # fmt: skip
+    tupled = Epilogue(pre=(Pointwise("leaky_relu", (0.01,)),), norm=GroupNormSpec(4),
+                      post=(Pointwise("relu"),))  # fmt: skip
+    assert listed == tupled and hash(listed) == hash(tupled)
+    assert isinstance(listed.pre, tuple) and isinstance(listed.pre[0].args, tuple)
 
 
 def test_every_op_has_both_meanings():
@@ -248,6 +286,28 @@ def test_values_are_structure():
 def test_epilogue_problem_checks_values_without_raising():
     assert epilogue_problem(pre=(("sigmoid", ()), ("add", (Value(0),)))) == ""
     assert "reads Value(2)" in epilogue_problem(pre=(("sigmoid", ()), ("add", (Value(2),))))
+
+
+@pytest.mark.parametrize(
+    "parts, message",
+    [
+        ({"pre": (("hardtanh", (1.0, -1.0)),)}, "min_val cannot be greater than max_val"),
+        ({"norm": (True, 1e-5)}, "num_groups must be a positive int"),
+        ({"norm": (4, None)}, "eps must be a real number"),
+        ({"norm": (4, 1e-5, "no")}, "affine must be a bool"),
+    ],
+)
+def test_epilogue_problem_holds_the_classes_rules(parts, message):
+    """What the classes refuse, epilogue_problem names (a FusedLinear whose module settings
+    changed falls back on it rather than raising in its forward)."""
+    assert message in epilogue_problem(**parts)
+    norm = parts.get("norm")
+    with pytest.raises((TypeError, ValueError), match=message):
+        Epilogue(
+            pre=tuple(Pointwise(*op) for op in parts.get("pre", ())),
+            norm=None if norm is None else GroupNormSpec(*norm),
+        )
+    assert epilogue_problem(pre=(("hardtanh", (-1.0, -1.0)),), norm=(4, 0.0, False)) == ""
 
 
 def test_generated_struct_rounds_as_its_instance_model():

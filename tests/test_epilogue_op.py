@@ -50,6 +50,17 @@ def test_cpu_path_is_the_reference_with_its_gradients():
         assert torch.equal(g, e)
 
 
+def test_an_empty_chain_gives_a_new_tensor():
+    """z is read, never written, and never returned: writing into the result leaves z as it was."""
+    z = torch.randn(4, 8)
+    out = fused_epilogue(z, Epilogue())
+    assert torch.equal(out, z) and out.data_ptr() != z.data_ptr()
+    grad_z = z.clone().requires_grad_()
+    out = fused_epilogue(grad_z, Epilogue())
+    out.sum().backward()
+    assert out is not grad_z and torch.equal(grad_z.grad, torch.ones(4, 8))
+
+
 @pytest.mark.parametrize(
     "args, error, match",
     [

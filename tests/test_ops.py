@@ -13,6 +13,7 @@ from gemmfuse import (
     Param,
     Pointwise,
     Reduction,
+    fused_epilogue,
     fused_linear,
     fused_linear_with_path,
 )
@@ -44,6 +45,12 @@ def args(m=5, k=8, n=16):
         (lambda a: {**a, "x": torch.randn(5, 9)}, ValueError, r"x must have shape \(batch, 8\)"),
         (lambda a: {**a, "x": torch.randn(2, 5, 8)}, ValueError, "x must have shape"),
         (lambda a: {**a, "weight": torch.randn(16)}, ValueError, "weight must be a 2-D"),
+        (lambda a: {**a, "weight": [[1.0] * 8]}, TypeError, "weight must be a torch.Tensor"),
+        (
+            lambda a: {**a, "weight_cache": "cache"},
+            TypeError,
+            "weight_cache must be a SplitWeightCache or None, got str",
+        ),
         (lambda a: {**a, "x": a["x"].double()}, ValueError, "must share dtype and device"),
         (lambda a: {**a, "bias": torch.randn(3)}, ValueError, r"bias must have shape \(16,\)"),
         (lambda a: {**a, "epilogue": "gn"}, TypeError, "epilogue must be a gemmfuse.Epilogue"),
@@ -85,6 +92,18 @@ def test_a_pooling_window_wider_than_the_row_raises_like_pytorch():
                                          "chain's 16 channels"):  # fmt: skip
         fused_linear(x, w, b, pooled)
     assert fused_linear(x, w, b, Epilogue(reduce=Reduction("sum", pool=16))).shape == (5,)
+
+
+def test_no_output_channels_give_what_pytorch_gives():
+    """N = 0 without a reduction: an (M, 0) result, as F.linear and the ops after it give (a
+    pooling window was once checked against the row with no pooling in the chain)."""
+    x, w, b, _, _ = args(n=0)
+    epilogue = Epilogue(pre=(Pointwise("relu"),))
+    out = fused_linear(x, w, b, epilogue)
+    assert out.shape == (5, 0) and torch.equal(out, torch.relu(torch.nn.functional.linear(x, w, b)))
+    assert fused_epilogue(torch.randn(5, 0), epilogue).shape == (5, 0)
+    summed = fused_linear(x, w, b, Epilogue(reduce=Reduction("sum")))
+    assert torch.equal(summed, torch.zeros(5))
 
 
 def test_cpu_takes_reference_path_without_warning(recwarn):
@@ -279,6 +298,8 @@ def test_float32_copies_track_changes():
     [
         ({"kernel": "fastest"}, "kernel must be one of"),
         ({"precision": "fp16"}, "precision must be"),
+        ({"kernel": ["auto"]}, r"kernel must be one of .*, got \['auto'\]"),
+        ({"precision": ["fp32"]}, r"precision must be one of .*, got \['fp32'\]"),
     ],
 )
 def test_bad_kernel_or_precision_raises(kwargs, message):

@@ -473,6 +473,9 @@ def test_forward_traces_the_given_function():
         torch.testing.assert_close(new(x), Base.forward(model, x), rtol=0, atol=0)
 
 
+FITS = "example_inputs do not fit Sequential.forward: "
+
+
 @pytest.mark.parametrize(
     "call, error, message",
     [
@@ -481,6 +484,22 @@ def test_forward_traces_the_given_function():
         (lambda m, x: optimize(m, (x,), kernel="fast"), ValueError, "kernel must be one of"),
         (lambda m, x: optimize(m, (x,), precision="fp16"), ValueError, "precision must be"),
         (lambda m, x: optimize(m, (x,), forward=len), TypeError, "forward must be a Python"),
+        (
+            lambda m, x: optimize(m, (x,), precision=["fp32"]),
+            ValueError,
+            "precision must be one of",
+        ),
+        # the model itself would refuse these calls; the example run would drop the extra input
+        (
+            lambda m, x: optimize(m, (x, x)),
+            TypeError,
+            FITS + r"2 input\(s\) given, it takes 1 \(input\)",
+        ),
+        (
+            lambda m, x: optimize(m, ()),
+            TypeError,
+            FITS + r"0 input\(s\) given, it takes 1 \(input\)",
+        ),
         # the example run's own error (F.linear's), unchanged
         (lambda m, x: optimize(m, (x[:, :3],)), RuntimeError, "shapes cannot be multiplied"),
     ],
@@ -489,6 +508,31 @@ def test_bad_arguments_raise_naming_them(call, error, message):
     model = nn.Sequential(nn.Linear(8, 4))
     with pytest.raises(error, match=message):
         call(model, torch.randn(2, 8))
+
+
+def test_example_inputs_are_checked_against_the_forwards_signature():
+    """Defaults and *args take what the model's own call takes; a keyword-only argument with no
+    default cannot come from positional inputs."""
+
+    class Defaults(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x, y=None, *rest):
+            return self.fc(x)
+
+    class Keyword(Defaults):
+        def forward(self, x, *, scale):
+            return self.fc(x) * scale
+
+    x = torch.randn(2, 8)
+    for inputs in ((x,), (x, x), (x, x, x)):
+        optimize(Defaults(), inputs)
+    with pytest.raises(
+        TypeError, match=r"Keyword.forward: it needs keyword argument\(s\) \['scale'\]"
+    ):
+        optimize(Keyword(), (x,))
 
 
 def test_untraceable_model_raises_the_tracers_own_error():

@@ -249,6 +249,41 @@ def test_a_forward_writing_a_plain_tensor_attribute_is_refused():
         optimize(model, (torch.randn(2, 8),))
 
 
+def assigning(path, value):
+    """A forward body that binds the attribute at ``path`` anew and reads it (``self.t =
+    self.t + 1``; ``path`` may name a submodule's: ``fc.seen``)."""
+    owner, _, name = path.rpartition(".")
+
+    def body(s, x):
+        target = s.get_submodule(owner)
+        setattr(target, name, value(s))
+        return x + getattr(target, name)
+
+    return body
+
+
+@pytest.mark.parametrize(
+    "path, value, members",
+    [
+        ("t", lambda s: s.t + 1.0, {}),  # a plain tensor
+        ("u", lambda s: torch.ones(16), {}),  # a new attribute
+        ("fc.seen", lambda s: s.t * 2, {}),  # a submodule's, shared with the model
+        ("b", lambda s: torch.zeros(16), {"b": torch.ones(16)}),  # a buffer
+    ],
+)  # fmt: skip
+def test_a_forward_assigning_an_attribute_is_refused(path, value, members):
+    """fx runs such a write once, while tracing, and the graph would read what the first call
+    left (a plain tensor counted up by the model would stay at its first value): refused, with
+    the model's own submodules left as they were."""
+    model = Chain(assigning(path, value), **members)
+    model.t = torch.zeros(16)  # a plain attribute, not a buffer
+    fc_before = dict(model.fc.__dict__)
+    with pytest.raises(ValueError, match=rf"forward assigns the attribute\(s\) \['{path}'\]"):
+        optimize(model, (torch.randn(2, 8),))
+    assert model.fc.__dict__ == fc_before and torch.equal(model.t, torch.zeros(16))
+    assert all(torch.equal(model.get_buffer(k), v) for k, v in members.items())
+
+
 def test_too_many_float_or_tensor_arguments_stop_the_chain():
     def floats(s, x):
         for i in range(MAX_SCALARS + 1):

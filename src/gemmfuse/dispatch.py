@@ -41,6 +41,8 @@ MODEL16 = (torch.bfloat16, torch.float16)
 # The dtypes the backward's kernels take (the chain backward, the sparse products, the column sums)
 BACKWARD_DTYPES = (torch.float32, *MODEL16)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 # kernel="auto" takes the fused kernel from these sizes up, and below them the epilogue path
 # (float32) or the PyTorch path (bfloat16, float16; a bf16 chain with a min or max takes the
 # epilogue path at every size). Below MIN_FUSED_WORK = M*N*K the fused kernel's
@@ -92,6 +94,15 @@ SPLIT_COLS_MAX = 65535 * 32
 # the training step lost host time (fp16 0.810 ms against 0.545): docs/DESIGN.md, section 3.
 OUTER_OPS = ("add", "sub", "rsub", "mul", "div")
 OUTER_DTYPES = (torch.float32,)
+
+
+def check_settings(kernel, precision) -> None:
+    """Raises ValueError naming ``kernel`` or ``precision`` where it is not one of the choices
+    (a string: a list or other unhashable value gets the same message, not a TypeError)."""
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
 
 
 def split_padded(n: int) -> int:

@@ -52,7 +52,7 @@ class Param:
     index: int
 
     def __post_init__(self):
-        if not isinstance(self.index, int) or self.index < 0:
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
             raise ValueError(f"Param index must be an int >= 0, got {self.index!r}")
 
 
@@ -117,12 +117,18 @@ class Pointwise:
     args: tuple[float | Param | Value, ...] = ()
 
     def __post_init__(self):
-        if self.name not in POINTWISE:
+        if not isinstance(self.name, str) or self.name not in POINTWISE:
             raise ValueError(
                 f"unknown pointwise op {self.name!r}; expected one of {sorted(POINTWISE)}"
             )
+        if isinstance(self.args, list):  # as a list is written; kept as a tuple (hashable)
+            object.__setattr__(self, "args", tuple(self.args))
+        if not isinstance(self.args, tuple):
+            raise TypeError(
+                f"pointwise op {self.name!r}: args must be a tuple, got {type(self.args).__name__}"
+            )
         d = POINTWISE[self.name]
-        if not isinstance(self.args, tuple) or len(self.args) != d.n_args:
+        if len(self.args) != d.n_args:
             raise ValueError(
                 f"pointwise op {self.name!r} takes {d.n_args} argument(s), got {self.args!r}"
             )
@@ -135,6 +141,9 @@ class Pointwise:
                     f"pointwise op {self.name!r}: arguments must be floats, Param or Value, "
                     f"got {a!r}"
                 )
+        if self.name == "hardtanh" and not any(isinstance(a, (Param, Value)) for a in self.args):
+            if self.args[0] > self.args[1]:  # as F.hardtanh refuses them
+                raise ValueError("hardtanh: min_val cannot be greater than max_val")
 
     @property
     def scalars(self) -> tuple[float, ...]:
@@ -180,10 +189,18 @@ class GroupNormSpec:
     log: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.num_groups, int) or self.num_groups < 1:
+        if (
+            not isinstance(self.num_groups, int)
+            or isinstance(self.num_groups, bool)
+            or self.num_groups < 1
+        ):
             raise ValueError(f"num_groups must be a positive int, got {self.num_groups!r}")
+        if not isinstance(self.eps, numbers.Real) or isinstance(self.eps, bool):
+            raise TypeError(f"eps must be a real number, got {type(self.eps).__name__}")
         if not self.eps >= 0:
             raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+        for flag in ("affine", "layer", "rms", "softmax", "log"):
+            _check_flag(f"GroupNormSpec {flag}", getattr(self, flag))
         if self.layer and self.num_groups != 1:
             raise ValueError(f"a LayerNorm (layer=True) is one group, got {self.num_groups}")
         if self.rms and not self.layer:
@@ -214,8 +231,9 @@ class Reduction:
     pool: int = 1
 
     def __post_init__(self):
-        if self.op not in REDUCTIONS:
+        if not isinstance(self.op, str) or self.op not in REDUCTIONS:
             raise ValueError(f"unknown reduction {self.op!r}; expected one of {sorted(REDUCTIONS)}")
+        _check_flag("Reduction keepdim", self.keepdim)
         problem = max_pool_problem(self.pool)
         if problem:
             raise ValueError(problem)
@@ -239,6 +257,27 @@ def max_pool_problem(pool) -> str:
 _POOL_WITH_NORM = "a max pooling before the reduction (Reduction.pool > 1) is fused without a norm"
 
 
+def _check_flag(name: str, value) -> None:
+    """A spec's on/off setting is a bool: a string such as "no" would otherwise read as on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _ops_of(stretch: str, ops) -> tuple:
+    """An Epilogue's ``pre``/``post``/``tail`` as a tuple of Pointwise (a list is taken as
+    written), or TypeError naming the stretch."""
+    if isinstance(ops, list):
+        ops = tuple(ops)
+    if not isinstance(ops, tuple):
+        raise TypeError(
+            f"Epilogue {stretch} must be a tuple of Pointwise ops, got {type(ops).__name__}"
+        )
+    for op in ops:
+        if not isinstance(op, Pointwise):
+            raise TypeError(f"Epilogue {stretch} holds Pointwise ops, got {op!r}")
+    return ops
+
+
 @dataclass(frozen=True)
 class Epilogue:
     pre: tuple[Pointwise, ...] = ()
@@ -248,6 +287,12 @@ class Epilogue:
     tail: tuple[Pointwise, ...] = ()
 
     def __post_init__(self):
+        for stretch in ("pre", "post", "tail"):
+            object.__setattr__(self, stretch, _ops_of(stretch, getattr(self, stretch)))
+        if self.norm is not None and not isinstance(self.norm, GroupNormSpec):
+            raise TypeError(f"Epilogue norm must be a GroupNormSpec or None, got {self.norm!r}")
+        if self.reduce is not None and not isinstance(self.reduce, Reduction):
+            raise TypeError(f"Epilogue reduce must be a Reduction or None, got {self.reduce!r}")
         if self.norm is None and self.post:
             raise ValueError("post ops need a GroupNorm; put ops without one in `pre`")
         if self.reduce is None and self.tail:
@@ -447,7 +492,7 @@ def epilogue_from_spec(spec: str) -> Epilogue:
 
 
 def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
-    """Why ``Epilogue`` built from these parts would raise ValueError ("" when it would not),
+    """Why ``Epilogue`` built from these parts would raise ("" when it would not),
     checked without raising: ``pre``/``post``/``tail`` hold ``(name, args)`` of each
     :class:`Pointwise`, ``norm`` is None or ``(num_groups, eps, affine)`` of a
     :class:`GroupNormSpec`, ``reduce`` None or a :class:`Reduction`. The same rules as the
@@ -463,16 +508,21 @@ def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
                 return f"pointwise op {name!r} takes float arguments only"
             if not isinstance(a, (int, float, Param, Value)) or isinstance(a, bool):
                 return f"pointwise op {name!r}: arguments must be floats, Param or Value, got {a!r}"
+        if name == "hardtanh" and not any(isinstance(a, (Param, Value)) for a in args):
+            if args[0] > args[1]:
+                return "hardtanh: min_val cannot be greater than max_val"
     for stretch, ops in (("pre", pre), ("post", post), ("tail", tail)):
         problem = _values_problem(stretch, [Pointwise(name, args) for name, args in ops])
         if problem:
             return problem
     if norm is not None:
         groups, eps = norm[0], norm[1]
-        if not isinstance(groups, int) or groups < 1:
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
             return f"num_groups must be a positive int, got {groups!r}"
-        if not isinstance(eps, numbers.Real) or not eps >= 0:
-            return f"eps must be >= 0, got {eps!r}"
+        if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
+            return f"eps must be a real number >= 0, got {eps!r}"
+        if len(norm) > 2 and not isinstance(norm[2], bool):
+            return f"GroupNormSpec affine must be a bool, got {norm[2]!r}"
     if norm is None and post:
         return "post ops need a GroupNorm"
     if reduce is None and tail:

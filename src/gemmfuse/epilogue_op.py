@@ -69,7 +69,9 @@ def fused_epilogue_with_path(
     if path == "torch":
         if z.is_cuda and not compiling:
             warnings.warn(f"gemmfuse: {reason}", FallbackWarning, stacklevel=3)
-        return apply_epilogue(z, epilogue, gn_weight, gn_bias, params), path
+        out = apply_epilogue(z, epilogue, gn_weight, gn_bias, params)
+        # an empty chain returns its input: the result is a new tensor on every path
+        return (out.clone() if out is z else out), path
     launch = _epilogue_launcher(epilogue)
     if records_grad(epilogue.channel_params, params, z, gn_weight, gn_bias):
         out = FusedEpilogueFunction.apply(epilogue.untailed, launch, z, gn_weight, gn_bias, *params)

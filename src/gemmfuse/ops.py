@@ -61,9 +61,9 @@ import torch
 
 from gemmfuse.autograd import FusedCall, FusedLinearFunction, channel_vectors
 from gemmfuse.dispatch import (
-    KERNELS,
     PRECISIONS,
     backward_products,
+    check_settings,
     fused_kernel_code,
     norm_settings,
     splits_no_weight,
@@ -186,6 +186,10 @@ def fused_linear_with_path(
     """:func:`fused_linear`, also returning the path taken: "fused", "epilogue" or "torch".
     ``offer_plans=False``: the caller has offered this very call to ``weight_cache``'s plans
     and none served it (FusedLinear), so it is not offered again."""
+    if weight_cache is not None and not isinstance(weight_cache, SplitWeightCache):
+        raise TypeError(
+            f"weight_cache must be a SplitWeightCache or None, got {type(weight_cache).__name__}"
+        )
     # A call of a kind seen before runs in C++ (plan.py); the rules below decide the others.
     # plans_apply() first: torch.compile then never reads the plans (nor guards on them).
     if offer_plans and plans_apply() and weight_cache is not None and weight_cache.plans:
@@ -220,10 +224,7 @@ def check_arguments(x, weight, bias, epilogue, gn_weight, gn_bias, params, kerne
     """Raises TypeError/ValueError naming the first bad argument of a ``fused_linear`` call
     (validation.validate, then ``kernel`` and ``precision``)."""
     validate(x, weight, bias, epilogue, gn_weight, gn_bias, params)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    check_settings(kernel, precision)
 
 
 def plans_apply() -> bool:

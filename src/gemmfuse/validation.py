@@ -90,7 +90,7 @@ def _chain_tensors_problem(
                 f"({x.shape[0]}, {n}): the ops before the reduction keep the GEMM's shape"
             )
     pool = 1 if epilogue.reduce is None else epilogue.reduce.pool
-    if pool > n:  # max_pool1d refuses a window wider than its input
+    if pool > 1 and pool > n:  # max_pool1d refuses a window wider than its input
         return ValueError, (
             f"the reduction's max-pooling window of {pool} channels (Reduction.pool) is wider "
             f"than the chain's {n} channels"
@@ -103,7 +103,9 @@ def argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -
     accept for the chain passes."""
     if not isinstance(x, torch.Tensor):
         return TypeError, f"x must be a torch.Tensor, got {type(x).__name__}"
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if not isinstance(weight, torch.Tensor):
+        return TypeError, f"weight must be a torch.Tensor, got {type(weight).__name__}"
+    if weight.dim() != 2:
         return ValueError, "weight must be a 2-D torch.Tensor of shape (out_features, in_features)"
     problem = _chain_problem(epilogue, params)
     if problem is not None:

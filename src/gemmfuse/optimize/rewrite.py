@@ -2,6 +2,7 @@
 :class:`FusedLinear`, the module tree mirrored, and the report."""
 
 import copy
+import inspect
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gemmfuse.dispatch import KERNELS, PRECISIONS
+from gemmfuse.dispatch import check_settings
 from gemmfuse.modules import ForwardInput, FusedLinear
 from gemmfuse.optimize.analysis import _Analysis, _Chain
 from gemmfuse.optimize.grammar import (
@@ -224,12 +225,37 @@ def _check_arguments(model, example_inputs, kernel, precision, forward) -> None:
             "example_inputs must be a tuple or list of the forward's positional arguments, "
             f"got {type(example_inputs).__name__}"
         )
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    check_settings(kernel, precision)
     if forward is not None and not isinstance(forward, types.FunctionType):
         raise TypeError(f"forward must be a Python function, got {type(forward).__name__}")
+    problem = _inputs_problem(forward or type(model).forward, len(example_inputs))
+    if problem:
+        raise TypeError(f"example_inputs do not fit {type(model).__name__}.forward: {problem}")
+
+
+def _inputs_problem(forward, count: int) -> str:
+    """Why ``count`` positional arguments do not fit ``forward`` after its ``self`` ("" where
+    they do, or where it is not a Python function: the example run decides). The example run
+    would otherwise drop extra inputs where the model's own call raises. The signature is read,
+    not bound: standalone exports bundle this module, and KernelBench's static checker refuses
+    any exception handler in them."""
+    if not isinstance(forward, types.FunctionType):
+        return ""
+    kind = inspect.Parameter
+    params = list(inspect.signature(forward).parameters.values())[1:]
+    positional = [p for p in params if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    keywords = [p.name for p in params if p.kind == kind.KEYWORD_ONLY and p.default is p.empty]
+    takes_more = any(p.kind == kind.VAR_POSITIONAL for p in params)
+    if keywords:
+        return f"it needs keyword argument(s) {keywords}, which positional inputs cannot give"
+    if count < len(required) or (count > len(positional) and not takes_more):
+        takes = f"{len(required)} or more" if takes_more else f"{len(required)}"
+        if len(positional) > len(required) and not takes_more:
+            takes += f" to {len(positional)}"
+        names = ", ".join(p.name for p in positional)
+        return f"{count} input(s) given, it takes {takes} ({names})"
+    return ""
 
 
 def _linear_calls(gm: fx.GraphModule) -> list[fx.Node]:

@@ -36,6 +36,7 @@ def _trace(model: nn.Module, forward) -> fx.GraphModule:
         if isinstance(t, torch.Tensor)
     }
     versions = {k: t._version for k, t in plain.items()}
+    before = _attributes(view)
     graph = tracer.trace(view)
     written = sorted(k for k, t in plain.items() if t._version != versions[k])
     if written:
@@ -44,7 +45,47 @@ def _trace(model: nn.Module, forward) -> fx.GraphModule:
             f"attribute(s) {written}, which torch.fx runs once while tracing instead of "
             "recording; register them as buffers"
         )
+    assigned = _assigned_while_tracing(view, before)
+    if assigned:
+        raise ValueError(
+            f"gemmfuse.optimize: {type(model).__name__}.forward assigns the attribute(s) "
+            f"{assigned}, which torch.fx runs once while tracing instead of recording (the "
+            "result would read what the first call left); keep the forward's state in "
+            "buffers written in place"
+        )
     return _OptimizedModule(view, graph, f"Optimized{type(model).__name__}")
+
+
+_FX_CONSTANT = re.compile(r"_tensor_constant\d+")  # what the tracer attaches to the root
+
+
+def _namespaces(root: nn.Module) -> dict[int, tuple[str, dict]]:
+    """id -> (module path, dict) of every module's ``__dict__`` (plain attributes) and its
+    parameter and buffer dicts, in the tree under ``root``."""
+    return {
+        id(d): (path, d)
+        for path, m in root.named_modules()
+        for d in (m.__dict__, m._parameters, m._buffers)
+    }
+
+
+def _attributes(root: nn.Module) -> dict[tuple[int, str], object]:
+    """(namespace id, name) -> the object each namespace of :func:`_namespaces` holds."""
+    return {(i, k): v for i, (_, d) in _namespaces(root).items() for k, v in d.items()}
+
+
+def _assigned_while_tracing(view: nn.Module, before: dict) -> list[str]:
+    """The dotted names of the attributes the traced forward bound anew or added, the model's
+    submodules (which ``view`` shares with it) put back as they were."""
+    spaces = _namespaces(view)
+    after = _attributes(view)
+    changed = [key for key, v in after.items() if key in before and before[key] is not v]
+    added = [(i, k) for i, k in after if (i, k) not in before and not _FX_CONSTANT.fullmatch(k)]
+    for i, k in changed:
+        spaces[i][1][k] = before[(i, k)]
+    for i, k in added:
+        del spaces[i][1][k]
+    return sorted(f"{spaces[i][0]}.{k}".lstrip(".") for i, k in changed + added)
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n\s+(.+)')
