@@ -1,3 +1,4 @@
+import threading
 from pathlib import Path
 
 import pytest
@@ -61,18 +62,36 @@ def test_a_library_that_ninja_did_not_finish_linking_is_built_again(monkeypatch,
     assert len(builds) == 1
 
 
-def test_the_link_check_reads_ninjas_own_log(tmp_path):
-    """The check above against the log that torch's cpp_extension (ninja) writes."""
-    from torch.utils import cpp_extension
+def test_a_build_killed_mid_link_is_built_again_by_ninja(monkeypatch, tmp_path, capsys):
+    """The check above against the log that torch's cpp_extension (ninja) writes, through the
+    standalone export's own build (load_inline in a child process): a build killed mid-link
+    leaves the library unlogged and cpp_extension's lock file behind (on which a rebuild would
+    wait for ever); the next call builds it again and loads a whole library."""
+    from gemmfuse.build import _load_inline_in_child, cached_library, import_extension
 
-    from gemmfuse.build import _not_cached
+    monkeypatch.setenv("GEMMFUSE_CACHE_DIR", str(tmp_path))
+    name = "gemmfuse_link_check"
+    arguments = {"name": name, "cpp_sources": ["int f() { return 3; }"], "functions": ["f"],
+                 "build_directory": str(tmp_path / name)}  # fmt: skip
 
-    cpp_extension.load_inline(
-        "gemmfuse_link_check", cpp_sources=["int f() { return 3; }"], functions=["f"],
-        build_directory=str(tmp_path),
-    )  # fmt: skip
-    assert _not_cached(tmp_path, tmp_path / "gemmfuse_link_check.so") == ""
-    assert "not linked whole" in _not_cached(tmp_path, tmp_path / "main.cpp")
+    def build(build_dir, library):
+        _load_inline_in_child(arguments, name)
+
+    library = cached_library(name, f"{name}.so", name, build)
+    log = tmp_path / name / ".ninja_log"
+    lines = log.read_text().splitlines(keepends=True)
+    assert any(f"{name}.so" in line.split("\t") for line in lines)
+    log.write_text("".join(line for line in lines if f"{name}.so" not in line.split("\t")))
+    (tmp_path / name / "lock").touch()
+    capsys.readouterr()
+    rebuilt = []
+    worker = threading.Thread(target=lambda: rebuilt.append(
+        cached_library(name, f"{name}.so", name, build)), daemon=True)  # fmt: skip
+    worker.start()
+    worker.join(timeout=120)
+    assert rebuilt == [library], "the rebuild did not finish (waiting on the lock file?)"
+    assert "was not linked whole (a build stopped mid-link)" in capsys.readouterr().err
+    assert import_extension(name, library).f() == 3
 
 
 def test_cached_library_leaves_nothing_when_its_build_fails(monkeypatch, tmp_path):

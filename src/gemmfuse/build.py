@@ -124,6 +124,9 @@ def cached_library(
             print(f"gemmfuse: building {what}: {why}", file=sys.stderr)
             start = time.perf_counter()
             build_dir.mkdir(parents=True, exist_ok=True)
+            # cpp_extension's own lock file, which a build killed there leaves and the next
+            # waits on for ever: no other build uses this directory while ours is held
+            (build_dir / "lock").unlink(missing_ok=True)
             build(build_dir, library)
             seconds = time.perf_counter() - start
             print(f"gemmfuse: built {file_name} in {seconds:.1f} s, cached in {build_dir}",

@@ -200,7 +200,7 @@ class GroupNormSpec:
         if not self.eps >= 0:
             raise ValueError(f"eps must be >= 0, got {self.eps!r}")
         for flag in ("affine", "layer", "rms", "softmax", "log"):
-            _check_flag(f"GroupNormSpec {flag}", getattr(self, flag))
+            object.__setattr__(self, flag, _flag("GroupNormSpec", flag, getattr(self, flag)))
         if self.layer and self.num_groups != 1:
             raise ValueError(f"a LayerNorm (layer=True) is one group, got {self.num_groups}")
         if self.rms and not self.layer:
@@ -233,7 +233,7 @@ class Reduction:
     def __post_init__(self):
         if not isinstance(self.op, str) or self.op not in REDUCTIONS:
             raise ValueError(f"unknown reduction {self.op!r}; expected one of {sorted(REDUCTIONS)}")
-        _check_flag("Reduction keepdim", self.keepdim)
+        object.__setattr__(self, "keepdim", _flag("Reduction", "keepdim", self.keepdim))
         problem = max_pool_problem(self.pool)
         if problem:
             raise ValueError(problem)
@@ -257,10 +257,19 @@ def max_pool_problem(pool) -> str:
 _POOL_WITH_NORM = "a max pooling before the reduction (Reduction.pool > 1) is fused without a norm"
 
 
-def _check_flag(name: str, value) -> None:
-    """A spec's on/off setting is a bool: a string such as "no" would otherwise read as on."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
+def _is_flag(value) -> bool:
+    """Whether a spec's on/off setting is a bool or equals one (1, numpy's bools), not a string
+    such as "no" (which would read as on), None or a tensor."""
+    if value is True or value is False:
+        return True
+    return not isinstance(value, (str, bytes, torch.Tensor)) and value in (True, False)
+
+
+def _flag(owner: str, name: str, value) -> bool:
+    """A spec's on/off setting as a bool, or TypeError naming it (:func:`_is_flag`)."""
+    if not _is_flag(value):
+        raise TypeError(f"{owner} {name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def _ops_of(stretch: str, ops) -> tuple:
@@ -497,6 +506,8 @@ def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
     :class:`Pointwise`, ``norm`` is None or ``(num_groups, eps, affine)`` of a
     :class:`GroupNormSpec`, ``reduce`` None or a :class:`Reduction`. The same rules as the
     classes' own checks."""
+    pre, post, tail = ([(n, tuple(a) if isinstance(a, list) else a) for n, a in ops]
+                       for ops in (pre, post, tail))  # fmt: skip
     for name, args in (*pre, *post, *tail):
         d = POINTWISE.get(name) if isinstance(name, str) else None
         if d is None:
@@ -521,7 +532,7 @@ def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
             return f"num_groups must be a positive int, got {groups!r}"
         if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
             return f"eps must be a real number >= 0, got {eps!r}"
-        if len(norm) > 2 and not isinstance(norm[2], bool):
+        if len(norm) > 2 and not _is_flag(norm[2]):
             return f"GroupNormSpec affine must be a bool, got {norm[2]!r}"
     if norm is None and post:
         return "post ops need a GroupNorm"

@@ -228,9 +228,11 @@ def _check_arguments(model, example_inputs, kernel, precision, forward) -> None:
     check_settings(kernel, precision)
     if forward is not None and not isinstance(forward, types.FunctionType):
         raise TypeError(f"forward must be a Python function, got {type(forward).__name__}")
-    problem = _inputs_problem(forward or type(model).forward, len(example_inputs))
+    traced = forward or type(model).forward
+    problem = _inputs_problem(traced, len(example_inputs))
     if problem:
-        raise TypeError(f"example_inputs do not fit {type(model).__name__}.forward: {problem}")
+        name = getattr(traced, "__qualname__", f"{type(model).__name__}.forward")
+        raise TypeError(f"example_inputs do not fit {name}: {problem}")
 
 
 def _inputs_problem(forward, count: int) -> str:

@@ -36,8 +36,8 @@ def _trace(model: nn.Module, forward) -> fx.GraphModule:
         if isinstance(t, torch.Tensor)
     }
     versions = {k: t._version for k, t in plain.items()}
-    before = _attributes(view)
-    graph = tracer.trace(view)
+    with _AttributeWrites(view) as writes:
+        writes.graph = tracer.trace(view)
     written = sorted(k for k, t in plain.items() if t._version != versions[k])
     if written:
         raise ValueError(
@@ -45,47 +45,64 @@ def _trace(model: nn.Module, forward) -> fx.GraphModule:
             f"attribute(s) {written}, which torch.fx runs once while tracing instead of "
             "recording; register them as buffers"
         )
-    assigned = _assigned_while_tracing(view, before)
-    if assigned:
+    if writes.frozen:
         raise ValueError(
             f"gemmfuse.optimize: {type(model).__name__}.forward assigns the attribute(s) "
-            f"{assigned}, which torch.fx runs once while tracing instead of recording (the "
-            "result would read what the first call left); keep the forward's state in "
-            "buffers written in place"
+            f"{writes.frozen} a value torch.fx does not trace (computed while tracing, or read "
+            "back by name), so the result would keep what the first call left; keep such state "
+            "in buffers written in place"
         )
-    return _OptimizedModule(view, graph, f"Optimized{type(model).__name__}")
+    return _OptimizedModule(view, writes.graph, f"Optimized{type(model).__name__}")
 
 
-_FX_CONSTANT = re.compile(r"_tensor_constant\d+")  # what the tracer attaches to the root
+class _AttributeWrites:
+    """Watches the attributes of the modules under ``view`` (a shallow copy of the model that
+    shares its submodules) while fx traces it. On leaving, whether or not the trace raised,
+    each attribute those modules held is as it was (their ``__dict__``, parameters and
+    buffers; modules registered while tracing are not looked at), and those added are gone
+    but for what the graph reads by name (the tracer's constants). ``frozen`` then names the
+    attributes the forward bound anew to something the graph cannot follow: a value that is
+    not traced (``self.t = self.t + 1`` with a plain tensor runs once, at trace time), or one
+    whose old value the graph reads by name. A traced value written before it is read (a
+    weight_norm hook's weight, an attention map kept for inspection) is recorded, and fine.
 
+    A class rather than try/finally: standalone exports bundle this module, and KernelBench's
+    static checker refuses any exception handler in them."""
 
-def _namespaces(root: nn.Module) -> dict[int, tuple[str, dict]]:
-    """id -> (module path, dict) of every module's ``__dict__`` (plain attributes) and its
-    parameter and buffer dicts, in the tree under ``root``."""
-    return {
-        id(d): (path, d)
-        for path, m in root.named_modules()
-        for d in (m.__dict__, m._parameters, m._buffers)
-    }
+    def __init__(self, view: nn.Module):
+        self.spaces = {
+            id(d): (path, d)
+            for path, m in view.named_modules()
+            for d in (m.__dict__, m._parameters, m._buffers)
+        }
+        self.graph: fx.Graph | None = None
+        self.frozen: list[str] = []
 
+    def _attributes(self) -> dict[tuple[int, str], object]:
+        return {(i, k): v for i, (_, d) in self.spaces.items() for k, v in d.items()}
 
-def _attributes(root: nn.Module) -> dict[tuple[int, str], object]:
-    """(namespace id, name) -> the object each namespace of :func:`_namespaces` holds."""
-    return {(i, k): v for i, (_, d) in _namespaces(root).items() for k, v in d.items()}
+    def _name(self, key: tuple[int, str]) -> str:
+        return f"{self.spaces[key[0]][0]}.{key[1]}".lstrip(".")
 
+    def __enter__(self):
+        self.before = self._attributes()
+        return self
 
-def _assigned_while_tracing(view: nn.Module, before: dict) -> list[str]:
-    """The dotted names of the attributes the traced forward bound anew or added, the model's
-    submodules (which ``view`` shares with it) put back as they were."""
-    spaces = _namespaces(view)
-    after = _attributes(view)
-    changed = [key for key, v in after.items() if key in before and before[key] is not v]
-    added = [(i, k) for i, k in after if (i, k) not in before and not _FX_CONSTANT.fullmatch(k)]
-    for i, k in changed:
-        spaces[i][1][k] = before[(i, k)]
-    for i, k in added:
-        del spaces[i][1][k]
-    return sorted(f"{spaces[i][0]}.{k}".lstrip(".") for i, k in changed + added)
+    def __exit__(self, *exc) -> bool:
+        nodes = () if self.graph is None else self.graph.nodes
+        read = {n.target for n in nodes if n.op == "get_attr"}
+        after = self._attributes()
+        for key, old in self.before.items():
+            if key in after and after[key] is old:
+                continue
+            if key in after and (not isinstance(after[key], fx.Proxy) or self._name(key) in read):
+                self.frozen.append(self._name(key))
+            self.spaces[key[0]][1][key[1]] = old  # rebound or deleted: put back
+        for key in after.keys() - self.before.keys():
+            if self._name(key) not in read:
+                del self.spaces[key[0]][1][key[1]]
+        self.frozen.sort()
+        return False
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n\s+(.+)')
