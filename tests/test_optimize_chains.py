@@ -258,6 +258,11 @@ def test_a_forward_writing_a_plain_tensor_attribute_is_refused():
         (lambda s, x: (setattr(s, "n", s.n + 1), x * s.n)[1], "n"),  # a Python counter
         (lambda s, x: (setattr(s, "b", torch.zeros(16)), x + s.b)[1], "b"),  # a buffer rebound
         (lambda s, x: (setattr(s.fc, "seen", s.fc.seen + 1.0), x + s.fc.seen)[1], "fc.seen"),
+        # hidden state starting as None; a float rebound to a traced value; a traced count
+        (lambda s, x: (y := x if s.h is None else x + s.h, setattr(s, "h", y))[0], "h"),
+        (lambda s, x: (y := x * s.n, setattr(s, "n", y.abs().amax()))[0], "n"),
+        (lambda s, x: (setattr(s, "n", s.n + x.shape[0]), x * s.n)[1], "n"),
+        (lambda s, x: (s.cache.__setitem__("h", x), x + s.cache["h"])[1], r"cache\[\.\.\.\]"),
     ],
 )  # fmt: skip
 def test_a_forward_assigning_an_attribute_fx_cannot_follow_is_refused(body, named):
@@ -265,11 +270,12 @@ def test_a_forward_assigning_an_attribute_fx_cannot_follow_is_refused(body, name
     left (a tensor counted up by the model would stay at its first value): refused, and the
     model's submodules, which the trace shares, are left as they were."""
     model = Chain(body, b=torch.ones(16))
-    model.t, model.n = torch.zeros(16), 0  # plain attributes, not buffers
+    model.t, model.n, model.h, model.cache = torch.zeros(16), 1, None, {}  # plain attributes
     seen = model.fc.seen = torch.zeros(16)
     with pytest.raises(ValueError, match=rf"forward assigns the attribute\(s\) \['{named}'\]"):
         optimize(model, (torch.randn(2, 8),))
     assert model.fc.seen is seen and torch.equal(model.get_buffer("b"), torch.ones(16))
+    assert model.cache == {}  # the model's own dict, emptied again
 
 
 @pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
@@ -288,7 +294,7 @@ def test_a_forward_writing_traced_values_to_attributes_is_optimized():
             return F.linear(x, self.weight)
 
     def body(s, x):
-        s.kept = x  # a traced value, kept for inspection
+        s.fc.kept = x  # a traced value, kept for inspection
         s.fc.scratch = torch.ones(16)  # added to a submodule
         if not hasattr(s, "head"):
             s.head = nn.Linear(16, 16)  # a submodule registered in the forward (it stays)
@@ -296,10 +302,12 @@ def test_a_forward_writing_traced_values_to_attributes_is_optimized():
 
     model = Chain(body)
     model.proj = nn.utils.weight_norm(Projection())  # its hook assigns proj.weight each call
-    model.kept = None
+    model.fc.kept = None
+    weight = model.proj.weight
     x = torch.randn(2, 8)
     new, report = optimize(model, (x,))
-    assert model.kept is None and not hasattr(model.fc, "scratch")
+    assert model.fc.kept is None and not hasattr(model.fc, "scratch")
+    assert model.proj.weight is weight  # not the trace's value (an fx Proxy)
     for _ in range(2):
         with torch.no_grad():
             torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)

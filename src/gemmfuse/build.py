@@ -91,6 +91,10 @@ def compiler_errors(log: str, limit: int = 40) -> str:
     return "\n".join((lines or log.splitlines())[-limit:])
 
 
+# library file name -> the descriptor of its build lock while held (_build_lock)
+_HELD: dict[str, int] = {}
+
+
 @contextlib.contextmanager
 def _build_lock(file_name: str):
     """Holds the cross-process build lock of library file ``file_name`` (in ``cache_dir()``):
@@ -99,7 +103,9 @@ def _build_lock(file_name: str):
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{file_name}.lock", "a") as lock:  # closing the file releases the lock
         fcntl.flock(lock, fcntl.LOCK_EX)
+        _HELD[file_name] = lock.fileno()
         yield root
+        del _HELD[file_name]
 
 
 def import_extension(name: str, library: Path) -> ModuleType:
@@ -125,7 +131,9 @@ def cached_library(
             start = time.perf_counter()
             build_dir.mkdir(parents=True, exist_ok=True)
             # cpp_extension's own lock file, which a build killed there leaves and the next
-            # waits on for ever: no other build uses this directory while ours is held
+            # waits on for ever: no other build uses this directory while ours is held (an
+            # export's build child holds ours too; the host extension's ninja, left running
+            # by a process killed alone, does not: a rare race left open)
             (build_dir / "lock").unlink(missing_ok=True)
             build(build_dir, library)
             seconds = time.perf_counter() - start
@@ -188,9 +196,14 @@ def load_extension(
 
 def _load_inline_in_child(arguments: dict, what: str) -> None:
     """Runs ``load_inline(**arguments)`` in a child process; raises BuildError with the
-    compiler's errors."""
+    compiler's errors. The child shares the build lock (its file descriptor): killed alone, this
+    process leaves the lock held until the child's build ends, so no other build starts in the
+    directory meanwhile (cached_library then removes cpp_extension's lock file, stale only
+    once no build holds ours)."""
+    held = _HELD.get(f"{arguments['name']}.so")
     child = subprocess.run(
         [sys.executable, "-c", _BUILD_PROGRAM],
+        pass_fds=() if held is None else (held,),
         input=json.dumps(arguments),
         capture_output=True,
         text=True,

@@ -16,6 +16,7 @@ from gemmfuse.dispatch import check_settings
 from gemmfuse.modules import ForwardInput, FusedLinear
 from gemmfuse.optimize.analysis import _Analysis, _Chain
 from gemmfuse.optimize.grammar import (
+    _alias_of,
     _attribute,
     _linear_args,
     _linear_input,
@@ -285,6 +286,8 @@ def _values_to_record(gm: fx.GraphModule, linears: list[fx.Node]) -> set[fx.Node
             keep.add(v)
             # and what it reads that the forward computes: an operand of the fused call
             keep.update(i for i in v.all_input_nodes if i.op != "get_attr")
+            # its detach/clone copies, where a chain may end too (a value kept, or unused)
+            keep.update(u for u in v.users if _alias_of(u, v) is not None)
             v = _next_in_chain(gm, v, order)
     return keep
 
