@@ -57,7 +57,8 @@ BUNDLED_MODULES = (gemmfuse.pointwise, gemmfuse.epilogue, gemmfuse.reference, ge
                    gemmfuse.library, gemmfuse.pooling)  # fmt: skip
 # gemmfuse.optimize is the function there (the package exports it): its modules by their names.
 _OPTIMIZE = [importlib.import_module(f"gemmfuse.optimize.{name}")
-             for name in ("grammar", "tracing", "matching", "analysis", "rewrite")]  # fmt: skip
+             for name in ("grammar", "state", "tracing", "matching", "analysis",
+                          "rewrite")]  # fmt: skip
 OPTIMIZE_MODULES = (gemmfuse.modules, *_OPTIMIZE)
 _CSRC = "csrc/ (embedded for gemmfuse.kernel_files)"
 _HAS_DOCSTRING = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)

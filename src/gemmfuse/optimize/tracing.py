@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from gemmfuse.optimize.state import _AttributeWrites
+
 
 def _trace(model: nn.Module, forward) -> fx.GraphModule:
     """fx-traces ``forward`` (default: the model's own) on a shallow copy of the model, so the
@@ -47,125 +49,13 @@ def _trace(model: nn.Module, forward) -> fx.GraphModule:
         )
     if writes.frozen:
         raise ValueError(
-            f"gemmfuse.optimize: {type(model).__name__}.forward assigns the attribute(s) "
-            f"{writes.frozen} after reading them (state carried from one call to the next) or "
-            "where the graph reads them by name; torch.fx runs such an assignment once, while "
-            "tracing, so the result would keep what the first call left. Keep such state in "
-            "buffers written in place"
+            f"gemmfuse.optimize: {type(model).__name__}.forward changes {writes.frozen} after "
+            "reading them (state carried from one call to the next), or where the graph reads "
+            "them by name; torch.fx runs such a change once, while tracing, so the result would "
+            "keep what the first call left. Keep such state in buffers updated in place "
+            "(`buf.add_(1)`, `buf.copy_(y)`)"
         )
     return _OptimizedModule(view, writes.graph, f"Optimized{type(model).__name__}")
-
-
-class _AttributeWrites:
-    """Watches the attributes of the modules under ``view`` (a shallow copy of the model that
-    shares its submodules) while fx traces it.
-
-    ``frozen`` names each attribute (of a module's ``__dict__``, parameters or buffers) that the
-    forward read before it bound it anew, deleted it or added it: state carried from one call
-    to the next (``self.t = self.t + 1``, a counter, ``if self.h is None``), which fx runs once
-    while tracing, so the result would keep what that first call left. One written before it
-    is read (a weight_norm hook's weight, a value kept for inspection) carries nothing over,
-    unless the graph reads it by name (a buffer rebound): that name is put back below, and
-    the graph would read the old value. What the tracer adds and reads by name (its constants)
-    is its own.
-    The reads and writes are seen through the modules' classes, whose ``__getattribute__``,
-    ``__setattr__`` and ``__delattr__`` are wrapped while tracing and put back after.
-
-    On leaving, whether or not the trace raised, each attribute those modules held is as it
-    was, and those added are gone but for what the graph reads by name (the tracer's
-    constants); modules registered while tracing stay. A class rather than try/finally:
-    standalone exports bundle this module, and KernelBench's static checker refuses any
-    exception handler in them."""
-
-    _SLOTS = ("__getattribute__", "__setattr__", "__delattr__")
-
-    def __init__(self, view: nn.Module):
-        modules = dict.fromkeys(m for _, m in view.named_modules())
-        self.spaces = {
-            id(d): (path, id(m), d)
-            for path, m in view.named_modules()
-            for d in (m.__dict__, m._parameters, m._buffers)
-        }
-        self.watched = {id(m) for m in modules}
-        self.classes = list(dict.fromkeys(type(m) for m in modules))
-        self.first: dict[tuple[int, str], bool] = {}  # (module id, name) -> read before written
-        self.graph: fx.Graph | None = None
-        self.frozen: list[str] = []
-
-    def _attributes(self) -> dict[tuple[int, str], object]:
-        return {(i, k): v for i, (_, _, d) in self.spaces.items() for k, v in d.items()}
-
-    def _name(self, key: tuple[int, str]) -> str:
-        return f"{self.spaces[key[0]][0]}.{key[1]}".lstrip(".")
-
-    def _read_first(self, key: tuple[int, str]) -> bool:
-        return self.first.get((self.spaces[key[0]][1], key[1]), False)
-
-    def _wrap(self, cls, slot: str, original, read: bool):
-        watched, first = self.watched, self.first
-
-        def noting(obj, name, *value):
-            if id(obj) in watched:
-                first.setdefault((id(obj), name), read)
-            return original(obj, name, *value)
-
-        setattr(cls, slot, noting)
-
-    def __enter__(self):
-        self.before = self._attributes()
-        # a dict or list the model keeps (not nn.Module's own): its contents, by identity
-        self.contents = {
-            key: (v, copy.copy(v))
-            for key, v in self.before.items()
-            if isinstance(v, (dict, list)) and key[1] not in _MODULE_OWN
-        }
-        self.originals = {c: {s: getattr(c, s) for s in self._SLOTS} for c in self.classes}
-        self.own = {
-            c: {s: c.__dict__[s] for s in self._SLOTS if s in c.__dict__} for c in self.classes
-        }
-        for cls, slots in self.originals.items():
-            for slot, original in slots.items():
-                self._wrap(cls, slot, original, slot == "__getattribute__")
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        for cls in self.classes:
-            for slot in self._SLOTS:
-                if slot in self.own[cls]:
-                    setattr(cls, slot, self.own[cls][slot])
-                else:
-                    delattr(cls, slot)
-        nodes = () if self.graph is None else self.graph.nodes
-        read = {n.target for n in nodes if n.op == "get_attr"}
-        after = self._attributes()
-        for key in self.before.keys() | after.keys():
-            old, new = self.before.get(key, _ABSENT), after.get(key, _ABSENT)
-            if new is old:
-                continue
-            by_name = self._name(key) in read  # the graph reads what is there at run time
-            if old is not _ABSENT and by_name or self._read_first(key) and not by_name:
-                self.frozen.append(self._name(key))
-            if old is not _ABSENT:
-                self.spaces[key[0]][2][key[1]] = old  # rebound or deleted: put back
-            elif self._name(key) not in read:
-                del self.spaces[key[0]][2][key[1]]
-        for key, (container, kept) in self.contents.items():
-            if _items(container) != _items(kept):  # changed while tracing: put its contents back
-                self.frozen.append(f"{self._name(key)}[...]")
-                container.clear()
-                (container.update if isinstance(container, dict) else container.extend)(kept)
-        self.frozen.sort()
-        return False
-
-
-_ABSENT = object()
-_MODULE_OWN = frozenset(vars(nn.Module()))  # the attributes every module has (hook dicts, ...)
-
-
-def _items(container: "dict | list") -> list:
-    """A container's contents as (key, id of value) pairs, a list's keys its positions."""
-    pairs = container.items() if isinstance(container, dict) else enumerate(container)
-    return [(k, id(v)) for k, v in pairs]
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n\s+(.+)')
