@@ -21,7 +21,7 @@ _ABSENT = object()
 _MODULE_OWN = frozenset(vars(nn.Module()))  # the attributes every module has (hook dicts, ...)
 _CONTAINERS = (dict, list, set, collections.deque)
 _DEPTH = 3  # how far below a module's attributes contents are watched
-_MOST = 10_000  # larger containers are not copied nor looked into
+_MOST = 10_000  # items looked at, in all the containers: past it, the rest are not
 
 
 class _AttributeWrites:
@@ -34,8 +34,11 @@ class _AttributeWrites:
       ``if self.h is None: ... self.h = y``);
     - one it changed that the graph reads by name (a buffer rebound, a submodule swapped):
       the name is put back, and the graph would read the old one;
-    - the contents of a dict, list, set or deque the model keeps, or of a plain object's
-      attributes, up to ``_DEPTH`` levels below a module's attribute (a cache).
+    - a dict, list, set or deque the model keeps (``_DEPTH`` levels down, through tuples too)
+      or a plain object's attributes (one held by a module itself) that now hold a traced
+      value (a cache of the forward's values). Only traced values are looked for: they can
+      only be the forward's, where other changes may be anyone's (a logger's registry filled
+      by an import while tracing), and only what holds them is put back.
     An attribute written before it is read (a weight_norm hook's weight, a value kept for
     inspection) carries nothing over. Reads and writes are seen through the modules' classes,
     whose ``__getattribute__``, ``__setattr__`` and ``__delattr__`` are wrapped while tracing.
@@ -87,7 +90,7 @@ class _AttributeWrites:
         by_name = {str(n.target) for n in nodes if n.op in ("get_attr", "call_module")}
         self._put_back_attributes(by_name)
         for name, (container, kept) in self.contents.items():
-            if _identities(container) != _identities(kept):
+            if _holds_traced(container, _DEPTH):
                 self.frozen.append(f"{name} (its contents)")
                 _refill(container, kept)
         self.frozen.sort()
@@ -130,42 +133,57 @@ class _AttributeWrites:
 
 
 def _contents(roots) -> dict[str, tuple[object, object]]:
-    """name -> (container, a shallow copy) of every dict, list, set or deque, and every plain
-    object's ``__dict__``, reachable from ``roots`` ((name, value) pairs) within ``_DEPTH``
-    levels, each once; tensors and modules are not looked into."""
-    found, seen = {}, set()
-    level = list(roots)
+    """name -> (container, a shallow copy) of every dict, list, set or deque reachable from
+    ``roots`` ((name, value) pairs: a module's attributes) within ``_DEPTH`` levels, through
+    tuples too, and the ``__dict__`` of a plain object among ``roots``, each once; at most
+    ``_MOST`` items are looked at in all."""
+    found, seen, budget = {}, set(), _MOST
+    level = [(name, value, True) for name, value in roots]
     for _ in range(_DEPTH):
         below = []
-        for name, value in level:
-            container = _container_of(value)
-            if container is None or id(container) in seen or len(container) > _MOST:
+        for name, value, top in level:
+            container = _container_of(value, top)
+            if container is None or id(container) in seen or len(container) > budget:
                 continue
             seen.add(id(container))
-            found[name] = (container, copy.copy(container))
+            budget -= len(container)
+            if not isinstance(container, tuple):
+                found[name] = (container, copy.copy(container))
             items = container.items() if isinstance(container, dict) else enumerate(container)
-            below += [(f"{name}[{k!r}]", v) for k, v in items]
+            below += [(f"{name}[{_key(k)}]", v, False) for k, v in items if _walked(v)]
         level = below
     return found
 
 
-def _container_of(value):
-    """What :func:`_contents` watches of ``value``: itself (a container), its ``__dict__`` (a
-    plain object's), or None."""
-    if isinstance(value, _CONTAINERS):
+def _walked(value) -> bool:
+    return isinstance(value, (*_CONTAINERS, tuple))
+
+
+def _container_of(value, top: bool):
+    """What :func:`_contents` looks into of ``value``: itself (a container or tuple), the
+    ``__dict__`` of a plain object held by a module itself, or None."""
+    if _walked(value):
         return value
     plain = not isinstance(value, (torch.Tensor, nn.Module, type, types.ModuleType, fx.Proxy))
-    if plain and not callable(value) and isinstance(getattr(value, "__dict__", None), dict):
-        return value.__dict__
+    if top and plain and not callable(value) and type(value).__dictoffset__:
+        return object.__getattribute__(value, "__dict__")
     return None
 
 
-def _identities(container) -> list:
-    """A container's contents as (key, id of value) pairs (a set's as ids), to compare."""
-    if isinstance(container, set):
-        return sorted(id(v) for v in container)
-    pairs = container.items() if isinstance(container, dict) else enumerate(container)
-    return [(k, id(v)) for k, v in pairs]
+def _key(key) -> str:
+    return repr(key) if isinstance(key, (str, int)) else type(key).__name__
+
+
+def _holds_traced(value, depth: int) -> bool:
+    """Whether ``value`` is, or holds within ``depth`` levels of containers and tuples, an fx
+    Proxy (a traced value: what only the forward being traced can have put there)."""
+    if isinstance(value, fx.Proxy):
+        return True
+    if depth == 0 or not _walked(value):
+        return False
+    if isinstance(value, dict):
+        return any(_holds_traced(k, 0) or _holds_traced(v, depth - 1) for k, v in value.items())
+    return any(_holds_traced(v, depth - 1) for v in value)
 
 
 def _refill(container, kept) -> None:
