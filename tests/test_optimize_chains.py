@@ -236,6 +236,21 @@ def test_a_value_read_again_by_an_op_outside_the_grammar_ends_the_chain_before_i
     assert why in entry.stopped
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda s, x: (x.clone(), torch.relu(x))[1],  # an unused copy
+        lambda s, x: (setattr(s, "kept", x.detach()), torch.relu(x))[1],  # a copy kept aside
+    ],
+)  # fmt: skip
+def test_a_copy_that_nothing_reads_does_not_end_the_chain(body):
+    """A detach/clone copy of a chain value that no later node reads joins nothing: the chain
+    goes on past it (it had ended at the copy and the rewrite failed: KeyError, then
+    RuntimeError erasing the Linear)."""
+    entry = stops(body)
+    assert entry.fused and entry.chain[:2] == ("fc", "relu")
+
+
 def test_an_operand_modified_in_place_elsewhere_in_forward_is_not_fused():
     def body(s, x):
         y = x * s.scale

@@ -365,7 +365,7 @@ class _Analysis(_NodeMatcher):
             detach = _alias_of(u, v)
             if detach is None or v not in self.stretch.values:
                 users.append(u)
-            else:
+            elif u.users:  # a copy nothing reads (kept as an attribute, or unused) joins nothing
                 self._copy(chain, u, v, detach)
         return users
 

@@ -415,6 +415,9 @@ class _Swapper:
         chain.end.replace_all_uses_with(call)
         self.fused_at[chain.end] = call  # a later chain's operand computed in the forward
         transposed = node.args[-1] if _spelled_linear(node, self.gm) is not None else None
+        for n in [node, *chain.nodes]:  # copies of a value that nothing reads go with it
+            for u in [u for u in n.users if not u.users and _alias_of(u, n) is not None]:
+                graph.erase_node(u)
         for n in reversed([node, *chain.nodes]):
             graph.erase_node(n)
         if transposed is not None and not transposed.users:  # x @ W.T's W.T (addmm's too)
