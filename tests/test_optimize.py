@@ -322,6 +322,22 @@ def test_gradients_reach_the_models_parameters(name):
         assert_as_accurate(got[k], want[k], exact[k], k)
 
 
+def test_a_parametrized_linear_is_read_through_its_parametrization():
+    """A Linear whose weight a parametrization computes (weight_norm's) keeps its place, and
+    its FusedLinear reads the weight at each call, as a shared module's does: a change to the
+    parametrization's own parameters reaches the result."""
+    from torch.nn.utils import parametrizations
+
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(8, 16)), nn.ReLU())
+    x = torch.randn(4, 8)
+    new, report = optimize(model, (x,))
+    assert report.fused and isinstance(new.get_submodule("_0_fused"), FusedLinear)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+        model[0].parametrizations.weight.original0.mul_(2.0)  # the norm g
+        torch.testing.assert_close(new(x), model(x), rtol=0, atol=0)
+
+
 def test_to_moves_parameters_and_buffers_of_both_views():
     """.to() replaces buffers: the chain reads its operands from their owner at each call."""
     _, model, inputs = build("per_channel_operands")

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.parametrize import is_parametrized
 
 from gemmfuse.dispatch import check_settings
 from gemmfuse.modules import ForwardInput, FusedLinear
@@ -199,8 +200,14 @@ def optimize(
     for node in linears:
         calls[node.target] = calls.get(node.target, 0) + 1
     # A Linear module called more than once: each call gets its own FusedLinear, a new
-    # submodule reading the module's tensors (as for F.linear), the module itself kept.
-    shared = {n.target for n in linears if n.op == "call_module" and calls[n.target] > 1}
+    # submodule reading the module's tensors (as for F.linear), the module itself kept. So
+    # does a parametrized one (weight_norm's): its weight is computed at each read.
+    shared = {
+        n.target
+        for n in linears
+        if n.op == "call_module"
+        and (calls[n.target] > 1 or is_parametrized(gm.get_submodule(n.target)))
+    }
     decisions = _decide(gm, _Analysis(gm, recorder.meta), linears, shared)
     chains = [c for c in decisions.values() if isinstance(c, _Chain)]
     _adopt_model_state(model, gm, {c.path for c in chains if _in_place(c, shared)})
