@@ -41,8 +41,6 @@ MODEL16 = (torch.bfloat16, torch.float16)
 # The dtypes the backward's kernels take (the chain backward, the sparse products, the column sums)
 BACKWARD_DTYPES = (torch.float32, *MODEL16)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 # kernel="auto" takes the fused kernel from these sizes up, and below them the epilogue path
 # (float32) or the PyTorch path (bfloat16, float16; a bf16 chain with a min or max takes the
 # epilogue path at every size). Below MIN_FUSED_WORK = M*N*K the fused kernel's

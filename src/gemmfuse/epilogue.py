@@ -108,6 +108,52 @@ REDUCTION_FNS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+# A problem with arguments or a description: the exception it raises, and its message (here,
+# and validation.py's for a call's tensors).
+Problem = tuple[type[Exception], str]
+
+
+def raise_problem(problem: "Problem | None") -> None:
+    """Raises the problem's exception (nothing for None)."""
+    if problem is not None:
+        kind, message = problem
+        raise kind(message)
+
+
+def _op_problem(name, args) -> "Problem | None":
+    """The first problem with a :class:`Pointwise`'s name and arguments (a tuple), or None."""
+    if not isinstance(name, str) or name not in POINTWISE:
+        return ValueError, f"unknown pointwise op {name!r}; expected one of {sorted(POINTWISE)}"
+    if not isinstance(args, tuple):
+        return TypeError, f"pointwise op {name!r}: args must be a tuple, got {type(args).__name__}"
+    d = POINTWISE[name]
+    if len(args) != d.n_args:
+        return ValueError, f"pointwise op {name!r} takes {d.n_args} argument(s), got {args!r}"
+    for a in args:
+        if isinstance(a, (Param, Value)):
+            if not d.tensor_arg:
+                return ValueError, f"pointwise op {name!r} takes float arguments only"
+        elif not isinstance(a, (int, float)) or isinstance(a, bool):
+            return ValueError, (
+                f"pointwise op {name!r}: arguments must be floats, Param or Value, got {a!r}"
+            )
+    if name == "hardtanh" and not any(isinstance(a, (Param, Value)) for a in args):
+        if args[0] > args[1]:  # as F.hardtanh refuses them
+            return ValueError, "hardtanh: min_val cannot be greater than max_val"
+    return None
+
+
+def _groups_eps_problem(groups, eps) -> "Problem | None":
+    """The first problem with a :class:`GroupNormSpec`'s group count and eps, or None."""
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        return ValueError, f"num_groups must be a positive int, got {groups!r}"
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+        return TypeError, f"eps must be a real number, got {type(eps).__name__}"
+    if not eps >= 0:
+        return ValueError, f"eps must be >= 0, got {eps!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class Pointwise:
     """One pointwise op of ``POINTWISE`` with its arguments (floats, :class:`Param` or
@@ -117,33 +163,9 @@ class Pointwise:
     args: tuple[float | Param | Value, ...] = ()
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or self.name not in POINTWISE:
-            raise ValueError(
-                f"unknown pointwise op {self.name!r}; expected one of {sorted(POINTWISE)}"
-            )
         if isinstance(self.args, list):  # as a list is written; kept as a tuple (hashable)
             object.__setattr__(self, "args", tuple(self.args))
-        if not isinstance(self.args, tuple):
-            raise TypeError(
-                f"pointwise op {self.name!r}: args must be a tuple, got {type(self.args).__name__}"
-            )
-        d = POINTWISE[self.name]
-        if len(self.args) != d.n_args:
-            raise ValueError(
-                f"pointwise op {self.name!r} takes {d.n_args} argument(s), got {self.args!r}"
-            )
-        for a in self.args:
-            if isinstance(a, (Param, Value)):
-                if not d.tensor_arg:
-                    raise ValueError(f"pointwise op {self.name!r} takes float arguments only")
-            elif not isinstance(a, (int, float)) or isinstance(a, bool):
-                raise ValueError(
-                    f"pointwise op {self.name!r}: arguments must be floats, Param or Value, "
-                    f"got {a!r}"
-                )
-        if self.name == "hardtanh" and not any(isinstance(a, (Param, Value)) for a in self.args):
-            if self.args[0] > self.args[1]:  # as F.hardtanh refuses them
-                raise ValueError("hardtanh: min_val cannot be greater than max_val")
+        raise_problem(_op_problem(self.name, self.args))
 
     @property
     def scalars(self) -> tuple[float, ...]:
@@ -189,16 +211,7 @@ class GroupNormSpec:
     log: bool = False
 
     def __post_init__(self):
-        if (
-            not isinstance(self.num_groups, int)
-            or isinstance(self.num_groups, bool)
-            or self.num_groups < 1
-        ):
-            raise ValueError(f"num_groups must be a positive int, got {self.num_groups!r}")
-        if not isinstance(self.eps, numbers.Real) or isinstance(self.eps, bool):
-            raise TypeError(f"eps must be a real number, got {type(self.eps).__name__}")
-        if not self.eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+        raise_problem(_groups_eps_problem(self.num_groups, self.eps))
         for flag in ("affine", "layer", "rms", "softmax", "log"):
             object.__setattr__(self, flag, _flag("GroupNormSpec", flag, getattr(self, flag)))
         if self.layer and self.num_groups != 1:
@@ -509,29 +522,17 @@ def epilogue_problem(pre=(), norm=None, post=(), reduce=None, tail=()) -> str:
     pre, post, tail = ([(n, tuple(a) if isinstance(a, list) else a) for n, a in ops]
                        for ops in (pre, post, tail))  # fmt: skip
     for name, args in (*pre, *post, *tail):
-        d = POINTWISE.get(name) if isinstance(name, str) else None
-        if d is None:
-            return f"unknown pointwise op {name!r}"
-        if not isinstance(args, tuple) or len(args) != d.n_args:
-            return f"pointwise op {name!r} takes {d.n_args} argument(s), got {args!r}"
-        for a in args:
-            if isinstance(a, (Param, Value)) and not d.tensor_arg:
-                return f"pointwise op {name!r} takes float arguments only"
-            if not isinstance(a, (int, float, Param, Value)) or isinstance(a, bool):
-                return f"pointwise op {name!r}: arguments must be floats, Param or Value, got {a!r}"
-        if name == "hardtanh" and not any(isinstance(a, (Param, Value)) for a in args):
-            if args[0] > args[1]:
-                return "hardtanh: min_val cannot be greater than max_val"
+        problem = _op_problem(name, args)
+        if problem:
+            return problem[1]
     for stretch, ops in (("pre", pre), ("post", post), ("tail", tail)):
         problem = _values_problem(stretch, [Pointwise(name, args) for name, args in ops])
         if problem:
             return problem
     if norm is not None:
-        groups, eps = norm[0], norm[1]
-        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-            return f"num_groups must be a positive int, got {groups!r}"
-        if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:
-            return f"eps must be a real number >= 0, got {eps!r}"
+        problem = _groups_eps_problem(norm[0], norm[1])
+        if problem:
+            return problem[1]
         if len(norm) > 2 and not _is_flag(norm[2]):
             return f"GroupNormSpec affine must be a bool, got {norm[2]!r}"
     if norm is None and post:

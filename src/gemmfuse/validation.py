@@ -10,9 +10,7 @@ modules): ``gemmfuse export`` inlines it into standalone files.
 
 import torch
 
-from gemmfuse.epilogue import Epilogue, keeps_shape
-
-Problem = tuple[type[Exception], str]
+from gemmfuse.epilogue import Epilogue, Problem, keeps_shape, raise_problem
 
 
 def _vector_problem(t, name: str, n: int, like, like_name="the weight") -> "Problem | None":
@@ -141,10 +139,3 @@ def epilogue_argument_problem(z, epilogue, gn_weight, gn_bias, params=()) -> "Pr
 def validate(x, weight, bias, epilogue, gn_weight, gn_bias, params=()) -> None:
     """Raises TypeError/ValueError naming the bad argument; accepts everything PyTorch would."""
     raise_problem(argument_problem(x, weight, bias, epilogue, gn_weight, gn_bias, params))
-
-
-def raise_problem(problem: "Problem | None") -> None:
-    """Raises the problem's exception (nothing for None)."""
-    if problem is not None:
-        kind, message = problem
-        raise kind(message)

@@ -293,8 +293,6 @@ def _values_to_record(gm: fx.GraphModule, linears: list[fx.Node]) -> set[fx.Node
             keep.add(v)
             # and what it reads that the forward computes: an operand of the fused call
             keep.update(i for i in v.all_input_nodes if i.op != "get_attr")
-            # its detach/clone copies, where a chain may end too (a value kept, or unused)
-            keep.update(u for u in v.users if _alias_of(u, v) is not None)
             v = _next_in_chain(gm, v, order)
     return keep
 

@@ -28,7 +28,9 @@ class _AttributeWrites:
     """Watches the modules under ``view`` (a shallow copy of the model that shares its
     submodules) while fx traces it.
 
-    ``frozen`` names what the forward changed in a way the graph cannot follow:
+    ``in_place`` names the plain tensor attributes (not parameters or buffers, whose writes the
+    tracer records) that the forward wrote in place. ``frozen`` names what it changed in a way
+    the graph cannot follow:
     - an attribute (of a module's ``__dict__``, parameters, buffers or submodules) it read
       before it bound it anew, added it or deleted it (``self.t = self.t + 1``, a counter,
       ``if self.h is None: ... self.h = y``);
@@ -54,11 +56,13 @@ class _AttributeWrites:
             for path, m in named
             for d in (m.__dict__, m._parameters, m._buffers, m._modules)
         }
+        self.plain = {id(m.__dict__) for _, m in named}  # the spaces of plain attributes
         self.watched = {id(m) for _, m in named}
         self.own_dict = view.__dict__  # the trace's copy: what the tracer adds there is its own
         self.classes = list(dict.fromkeys(type(m) for _, m in named))
         self.first: dict[tuple[int, str], bool] = {}  # (module id, name) -> read before written
         self.graph: fx.Graph | None = None
+        self.in_place: list[str] = []
         self.frozen: list[str] = []
 
     def __enter__(self):
@@ -69,6 +73,11 @@ class _AttributeWrites:
                     "traces one model at a time): run them one after the other"
                 )
         self.before = self._attributes()
+        self.versions = {
+            key: v._version
+            for key, v in self.before.items()
+            if key[0] in self.plain and isinstance(v, torch.Tensor)
+        }
         self.contents = _contents(
             (self._name(key), v) for key, v in self.before.items() if key[1] not in _MODULE_OWN
         )
@@ -86,6 +95,10 @@ class _AttributeWrites:
                     setattr(cls, slot, self.own[cls][slot])
                 else:
                     delattr(cls, slot)
+        self.in_place = sorted(
+            self._name(key) for key, version in self.versions.items()
+            if self.before[key]._version != version
+        )  # fmt: skip
         nodes = () if self.graph is None else self.graph.nodes
         by_name = {str(n.target) for n in nodes if n.op in ("get_attr", "call_module")}
         self._put_back_attributes(by_name)

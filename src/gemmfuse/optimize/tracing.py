@@ -30,21 +30,12 @@ def _trace(model: nn.Module, forward) -> fx.GraphModule:
     tracer = fx.Tracer()
     tracer.proxy_buffer_attributes = True  # record the forward's writes to buffers
     tracer.record_stack_traces = True  # the report names nodes by their source line (_source)
-    # Writes to other tensors (plain attributes) would run once, at trace time, unrecorded.
-    plain = {
-        f"{path}.{k}".lstrip("."): t
-        for path, m in model.named_modules()
-        for k, t in m.__dict__.items()
-        if isinstance(t, torch.Tensor)
-    }
-    versions = {k: t._version for k, t in plain.items()}
     with _AttributeWrites(view) as writes:
         writes.graph = tracer.trace(view)
-    written = sorted(k for k, t in plain.items() if t._version != versions[k])
-    if written:
+    if writes.in_place:
         raise ValueError(
             f"gemmfuse.optimize: {type(model).__name__}.forward writes in place to the tensor "
-            f"attribute(s) {written}, which torch.fx runs once while tracing instead of "
+            f"attribute(s) {writes.in_place}, which torch.fx runs once while tracing instead of "
             "recording; register them as buffers"
         )
     if writes.frozen:
